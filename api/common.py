@@ -1,0 +1,146 @@
+"""Shared building blocks of the kuberl custom resources.
+
+Field names are camelCase on the wire (Kubernetes convention) and snake_case in Python;
+``extra="forbid"`` makes a typo in a manifest an error instead of a silently ignored field.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from kuberl import API_VERSION
+
+AcceleratorProfile = Literal["mi300x", "h100", "cpu"]
+ACCELERATOR_PROFILES: tuple[str, ...] = ("mi300x", "h100", "cpu")
+
+# Kubernetes resource quantities ("500m", "2Gi", 4) are int-or-string on the wire.
+Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+
+
+class KubeModel(BaseModel):
+    """Base for every spec/status fragment: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The camelCase JSON form, as it appears in a manifest."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata kuberl reads; everything else is carried through unchanged."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+    generation: int | None = None
+    uid: str | None = None
+
+
+class ResourceRequirements(KubeModel):
+    """core/v1 ResourceRequirements (requests and limits only)."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class AcceleratorSpec(KubeModel):
+    """Which accelerator a pod needs. mi300x is the default (the paper's 64 MI300X)."""
+
+    profile: AcceleratorProfile = Field(
+        "mi300x",
+        description="mi300x (amd.com/gpu, ROCm images), h100 (nvidia.com/gpu, CUDA images) or cpu.",
+    )
+    count: int = Field(1, ge=1, le=64, description="Accelerators per pod (CPUs for the cpu profile).")
+
+
+class Condition(KubeModel):
+    """metav1.Condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str = Field(default_factory=lambda: now_rfc3339())
+    observed_generation: int | None = None
+
+
+class ResourceStatus(KubeModel):
+    """Status common to all kuberl kinds (phase + conditions + observedGeneration)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    phase: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    observed_generation: int | None = None
+
+
+class ScaledResourceStatus(ResourceStatus):
+    """Status of kinds with a scale subresource; ``selector`` feeds labelSelectorPath."""
+
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str | None = None
+    desired_replicas: int | None = None
+
+
+class Autoscaling(KubeModel):
+    """Replica bounds shared by the autoscaled kinds."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(8, ge=1)
+    scale_down_stabilization_seconds: int = Field(
+        300, ge=0, description="A scale-down waits until the lower target has held this long."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must be <= "
+                f"autoscaling.maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+
+def check_replicas_in_bounds(replicas: int, autoscaling: Autoscaling | None) -> None:
+    if autoscaling is None:
+        return
+    lo, hi = autoscaling.min_replicas, autoscaling.max_replicas
+    if not lo <= replicas <= hi:
+        raise ValueError(
+            f"replicas ({replicas}) is outside the autoscaling bounds [minReplicas={lo}, maxReplicas={hi}]"
+        )
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Resource(BaseModel):
+    """A top-level custom resource: apiVersion, kind, metadata, spec, status."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: Literal["kuberl.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    metadata: ObjectMeta
+
+    # Filled in by subclasses.
+    KIND: str = ""
+    PLURAL: str = ""
+    SHORT_NAMES: tuple[str, ...] = ()
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,235 @@
+"""Generate apiextensions.k8s.io/v1 CRDs from the pydantic models.
+
+Pydantic emits JSON Schema 2020-12 with $refs and anyOf; Kubernetes wants a *structural*
+OpenAPI v3 schema (every node typed, no $ref, boolean exclusiveMinimum, int-or-string and
+preserve-unknown-fields as x-kubernetes-* extensions). ``structural`` does that translation,
+so the CRDs are never edited by hand.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kuberl import GROUP, VERSION
+
+from .common import Resource
+from .loader import KINDS
+
+_DROP = {"title", "discriminator"}
+
+# CEL rules for what the per-field schema cannot say; the pydantic validators say the same
+# thing for `kuberl validate`, these make the API server say it for `kubectl apply`.
+_REPLICAS_RULE = {
+    "rule": "!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && "
+    "self.replicas <= self.autoscaling.maxReplicas)",
+    "message": "replicas must lie within [autoscaling.minReplicas, autoscaling.maxReplicas]",
+}
+CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
+    "AgenticRLJob": {
+        ("algorithm", "clip"): [
+            {"rule": "self.high >= self.low", "message": "clip.high must be >= clip.low"}
+        ],
+        ("rollout",): [
+            {
+                "rule": "!(has(self.fleetRef) && has(self.fleet))",
+                "message": "set rollout.fleetRef or rollout.fleet, not both",
+            }
+        ],
+        ("sandbox",): [
+            {
+                "rule": "!(has(self.poolRef) && has(self.pool))",
+                "message": "set sandbox.poolRef or sandbox.pool, not both",
+            }
+        ],
+    },
+    "SandboxPool": {(): [_REPLICAS_RULE]},
+    "RolloutFleet": {(): [_REPLICAS_RULE]},
+}
+
+PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
+    "AgenticRLJob": [
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
+        {"name": "Reward", "type": "number", "jsonPath": ".status.summary.rewardMean"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
+    "RolloutFleet": [
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Policy", "type": "string", "jsonPath": ".spec.scheduler.policy"},
+        {"name": "KV-Cache", "type": "number", "jsonPath": ".status.kvCacheUtilization"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
+    "SandboxPool": [
+        {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+        {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+        {"name": "Queue", "type": "number", "jsonPath": ".status.queueDepth"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ],
+}
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string"}[type(value)]
+
+
+def structural(node: Any, defs: dict[str, Any], in_status: bool = False) -> Any:
+    """Translate one pydantic JSON-schema node into a structural OpenAPI v3 node."""
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].split("/")[-1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return structural(merged, defs, in_status)
+    node = dict(node)
+    if node.get("x-kubernetes-int-or-string"):
+        out = {"x-kubernetes-int-or-string": True}
+        if "description" in node:
+            out["description"] = node["description"]
+        return out
+    for key in ("anyOf", "oneOf"):
+        if key in node:
+            options = [o for o in node.pop(key) if o.get("type") != "null"]
+            if len(options) != 1:
+                raise ValueError(f"cannot express {key} with {len(options)} non-null options structurally")
+            if node.get("default") is None:
+                node.pop("default", None)
+            # Optional[X]: X's schema, with this node's own description/default on top.
+            return {**structural(options[0], defs, in_status), **structural(node, defs, in_status)}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROP or key == "$defs":
+            continue
+        if key == "const":
+            out["enum"] = [value]
+            out.setdefault("type", _json_type(value))
+        elif key == "properties":
+            out["properties"] = {k: structural(v, defs, in_status) for k, v in value.items()}
+        elif key == "items":
+            out["items"] = structural(value, defs, in_status)
+        elif key == "additionalProperties":
+            if value is True:
+                out["x-kubernetes-preserve-unknown-fields"] = True
+            elif isinstance(value, dict):
+                out["additionalProperties"] = structural(value, defs, in_status)
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+            out[bound] = value
+            out[key] = True
+        elif key == "default":
+            if value is not None and not in_status:
+                out["default"] = value
+        else:
+            out[key] = value
+    if "enum" in out and "type" not in out:
+        out["type"] = _json_type(out["enum"][0])
+    if "properties" in out or out.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("type", "object")
+    return out
+
+
+def _at(schema: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    for part in path:
+        schema = schema["properties"][part]
+    return schema
+
+
+def schema_for(kind: type[Resource]) -> dict[str, Any]:
+    full = kind.model_json_schema(by_alias=True, mode="validation")
+    defs = full.get("$defs", {})
+    props = full["properties"]
+    spec = structural(props["spec"], defs)
+    for path, rules in CEL_RULES.get(kind.KIND, {}).items():
+        _at(spec, path)["x-kubernetes-validations"] = rules
+    status = structural(props["status"], defs, in_status=True)
+    # kopf and kubectl write fields of their own under status; a schema that prunes them
+    # makes status patches silently vanish.
+    status["x-kubernetes-preserve-unknown-fields"] = True
+    spec.pop("default", None)
+    return {
+        "type": "object",
+        "description": (kind.__doc__ or kind.KIND).strip().splitlines()[0],
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+
+
+def crd_for(kind: type[Resource]) -> dict[str, Any]:
+    subresources: dict[str, Any] = {"status": {}}
+    if "replicas" in kind.model_fields["spec"].annotation.model_fields:  # type: ignore[union-attr]
+        subresources["scale"] = {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{kind.PLURAL}.{GROUP}",
+            "labels": {"app.kubernetes.io/name": "kuberl", "app.kubernetes.io/managed-by": "kuberl"},
+        },
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind.KIND,
+                "listKind": f"{kind.KIND}List",
+                "plural": kind.PLURAL,
+                "singular": kind.KIND.lower(),
+                "shortNames": list(kind.SHORT_NAMES),
+                "categories": ["kuberl", "all"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema_for(kind)},
+                    "subresources": subresources,
+                    "additionalPrinterColumns": PRINTER_COLUMNS[kind.KIND],
+                }
+            ],
+        },
+    }
+
+
+def all_crds() -> dict[str, dict[str, Any]]:
+    """File name -> CRD object, for every kind."""
+    return {f"{cls.PLURAL}.{GROUP}.yaml": crd_for(cls) for cls in KINDS.values()}
+
+
+def render(crd: dict[str, Any]) -> str:
+    header = "# Generated by `kuberl crds` from kuberl.api; do not edit.\n"
+    return header + yaml.safe_dump(crd, sort_keys=False, width=120)
+
+
+def write_crds(out_dir: str | Path) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, crd in all_crds().items():
+        path = out / name
+        path.write_text(render(crd))
+        written.append(path)
+    return written
+
+
+def stale_crds(out_dir: str | Path) -> list[str]:
+    """Names of CRD files that differ from what the models generate (empty = up to date)."""
+    out = Path(out_dir)
+    return [
+        n for n, crd in all_crds().items() if not (out / n).exists() or (out / n).read_text() != render(crd)
+    ]

@@ -1,0 +1,252 @@
+"""AgenticRLJob: one GRPO-RoC training run (rStar2-Agent sections 2.2 and 4).
+
+Defaults are the paper's: G=16 kept out of 2G=32 oversampled rollouts, clip-higher
+0.2/0.28, no KL, no entropy bonus, token-mean loss, lr 1e-6 with 20 warm-up steps,
+temperature 1.0, a non-reasoning SFT stage and then RL stages at 8K -> 12K -> 12K with an
+offline difficulty filter (8 rollouts, drop all-correct) and an optimizer reset in stage 3.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from .common import (
+    AcceleratorSpec,
+    KubeModel,
+    Resource,
+    ResourceRequirements,
+    ResourceStatus,
+)
+from .rollout_fleet import ModelRef, RolloutFleetSpec
+from .sandbox_pool import SandboxPoolSpec
+
+DEFAULT_TRAINER_IMAGES: dict[str, str] = {
+    "mi300x": "ghcr.io/kuberl/trainer:0.1.0-rocm",
+    "h100": "ghcr.io/kuberl/trainer:0.1.0-cuda",
+    "cpu": "ghcr.io/kuberl/trainer:0.1.0-cpu",
+}
+
+
+class ModelSpec(KubeModel):
+    base: str = Field(
+        min_length=1, description="HF repo id, s3:// or path, or builtin:tiny-gpt for local runs."
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer source; defaults to model.base.")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Architecture overrides for builtin models (e.g. nLayer, nEmbd).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+
+class DataSpec(KubeModel):
+    train: str = Field(min_length=1, description="Training prompts: jsonl path/URI, or builtin:arith.")
+    eval: list[str] = Field(default_factory=list)
+    seed: int = 0
+
+
+class ClipSpec(KubeModel):
+    low: float = Field(0.2, gt=0, lt=1, description="epsilon_low of the clipped ratio.")
+    high: float = Field(0.28, gt=0, lt=10, description="epsilon_high (clip-higher, DAPO).")
+    negative_ratio_cap: float | None = Field(
+        None, gt=1, description="INTELLECT-2 delta: cap on the ratio for negative advantages (e.g. 4)."
+    )
+
+    @model_validator(mode="after")
+    def _order(self) -> ClipSpec:
+        if self.high < self.low:
+            raise ValueError(f"clip.high ({self.high}) must be >= clip.low ({self.low})")
+        if self.negative_ratio_cap is not None and self.negative_ratio_cap <= 1 + self.high:
+            raise ValueError(
+                f"clip.negativeRatioCap ({self.negative_ratio_cap}) must exceed 1 + clip.high ({1 + self.high})"
+            )
+        return self
+
+
+class AlgorithmSpec(KubeModel):
+    name: Literal["grpo-roc", "grpo"] = Field("grpo-roc", description="grpo disables Resample-on-Correct.")
+    group_size: int = Field(16, ge=2, le=1024, description="G: rollouts kept per prompt.")
+    oversample: float = Field(2.0, ge=1, le=8, description="RoC draws oversample*G rollouts, keeps G.")
+    clip: ClipSpec = Field(default_factory=ClipSpec)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    learning_rate: float = Field(1e-6, gt=0, le=1)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    batch_prompts: int = Field(512, ge=1, description="Prompts per RL step.")
+    ppo_epochs: int = Field(1, ge=1, le=16)
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per RL step.")
+    filter_zero_advantage: bool = Field(True, description="Drop groups whose rewards are all equal.")
+
+    @model_validator(mode="after")
+    def _oversample(self) -> AlgorithmSpec:
+        if self.name == "grpo" and self.oversample != 1:
+            # Plain GRPO keeps everything it samples; oversampling would only waste rollouts.
+            object.__setattr__(self, "oversample", 1.0)
+        if self.mini_batches > self.batch_prompts:
+            raise ValueError(
+                f"algorithm.miniBatches ({self.mini_batches}) must be <= algorithm.batchPrompts ({self.batch_prompts})"
+            )
+        return self
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        return max(self.group_size, round(self.group_size * self.oversample))
+
+
+class InlineFleetSpec(RolloutFleetSpec):
+    """A fleet owned by the job; its model defaults to the job's model.base."""
+
+    model: ModelRef | None = None  # type: ignore[assignment]
+
+
+class RolloutSpec(KubeModel):
+    fleet_ref: str | None = Field(None, description="Name of a RolloutFleet in the job's namespace.")
+    fleet: InlineFleetSpec | None = Field(None, description="Inline fleet, created and owned by the job.")
+    engine: Literal["auto", "sglang", "local"] = Field(
+        "auto", description="auto: local in-process engine for `kuberl run`, SGLang on a cluster."
+    )
+    temperature: float = Field(1.0, ge=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_turns: int = Field(10, ge=1, le=100, description="T: max assistant turns per rollout.")
+    max_response_tokens: int = Field(8192, ge=1)
+    tools: list[Literal["python"]] = Field(default_factory=lambda: ["python"])
+    prompt_template: Literal["rstar2", "compact"] = Field("rstar2", description="compact drops the long system prompt (tiny local models).")
+
+    @model_validator(mode="after")
+    def _one_fleet(self) -> RolloutSpec:
+        if self.fleet_ref and self.fleet is not None:
+            raise ValueError("rollout.fleetRef and rollout.fleet are mutually exclusive; set one")
+        return self
+
+
+class SandboxRef(KubeModel):
+    pool_ref: str | None = Field(None, description="Name of a SandboxPool in the job's namespace.")
+    pool: SandboxPoolSpec | None = Field(None, description="Inline pool, created and owned by the job.")
+
+    @model_validator(mode="after")
+    def _one_pool(self) -> SandboxRef:
+        if self.pool_ref and self.pool is not None:
+            raise ValueError("sandbox.poolRef and sandbox.pool are mutually exclusive; set one")
+        return self
+
+
+class DifficultyFilter(KubeModel):
+    rollouts: int = Field(8, ge=1, le=256, description="k: rollouts per problem with the current policy.")
+    drop_if_all_correct: bool = Field(True, description="Drop problems solved k/k.")
+
+
+class StageSpec(KubeModel):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    type: Literal["sft", "rl"]
+    steps: int = Field(description="Optimizer steps (sft) or RL steps (rl); must be > 0.")
+    max_response_tokens: int | None = Field(None, ge=1)
+    max_turns: int | None = Field(None, ge=1, le=100)
+    data: str | None = Field(None, description="Overrides data.train for this stage.")
+    difficulty_filter: DifficultyFilter | None = None
+    reset_optimizer: bool = False
+    learning_rate: float | None = Field(None, gt=0, le=1)
+    batch_size: int | None = Field(None, ge=1, description="Examples (sft) or prompts (rl) per step.")
+
+    @model_validator(mode="after")
+    def _check(self) -> StageSpec:
+        if self.steps <= 0:
+            raise ValueError(f"stage '{self.name}': steps must be > 0 (got {self.steps})")
+        if self.type == "sft" and self.difficulty_filter is not None:
+            raise ValueError(f"stage '{self.name}': difficultyFilter applies to rl stages only")
+        return self
+
+
+def paper_stages() -> list[StageSpec]:
+    return [
+        StageSpec(name="sft", type="sft", steps=400, learning_rate=5e-6, batch_size=128),
+        StageSpec(name="stage-1", type="rl", steps=300, max_response_tokens=8192, max_turns=10),
+        StageSpec(name="stage-2", type="rl", steps=85, max_response_tokens=12288, max_turns=10),
+        StageSpec(
+            name="stage-3",
+            type="rl",
+            steps=125,
+            max_response_tokens=12288,
+            max_turns=15,
+            difficulty_filter=DifficultyFilter(rollouts=8, drop_if_all_correct=True),
+            reset_optimizer=True,
+        ),
+    ]
+
+
+class TrainerSpec(KubeModel):
+    replicas: int = Field(
+        1, ge=1, le=1024, description="Trainer pods (torch.distributed world = replicas x count)."
+    )
+    accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=8))
+    image: str | None = None
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch device for local runs.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
+
+    @property
+    def resolved_image(self) -> str:
+        return self.image or DEFAULT_TRAINER_IMAGES[self.accelerator.profile]
+
+
+class CheckpointSpec(KubeModel):
+    uri: str = Field("runs/checkpoints", min_length=1, description="s3://bucket/prefix or a file path.")
+    every_steps: int = Field(50, ge=1)
+    keep: int = Field(3, ge=1)
+
+
+class AgenticRLJobSpec(KubeModel):
+    model: ModelSpec
+    data: DataSpec
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    sandbox: SandboxRef = Field(default_factory=SandboxRef)
+    stages: list[StageSpec] = Field(default_factory=paper_stages, min_length=1)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    seed: int = 0
+    suspend: bool = False
+
+    @model_validator(mode="after")
+    def _stages(self) -> AgenticRLJobSpec:
+        names = [s.name for s in self.stages]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"stage names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+    def stage_max_turns(self, stage: StageSpec) -> int:
+        return stage.max_turns or self.rollout.max_turns
+
+    def stage_max_response_tokens(self, stage: StageSpec) -> int:
+        return stage.max_response_tokens or self.rollout.max_response_tokens
+
+
+class JobSummary(KubeModel):
+    reward_mean: float | None = None
+    pass_rate: float | None = None
+    tool_error_ratio: float | None = None
+
+
+class AgenticRLJobStatus(ResourceStatus):
+    stage: str | None = None
+    step: int | None = None
+    last_checkpoint: str | None = None
+    summary: JobSummary | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+
+
+class AgenticRLJob(Resource):
+    """A GRPO-RoC agentic RL training run: SFT then RL stages, rollouts on a fleet, tools in a pool."""
+
+    KIND: ClassVar[str] = "AgenticRLJob"
+    PLURAL: ClassVar[str] = "agenticrljobs"
+    SHORT_NAMES: ClassVar[tuple[str, ...]] = ("arj",)
+
+    kind: Literal["AgenticRLJob"] = "AgenticRLJob"
+    spec: AgenticRLJobSpec
+    status: AgenticRLJobStatus | None = None

@@ -1,0 +1,107 @@
+"""RolloutFleet: SGLang inference servers behind the KV-cache-aware scheduler (section 3.2)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from .common import (
+    AcceleratorSpec,
+    Autoscaling,
+    KubeModel,
+    Resource,
+    ResourceRequirements,
+    ScaledResourceStatus,
+    check_replicas_in_bounds,
+)
+
+# Default SGLang images by accelerator profile; engine.image overrides.
+SGLANG_IMAGES: dict[str, str] = {
+    "mi300x": "lmsysorg/sglang:v0.5.4-rocm630-mi30x",
+    "h100": "lmsysorg/sglang:v0.5.4-cu126",
+    "cpu": "ghcr.io/kuberl/rollout-cpu:0.1.0",
+}
+
+SchedulerPolicy = Literal["kv-aware", "least-requests", "round-robin", "static"]
+
+
+class ModelRef(KubeModel):
+    uri: str = Field(min_length=1, description="HF repo id, s3:// or file path of the served weights.")
+    served_name: str | None = Field(None, description="--served-model-name; defaults to the fleet name.")
+
+
+class EngineSpec(KubeModel):
+    image: str | None = Field(None, description="SGLang image; defaults by accelerator profile.")
+    tensor_parallel: int = Field(1, ge=1, le=64)
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1)
+    context_length: int | None = Field(None, ge=256)
+    extra_args: list[str] = Field(default_factory=list)
+    port: int = Field(30000, ge=1, le=65535)
+
+
+class FleetAutoscaling(Autoscaling):
+    target_kv_cache_utilization: float = Field(
+        0.8,
+        alias="targetKVCacheUtilization",
+        gt=0,
+        le=1,
+        description="Scale up when mean KV-cache token usage exceeds this.",
+    )
+    target_queued_requests: float = Field(
+        8.0, ge=0, description="Scale up when queued requests per engine exceed this."
+    )
+
+
+class SchedulerSpec(KubeModel):
+    policy: SchedulerPolicy = "kv-aware"
+
+
+class RolloutFleetSpec(KubeModel):
+    replicas: int = Field(1, ge=0, le=1000, description="Engines; the scale subresource writes this field.")
+    model: ModelRef
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=1))
+    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    autoscaling: FleetAutoscaling | None = None
+    scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutFleetSpec:
+        check_replicas_in_bounds(self.replicas, self.autoscaling)
+        tp, per_node = self.engine.tensor_parallel, self.accelerator.count
+        if self.accelerator.profile != "cpu" and tp > per_node and tp % per_node:
+            raise ValueError(
+                f"engine.tensorParallel ({tp}) spans nodes, so it must be a multiple of "
+                f"accelerator.count ({per_node})"
+            )
+        return self
+
+    @property
+    def nodes_per_engine(self) -> int:
+        """>1 means one engine spans several pods (LeaderWorkerSet)."""
+        if self.accelerator.profile == "cpu":
+            return 1
+        return max(1, self.engine.tensor_parallel // self.accelerator.count)
+
+    @property
+    def image(self) -> str:
+        return self.engine.image or SGLANG_IMAGES[self.accelerator.profile]
+
+
+class RolloutFleetStatus(ScaledResourceStatus):
+    kv_cache_utilization: float | None = None
+    queued_requests: float | None = None
+    engines: list[str] = Field(default_factory=list)
+
+
+class RolloutFleet(Resource):
+    """Autoscaled SGLang inference servers behind kuberl's KV-cache-aware rollout scheduler."""
+
+    KIND: ClassVar[str] = "RolloutFleet"
+    PLURAL: ClassVar[str] = "rolloutfleets"
+    SHORT_NAMES: ClassVar[tuple[str, ...]] = ("rf",)
+
+    kind: Literal["RolloutFleet"] = "RolloutFleet"
+    spec: RolloutFleetSpec
+    status: RolloutFleetStatus | None = None

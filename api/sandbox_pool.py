@@ -1,0 +1,73 @@
+"""SandboxPool: CPU pods that execute model-written Python (rStar2-Agent section 3.1)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from .common import (
+    Autoscaling,
+    KubeModel,
+    Resource,
+    ResourceRequirements,
+    ScaledResourceStatus,
+    check_replicas_in_bounds,
+)
+
+DEFAULT_SANDBOX_IMAGE = "ghcr.io/kuberl/sandbox:0.1.0"
+
+
+class SandboxLimits(KubeModel):
+    """Per tool call limits, enforced inside the pod for every execution."""
+
+    timeout_seconds: float = Field(10.0, gt=0, le=600, description="Wall-clock deadline of one call.")
+    memory_mb: int = Field(
+        1024, alias="memoryMB", ge=32, le=65536, description="Address-space/cgroup memory of one call."
+    )
+    max_output_bytes: int = Field(16384, ge=256, description="stdout/stderr beyond this is truncated.")
+    max_processes: int = Field(
+        32, ge=1, le=4096, description="pids limit of one call (fork bombs stop here)."
+    )
+
+
+class SandboxAutoscaling(Autoscaling):
+    target_queue_per_worker: float = Field(
+        4.0, gt=0, description="Scale so that queued calls per worker stay at or below this."
+    )
+
+
+class SandboxPoolSpec(KubeModel):
+    replicas: int = Field(1, ge=0, le=1000, description="Pods; the scale subresource writes this field.")
+    image: str = DEFAULT_SANDBOX_IMAGE
+    workers_per_pod: int = Field(2, ge=1, le=256, description="Warm fork-server workers in each pod.")
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(
+            requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "8Gi"}
+        )
+    )
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    network: Literal["none"] = Field("none", description="Sandboxed code never gets network access.")
+    autoscaling: SandboxAutoscaling | None = None
+
+    @model_validator(mode="after")
+    def _replicas_in_bounds(self) -> SandboxPoolSpec:
+        check_replicas_in_bounds(self.replicas, self.autoscaling)
+        return self
+
+
+class SandboxPoolStatus(ScaledResourceStatus):
+    queue_depth: float | None = None
+    workers_busy: float | None = None
+
+
+class SandboxPool(Resource):
+    """A pool of CPU pods that execute model-written Python for tool calls, scaled with kubectl scale."""
+
+    KIND: ClassVar[str] = "SandboxPool"
+    PLURAL: ClassVar[str] = "sandboxpools"
+    SHORT_NAMES: ClassVar[tuple[str, ...]] = ("sbx",)
+
+    kind: Literal["SandboxPool"] = "SandboxPool"
+    spec: SandboxPoolSpec = Field(default_factory=SandboxPoolSpec)
+    status: SandboxPoolStatus | None = None

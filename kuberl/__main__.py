@@ -1,0 +1,3 @@
+from kuberl.cli import main
+
+raise SystemExit(main())
