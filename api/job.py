@@ -114,7 +114,9 @@ class RolloutSpec(KubeModel):
     max_turns: int = Field(10, ge=1, le=100, description="T: max assistant turns per rollout.")
     max_response_tokens: int = Field(8192, ge=1)
     tools: list[Literal["python"]] = Field(default_factory=lambda: ["python"])
-    prompt_template: Literal["rstar2", "compact"] = Field("rstar2", description="compact drops the long system prompt (tiny local models).")
+    prompt_template: Literal["rstar2", "compact"] = Field(
+        "rstar2", description="compact drops the long system prompt (tiny local models)."
+    )
 
     @model_validator(mode="after")
     def _one_fleet(self) -> RolloutSpec:

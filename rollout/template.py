@@ -13,33 +13,55 @@ from dataclasses import dataclass
 
 TOOL_NAME = "execute_python_code_with_standard_io"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-                  "<answer>", "</answer>", "<reason>", "</reason>", "<think>")
+SPECIAL_TOKENS = (
+    IM_START,
+    IM_END,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<answer>",
+    "</answer>",
+    "<reason>",
+    "</reason>",
+    "<think>",
+)
 
-TOOLS_JSON = json.dumps({
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": (
-            "Execute Python code with standard input and capture standard output. This function takes a "
-            "Python code string and an input string, provides the input string through standard input (stdin) "
-            "to the code, and captures and returns any output produced through standard output (stdout). If the "
-            "executed code raises an exception, the error message will be captured and returned instead."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "code": {"type": "string", "description": "A string containing Python code to be executed. "
-                         "The code can read from standard input using the input() function."},
-                "input": {"type": "string", "description": "A string that will be provided as standard input "
-                          "to the code when it calls input()."},
+TOOLS_JSON = json.dumps(
+    {
+        "type": "function",
+        "function": {
+            "name": TOOL_NAME,
+            "description": (
+                "Execute Python code with standard input and capture standard output. This function takes a "
+                "Python code string and an input string, provides the input string through standard input (stdin) "
+                "to the code, and captures and returns any output produced through standard output (stdout). If the "
+                "executed code raises an exception, the error message will be captured and returned instead."
+            ),
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "code": {
+                        "type": "string",
+                        "description": "A string containing Python code to be executed. "
+                        "The code can read from standard input using the input() function.",
+                    },
+                    "input": {
+                        "type": "string",
+                        "description": "A string that will be provided as standard input "
+                        "to the code when it calls input().",
+                    },
+                },
+                "required": ["code", "input"],
             },
-            "required": ["code", "input"],
+            "return": {
+                "type": "string",
+                "description": "str: The output produced by the executed code through "
+                "standard output. If an error occurs during execution, the error message will be returned.",
+            },
         },
-        "return": {"type": "string", "description": "str: The output produced by the executed code through "
-                   "standard output. If an error occurs during execution, the error message will be returned."},
-    },
-})
+    }
+)
 
 SYSTEM_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The "
@@ -84,7 +106,11 @@ def render_tool_responses(contents: list[str]) -> str:
 
 
 def render_tool_call(code: str, stdin: str = "") -> str:
-    return "<tool_call>" + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}}) + "</tool_call>"
+    return (
+        "<tool_call>"
+        + json.dumps({"name": TOOL_NAME, "arguments": {"code": code, "input": stdin}})
+        + "</tool_call>"
+    )
 
 
 @dataclass(frozen=True)
@@ -101,31 +127,66 @@ class ToolCallError:
     message: str
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _next_call(text: str, start: int) -> tuple[str | dict, int] | None:
+    """The JSON object of the <tool_call> at ``start`` and the index after its closing tag.
+
+    The object is decoded first and only then the closing tag expected, so code that itself
+    contains the string "</tool_call>" is not cut in half. A body that is not valid JSON is
+    returned as its raw text up to the next closing tag.
+    """
+    body_start = start + len("<tool_call>")
+    close = text.find("</tool_call>", body_start)
+    if close < 0:
+        return None
+    i = body_start
+    while i < len(text) and text[i].isspace():
+        i += 1
+    try:
+        obj, end = _DECODER.raw_decode(text, i)
+    except json.JSONDecodeError:
+        return text[body_start:close], close + len("</tool_call>")
+    rest = text[end:]
+    stripped = rest.lstrip()
+    if not stripped.startswith("</tool_call>"):
+        return text[body_start:close], close + len("</tool_call>")
+    return obj, end + (len(rest) - len(stripped)) + len("</tool_call>")
+
+
 def parse_tool_calls(text: str) -> list[ToolCall | ToolCallError]:
-    """Every <tool_call> block of one assistant turn, in order (paper section 2.1)."""
+    """Every closed <tool_call> block of one assistant turn, in order (paper section 2.1)."""
     calls: list[ToolCall | ToolCallError] = []
-    for body in _TOOL_CALL_RE.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(ToolCallError(f"Error: invalid tool call JSON: {err.msg} at position {err.pos}"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("arguments"), dict):
-            calls.append(ToolCallError('Error: tool call must be {"name": ..., "arguments": {...}}'))
-            continue
-        if obj.get("name") != TOOL_NAME:
-            calls.append(ToolCallError(f"Error: unknown function {obj.get('name')!r}; available: {TOOL_NAME}"))
-            continue
-        code, stdin = obj["arguments"].get("code"), obj["arguments"].get("input", "")
-        if not isinstance(code, str):
-            calls.append(ToolCallError('Error: arguments.code must be a string'))
-            continue
-        calls.append(ToolCall(code=code, stdin=stdin if isinstance(stdin, str) else str(stdin)))
+    pos = text.find("<tool_call>")
+    while pos >= 0:
+        found = _next_call(text, pos)
+        if found is None:
+            break
+        obj, pos = found
+        calls.append(_to_call(obj))
+        pos = text.find("<tool_call>", pos)
     return calls
+
+
+def _to_call(obj: str | dict) -> ToolCall | ToolCallError:
+    if isinstance(obj, str):
+        try:
+            json.loads(obj)
+        except json.JSONDecodeError as err:
+            return ToolCallError(f"Error: invalid tool call JSON: {err.msg} at position {err.pos}")
+        return ToolCallError("Error: text after the tool call JSON object before </tool_call>")
+    if not isinstance(obj, dict) or not isinstance(obj.get("arguments"), dict):
+        return ToolCallError('Error: tool call must be {"name": ..., "arguments": {...}}')
+    if obj.get("name") != TOOL_NAME:
+        return ToolCallError(f"Error: unknown function {obj.get('name')!r}; available: {TOOL_NAME}")
+    code, stdin = obj["arguments"].get("code"), obj["arguments"].get("input", "")
+    if not isinstance(code, str):
+        return ToolCallError("Error: arguments.code must be a string")
+    return ToolCall(code=code, stdin=stdin if isinstance(stdin, str) else str(stdin))
 
 
 def has_unclosed_tool_call(text: str) -> bool:

@@ -66,7 +66,9 @@ class Attention(nn.Module):
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).contiguous().view(B, T, C)), (k, v)
 
 
@@ -76,7 +78,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
 
     def forward(self, x, past, mask):
         a, present = self.attn(self.ln1(x), past, mask)
@@ -111,7 +115,9 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor, past: KV | None = None, attention_mask: torch.Tensor | None = None):
+    def forward(
+        self, input_ids: torch.Tensor, past: KV | None = None, attention_mask: torch.Tensor | None = None
+    ):
         B, T = input_ids.shape
         t_past = past[0][0].shape[2] if past else 0
         device = input_ids.device
