@@ -69,7 +69,7 @@ def test_json_array_and_trailing_text_are_errors():
     (call,) = parse_tool_calls("<tool_call>[1, 2]</tool_call>")
     assert isinstance(call, ToolCallError)
     (call,) = parse_tool_calls('<tool_call>{"name": "x", "arguments": {}} junk</tool_call>')
-    assert isinstance(call, ToolCallError) and "text after" in call.message
+    assert isinstance(call, ToolCallError) and "Extra data" in call.message
 
 
 def test_no_tool_call_and_unclosed_call():
