@@ -1,0 +1,193 @@
+"""Autoscaling decisions as pure functions: desired = f(current, metrics history, spec, now).
+
+The operator's timer only scrapes metrics and writes ``spec.replicas`` (as an HPA would
+through the scale subresource); everything that decides lives here and is unit-tested
+without a cluster. The algorithm follows the HorizontalPodAutoscaler's:
+
+* a *recommendation* per sample from the load signal (proportional, like HPA's
+  ``ceil(current * metric / target)``), with a 10% tolerance band against flapping;
+* scale-up takes effect at once (bounded to doubling, min +1, per decision);
+* scale-down is *stabilized*: the applied value is the highest recommendation of the last
+  ``scaleDownStabilizationSeconds``, so a short lull never drains a pool that is needed
+  again seconds later;
+* the result is clamped to ``[minReplicas, maxReplicas]``; no metrics = no change.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kuberl.api.rollout_fleet import FleetAutoscaling
+from kuberl.api.sandbox_pool import SandboxAutoscaling
+
+TOLERANCE = 0.1
+
+SANDBOX_QUEUE = "kuberl_sandbox_queue_depth"
+SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
+SGLANG_TOKEN_USAGE = "sglang:token_usage"
+SGLANG_QUEUE = "sglang:num_queue_reqs"
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One past recommendation: what the load asked for at ``time`` (epoch seconds)."""
+
+    time: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    recommendation: int
+    history: tuple[Recommendation, ...]
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.reason != "hold"
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """Sum over the pool's pods of the sandbox gauges (one scrape)."""
+
+    queue_depth: float
+    workers_busy: float
+    pods: int
+
+
+@dataclass(frozen=True)
+class FleetLoad:
+    """Per-engine SGLang gauges of one scrape (one entry per engine that answered)."""
+
+    token_usage: tuple[float, ...]
+    queued: tuple[float, ...]
+
+    @property
+    def mean_token_usage(self) -> float:
+        return sum(self.token_usage) / len(self.token_usage) if self.token_usage else 0.0
+
+    @property
+    def queued_per_engine(self) -> float:
+        return sum(self.queued) / len(self.queued) if self.queued else 0.0
+
+
+def _proportional(current: int, ratio: float) -> int:
+    """HPA's rule: keep ``current`` inside the tolerance band, else ceil(current * ratio)."""
+    if abs(ratio - 1.0) <= TOLERANCE:
+        return current
+    return math.ceil(current * ratio - 1e-9)
+
+
+def recommend_pool(current: int, load: PoolLoad, workers_per_pod: int, auto: SandboxAutoscaling) -> int:
+    """Pods needed so queued calls per worker stay at or below ``targetQueuePerWorker``.
+
+    Two demands, the larger wins: the queue (``queue / (workersPerPod * target)`` pods, the
+    same number KEDA's AverageValue trigger computes) and the work in flight (every busy
+    worker keeps its pod: ``ceil(busy / workersPerPod)``), so a pool with a short queue but
+    all workers busy holds steady instead of shrinking under running calls.
+    """
+    if current <= 0:
+        # Scaled to zero: anything queued or running needs at least one pod.
+        demand = load.queue_depth + load.workers_busy
+        return math.ceil(demand / (workers_per_pod * auto.target_queue_per_worker)) if demand > 0 else 0
+    per_worker = load.queue_depth / (current * workers_per_pod)
+    by_queue = _proportional(current, per_worker / auto.target_queue_per_worker)
+    by_busy = math.ceil(load.workers_busy / workers_per_pod - 1e-9)
+    return max(by_queue, by_busy)
+
+
+def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> int:
+    """Engines needed for mean KV-cache usage <= target and queued requests/engine <= target."""
+    base = max(current, 1)
+    by_kv = _proportional(base, load.mean_token_usage / auto.target_kv_cache_utilization)
+    by_queue = 0
+    if auto.target_queued_requests > 0 and load.queued_per_engine > auto.target_queued_requests:
+        # A queue under target is no reason to shrink; only KV usage decides scale-down.
+        by_queue = _proportional(base, load.queued_per_engine / auto.target_queued_requests)
+    return max(by_kv, by_queue)
+
+
+def decide(
+    current: int,
+    recommendation: int | None,
+    history: Iterable[Recommendation],
+    *,
+    min_replicas: int,
+    max_replicas: int,
+    stabilization_s: float,
+    now: float,
+) -> Decision:
+    """Turn the latest recommendation into a replica count (stabilized, rate-limited, clamped).
+
+    ``recommendation=None`` means the metrics could not be read: hold, and do not record it.
+    """
+    window = tuple(h for h in history if now - h.time <= stabilization_s)
+    if recommendation is None:
+        clamped = min(max(current, min_replicas), max_replicas)
+        return Decision(clamped, current, window, "hold" if clamped == current else "bounds")
+    window = (*window, Recommendation(now, recommendation))
+    if recommendation > current:
+        # Scale up at once, at most doubling (min +1) per decision, like the HPA's default policy.
+        desired = min(recommendation, max(current * 2, current + 1))
+    else:
+        # Scale down only as far as the highest recommendation inside the window allows.
+        desired = max(r.replicas for r in window)
+        desired = min(desired, current)
+    desired = min(max(desired, min_replicas), max_replicas)
+    if desired > current:
+        reason = "scale-up"
+    elif desired < current:
+        reason = "scale-down"
+    else:
+        reason = "hold"
+    return Decision(desired, recommendation, window, reason)
+
+
+# --- metrics parsing -----------------------------------------------------------------------
+
+
+def parse_gauges(text: str, names: Sequence[str]) -> dict[str, float]:
+    """Sum of every sample of each named metric in a Prometheus text exposition.
+
+    A pod exports one series per label set (e.g. one per served model in SGLang); summing
+    gives the pod's total. Absent metrics are absent from the result.
+    """
+    wanted = set(names)
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted and not math.isnan(sample.value):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def pool_load(scrapes: Sequence[str]) -> PoolLoad | None:
+    """Aggregate the sandbox gauges of every pod that answered; None if none had them."""
+    queue = busy = 0.0
+    pods = 0
+    for text in scrapes:
+        g = parse_gauges(text, (SANDBOX_QUEUE, SANDBOX_BUSY))
+        if SANDBOX_QUEUE not in g and SANDBOX_BUSY not in g:
+            continue
+        pods += 1
+        queue += g.get(SANDBOX_QUEUE, 0.0)
+        busy += g.get(SANDBOX_BUSY, 0.0)
+    return PoolLoad(queue, busy, pods) if pods else None
+
+
+def fleet_load(scrapes: Sequence[str]) -> FleetLoad | None:
+    usage: list[float] = []
+    queued: list[float] = []
+    for text in scrapes:
+        g = parse_gauges(text, (SGLANG_TOKEN_USAGE, SGLANG_QUEUE))
+        if SGLANG_TOKEN_USAGE not in g and SGLANG_QUEUE not in g:
+            continue
+        usage.append(g.get(SGLANG_TOKEN_USAGE, 0.0))
+        queued.append(g.get(SGLANG_QUEUE, 0.0))
+    return FleetLoad(tuple(usage), tuple(queued)) if usage else None

@@ -1,0 +1,782 @@
+"""Pure builders: a kuberl custom resource in, the Kubernetes manifests that run it out.
+
+Nothing here talks to a cluster. The kopf handlers (``handlers.py``) adopt and apply what
+these functions return, and ``kuberl render FILE`` prints it, so what a person reviews with
+``render`` is byte-for-byte what the operator creates (minus ownerReferences, which need the
+owner's uid).
+
+Naming (``<name>`` is the custom resource's name):
+
+* SandboxPool ``<name>``: Deployment ``<name>``, Service ``<name>`` (port ``http``),
+  NetworkPolicy ``<name>-deny-egress``.
+* RolloutFleet ``<name>``: Deployment ``<name>`` (or LeaderWorkerSet ``<name>`` when one
+  engine spans nodes), headless Service ``<name>`` (port ``http``; one DNS record per engine).
+* AgenticRLJob ``<name>``: ConfigMap ``<name>-config`` (key ``job.yaml``), headless Service
+  ``<name>-trainer``, Indexed Job ``<name>-trainer``, and -- only when declared inline --
+  RolloutFleet ``<name>-rollout`` and SandboxPool ``<name>-sandbox``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from kuberl import API_VERSION
+from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
+from kuberl.api.common import AcceleratorSpec, ResourceRequirements
+from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec
+from kuberl.api.sandbox_pool import SandboxPoolSpec
+
+Manifest = dict[str, Any]
+
+# --- labels -------------------------------------------------------------------------------
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_OWNER_KIND = "kuberl.io/owner-kind"
+ANNOTATION_CONFIG_HASH = "kuberl.io/config-hash"
+ANNOTATION_AUTOSCALER = "kuberl.io/autoscaler"
+"""``kuberl.io/autoscaler: keda`` hands a resource's autoscaling to KEDA: ``render`` emits a
+ScaledObject and the operator's own autoscaling timer leaves the resource alone."""
+
+APP_NAME = "kuberl"
+MANAGED_BY = "kuberl"
+
+SANDBOX_PORT = 8080
+TRAINER_RENDEZVOUS_PORT = 29500
+TRAINER_METRICS_PORT = 9090
+JOB_CONFIG_PATH = "/etc/kuberl/job.yaml"
+JOB_RUN_DIR = "/var/run/kuberl"
+SANDBOX_UID = 65532  # the distroless "nonroot" uid
+
+
+def selector_labels(instance: str, component: str) -> dict[str, str]:
+    """The labels a Deployment/Service selects on: stable for the object's lifetime."""
+    return {LABEL_NAME: APP_NAME, LABEL_INSTANCE: instance, LABEL_COMPONENT: component}
+
+
+def object_labels(instance: str, component: str, owner_kind: str) -> dict[str, str]:
+    """DESIGN.md labels on everything the operator creates, plus the owning kind for watches."""
+    return {
+        **selector_labels(instance, component),
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_OWNER_KIND: owner_kind,
+    }
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    """A label selector in the string form the scale subresource wants (status.selector)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str], **extra: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    meta.update({k: v for k, v in extra.items() if v})
+    return meta
+
+
+def _resources(req: ResourceRequirements) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if req.requests:
+        out["requests"] = {k: str(v) for k, v in req.requests.items()}
+    if req.limits:
+        out["limits"] = {k: str(v) for k, v in req.limits.items()}
+    return out
+
+
+def spec_hash(obj: Any) -> str:
+    """Short content hash; put on pod templates so a config change rolls the pods."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# --- accelerator profiles -----------------------------------------------------------------
+
+AMD_GPU_RESOURCE = "amd.com/gpu"
+NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
+AMD_PRODUCT_LABEL = "amd.com/gpu.product-name"
+AMD_NFD_LABEL = "feature.node.kubernetes.io/amd-gpu"
+MI300X_PRODUCT_NAMES = ("AMD_Instinct_MI300X_OAM", "AMD_Instinct_MI300X")
+NVIDIA_PRESENT_LABEL = "nvidia.com/gpu.present"
+NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
+H100_PRODUCT_NAMES = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-NVL", "NVIDIA-H100-PCIe")
+
+
+def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
+    """Scheduling fields (affinity/tolerations) for an accelerator profile.
+
+    mi300x: nodes labelled by the AMD GPU operator's node labeller (``amd.com/gpu.product-name``)
+    or, where only Node Feature Discovery runs, ``feature.node.kubernetes.io/amd-gpu=true``
+    (nodeSelectorTerms are ORed). h100: NVIDIA GPU feature discovery's product label.
+    GPU nodes are commonly tainted with the resource name, so both tolerate that taint.
+    """
+    if acc.profile == "mi300x":
+        terms = [
+            {
+                "matchExpressions": [
+                    {"key": AMD_PRODUCT_LABEL, "operator": "In", "values": list(MI300X_PRODUCT_NAMES)}
+                ]
+            },
+            {"matchExpressions": [{"key": AMD_NFD_LABEL, "operator": "In", "values": ["true"]}]},
+        ]
+        taint = AMD_GPU_RESOURCE
+    elif acc.profile == "h100":
+        terms = [
+            {
+                "matchExpressions": [
+                    {"key": NVIDIA_PRODUCT_LABEL, "operator": "In", "values": list(H100_PRODUCT_NAMES)}
+                ]
+            }
+        ]
+        taint = NVIDIA_GPU_RESOURCE
+    else:
+        return {}
+    return {
+        "affinity": {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}
+        },
+        "tolerations": [{"key": taint, "operator": "Exists", "effect": "NoSchedule"}],
+    }
+
+
+def accelerator_resources(acc: AcceleratorSpec, base: ResourceRequirements) -> dict[str, Any]:
+    """Container resources: the spec's own requests/limits plus the accelerator count.
+
+    Extended resources (amd.com/gpu, nvidia.com/gpu) must have requests == limits, so both are
+    set; the cpu profile adds nothing (its ``count`` is a CPU hint for local runs only).
+    """
+    res = _resources(base)
+    gpu = {"mi300x": AMD_GPU_RESOURCE, "h100": NVIDIA_GPU_RESOURCE}.get(acc.profile)
+    if gpu:
+        res.setdefault("limits", {})[gpu] = str(acc.count)
+        res.setdefault("requests", {})[gpu] = str(acc.count)
+    return res
+
+
+def _shm_volume(size: str) -> dict[str, Any]:
+    # NCCL/RCCL and torch dataloaders use /dev/shm; the container default (64 MiB) is too small.
+    return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}
+
+
+# --- SandboxPool --------------------------------------------------------------------------
+
+
+def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Manifest]:
+    """Deployment + Service + egress-denying NetworkPolicy for a SandboxPool.
+
+    Security tradeoff (documented because the sandbox design wants more than a restricted pod
+    grants): the pod runs under the Kubernetes "restricted" profile -- non-root uid 65532,
+    seccomp RuntimeDefault, no privilege escalation, every capability dropped, read-only root
+    filesystem with writable emptyDirs for /tmp and the workers' scratch space, no service
+    account token. Without CAP_SYS_ADMIN the server cannot create its own network namespace
+    or per-call cgroups, so inside a pod it relies on (1) this NetworkPolicy for "no network",
+    (2) the container's own PID namespace and cgroup (pod limits) as the outer bound, and
+    (3) per-call rlimits (CPU, AS, FSIZE, NOFILE, NPROC), setsid + kill of the process group,
+    and a pyseccomp filter, all of which work unprivileged (no_new_privs is already set).
+    Granting SYS_ADMIN to regain per-call cgroups would weaken the pod far more than it gains.
+    """
+    spec: SandboxPoolSpec = pool.spec
+    name = pool.metadata.name
+    sel = selector_labels(name, "sandbox")
+    labels = object_labels(name, "sandbox", "SandboxPool")
+    limits_json = json.dumps(spec.limits.wire(), sort_keys=True)
+    pod_annotations = {
+        ANNOTATION_CONFIG_HASH: spec_hash([spec.image, spec.workers_per_pod, limits_json]),
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(SANDBOX_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    container = {
+        "name": "sandbox",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kuberl", "sandbox", "serve"],
+        "args": [
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(SANDBOX_PORT),
+            "--workers",
+            str(spec.workers_per_pod),
+            "--pool",
+            name,
+        ],  # fmt: skip
+        "env": [
+            {"name": "KUBERL_SANDBOX_LIMITS", "value": limits_json},
+            {"name": "KUBERL_SANDBOX_POOL", "value": name},
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+        ],
+        "ports": [{"name": "http", "containerPort": SANDBOX_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec.resources),
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": SANDBOX_UID,
+            "runAsGroup": SANDBOX_UID,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "work", "mountPath": "/work"},
+        ],
+    }
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, namespace, labels),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": sel},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": pod_annotations},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": int(spec.limits.timeout_seconds) + 5,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": SANDBOX_UID,
+                        "runAsGroup": SANDBOX_UID,
+                        "fsGroup": SANDBOX_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        {"name": "work", "emptyDir": {"sizeLimit": "4Gi"}},
+                    ],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, labels),
+        "spec": {
+            "selector": sel,
+            "ports": [{"name": "http", "port": SANDBOX_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    netpol = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(f"{name}-deny-egress", namespace, labels),
+        "spec": {
+            # Egress listed with no rules = no egress at all (DNS included): model code is offline.
+            # Ingress only on the API port (trainers, Prometheus).
+            "podSelector": {"matchLabels": sel},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"ports": [{"port": SANDBOX_PORT, "protocol": "TCP"}]}],
+            "egress": [],
+        },
+    }
+    return [deployment, service, netpol]
+
+
+# --- RolloutFleet -------------------------------------------------------------------------
+
+SGLANG_DIST_PORT = 20000
+
+
+def sglang_args(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool = False) -> list[str]:
+    """``python -m sglang.launch_server`` arguments for one engine (leader pod for multi-node)."""
+    eng = spec.engine
+    args = [
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", spec.model.uri,
+        "--served-model-name", spec.model.served_name or served_name,
+        "--tp", str(eng.tensor_parallel),
+        "--mem-fraction-static", f"{eng.mem_fraction_static:g}",
+        "--port", str(eng.port),
+        "--host", "0.0.0.0",
+        "--enable-metrics",
+    ]  # fmt: skip
+    if eng.context_length:
+        args += ["--context-length", str(eng.context_length)]
+    if spec.accelerator.profile == "cpu":
+        args += ["--device", "cpu"]
+    if multi_node:
+        # LeaderWorkerSet injects these into every pod of a group; $(VAR) is expanded by the kubelet.
+        args += [
+            "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{SGLANG_DIST_PORT}",
+            "--nnodes", "$(LWS_GROUP_SIZE)",
+            "--node-rank", "$(LWS_WORKER_INDEX)",
+        ]  # fmt: skip
+    return args + list(eng.extra_args)
+
+
+def _engine_pod_spec(
+    spec: RolloutFleetSpec, served_name: str, *, multi_node: bool, leader: bool
+) -> dict[str, Any]:
+    eng = spec.engine
+    acc = spec.accelerator
+    container: dict[str, Any] = {
+        "name": "sglang",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": sglang_args(spec, served_name, multi_node=multi_node),
+        "env": [
+            {"name": "HF_HOME", "value": "/models"},
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        ],
+        "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
+        "resources": accelerator_resources(acc, spec.resources),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": "/models"},
+        ],
+    }
+    if multi_node:
+        container["ports"].append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
+    if leader:
+        # Loading tens of GB of weights takes minutes: a startup probe holds liveness off until
+        # the first /health succeeds, then readiness gates traffic per engine.
+        probe = {"httpGet": {"path": "/health", "port": "http"}}
+        container["startupProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 180}
+        container["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 3}
+        container["livenessProbe"] = {
+            **probe,
+            "periodSeconds": 15,
+            "failureThreshold": 4,
+            "timeoutSeconds": 5,
+        }
+    shm = "2Gi" if acc.profile == "cpu" else f"{min(256, 32 * acc.count)}Gi"
+    return {
+        "terminationGracePeriodSeconds": 60,
+        "enableServiceLinks": False,
+        **accelerator_pod_fields(acc),
+        "containers": [container],
+        "volumes": [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}],
+    }
+
+
+def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list[Manifest]:
+    """SGLang engines for a RolloutFleet plus a headless Service for per-engine discovery.
+
+    One engine = one pod (Deployment) when its tensor-parallel group fits one node; otherwise
+    one engine = one LeaderWorkerSet group of ``nodes_per_engine`` pods, and the Service
+    selects only group leaders (worker index 0), which are the ones serving HTTP.
+    """
+    spec = fleet.spec
+    name = fleet.metadata.name
+    sel = selector_labels(name, "rollout")
+    labels = object_labels(name, "rollout", "RolloutFleet")
+    nodes = spec.nodes_per_engine
+    pod_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.engine.port),
+        "prometheus.io/path": "/metrics",
+    }
+    if nodes == 1:
+        workload: Manifest = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(name, namespace, labels),
+            "spec": {
+                "replicas": spec.replicas,
+                "selector": {"matchLabels": sel},
+                # No spare accelerators for a surge pod: replace engines one at a time.
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                "template": {
+                    "metadata": {"labels": labels, "annotations": pod_annotations},
+                    "spec": _engine_pod_spec(spec, name, multi_node=False, leader=True),
+                },
+            },
+        }
+        service_selector = sel
+    else:
+        workload = {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": _meta(name, namespace, labels),
+            "spec": {
+                "replicas": spec.replicas,
+                "startupPolicy": "LeaderCreated",
+                "rolloutStrategy": {
+                    "type": "RollingUpdate",
+                    "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0},
+                },
+                "leaderWorkerTemplate": {
+                    "size": nodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {
+                        "metadata": {
+                            "labels": {**labels, "kuberl.io/role": "leader"},
+                            "annotations": pod_annotations,
+                        },
+                        "spec": _engine_pod_spec(spec, name, multi_node=True, leader=True),
+                    },
+                    "workerTemplate": {
+                        "metadata": {"labels": {**labels, "kuberl.io/role": "worker"}},
+                        "spec": _engine_pod_spec(spec, name, multi_node=True, leader=False),
+                    },
+                },
+            },
+        }
+        service_selector = {**sel, "kuberl.io/role": "leader"}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, labels),
+        "spec": {
+            "clusterIP": "None",  # headless: DNS returns every ready engine; the scheduler picks
+            "selector": service_selector,
+            "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    return [workload, service]
+
+
+# --- AgenticRLJob -------------------------------------------------------------------------
+
+
+def inline_fleet_name(job_name: str) -> str:
+    return f"{job_name}-rollout"
+
+
+def inline_pool_name(job_name: str) -> str:
+    return f"{job_name}-sandbox"
+
+
+def trainer_name(job_name: str) -> str:
+    return f"{job_name}-trainer"
+
+
+def config_map_name(job_name: str) -> str:
+    return f"{job_name}-config"
+
+
+def uses_fleet(job: AgenticRLJob) -> bool:
+    """``rollout.engine: local`` runs generation inside the trainer: no fleet is created."""
+    return job.spec.rollout.engine != "local"
+
+
+def _inline_children(job: AgenticRLJob, namespace: str) -> list[Manifest]:
+    name = job.metadata.name
+    out: list[Manifest] = []
+    suspended = job.spec.suspend
+    fleet = job.spec.rollout.fleet
+    if fleet is not None and uses_fleet(job):
+        fspec = fleet.model_copy(deep=True)
+        if fspec.model is None:
+            fspec.model = ModelRef(uri=job.spec.model.base, served_name="policy")
+        wire = RolloutFleetSpec.model_validate(fspec.wire()).wire()
+        if suspended:  # a suspended job holds no accelerators
+            wire["replicas"] = 0
+            wire.pop("autoscaling", None)
+        out.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "RolloutFleet",
+                "metadata": _meta(
+                    inline_fleet_name(name), namespace, object_labels(name, "rollout", "AgenticRLJob")
+                ),
+                "spec": wire,
+            }
+        )
+    pool = job.spec.sandbox.pool
+    if pool is not None:
+        wire = pool.wire()
+        if suspended:
+            wire["replicas"] = 0
+            wire.pop("autoscaling", None)
+        out.append(
+            {
+                "apiVersion": API_VERSION,
+                "kind": "SandboxPool",
+                "metadata": _meta(
+                    inline_pool_name(name), namespace, object_labels(name, "sandbox", "AgenticRLJob")
+                ),
+                "spec": wire,
+            }
+        )
+    return out
+
+
+def resolved_job_document(job: AgenticRLJob, namespace: str) -> dict[str, Any]:
+    """The job as the in-pod trainer reads it: defaults filled in, inline children as refs.
+
+    The trainer never creates cluster objects; it is told which fleet/pool to use and finds
+    their engines/workers through the Services named after them (see ``endpoints_env``).
+    """
+    doc = AgenticRLJob.model_validate(job.wire()).wire()
+    doc.pop("status", None)
+    meta = {"name": job.metadata.name, "namespace": namespace}
+    if job.metadata.labels:
+        meta["labels"] = dict(job.metadata.labels)
+    doc["metadata"] = meta
+    rollout, sandbox = doc["spec"]["rollout"], doc["spec"]["sandbox"]
+    if rollout.pop("fleet", None) is not None and uses_fleet(job):
+        rollout["fleetRef"] = inline_fleet_name(job.metadata.name)
+    if sandbox.pop("pool", None) is not None:
+        sandbox["poolRef"] = inline_pool_name(job.metadata.name)
+    return doc
+
+
+def endpoints_env(job: AgenticRLJob, namespace: str) -> list[dict[str, str]]:
+    """Where the trainer finds its fleet and pool (in-cluster DNS of their Services)."""
+    env: list[dict[str, str]] = []
+    fleet = job.spec.rollout.fleet_ref or (
+        inline_fleet_name(job.metadata.name) if job.spec.rollout.fleet else None
+    )
+    if fleet and uses_fleet(job):
+        port = job.spec.rollout.fleet.engine.port if job.spec.rollout.fleet else 30000
+        env.append({"name": "KUBERL_ROLLOUT_FLEET", "value": fleet})
+        env.append({"name": "KUBERL_ROLLOUT_SERVICE", "value": f"{fleet}.{namespace}.svc:{port}"})
+    pool = job.spec.sandbox.pool_ref or (
+        inline_pool_name(job.metadata.name) if job.spec.sandbox.pool else None
+    )
+    if pool:
+        env.append({"name": "KUBERL_SANDBOX_POOL", "value": pool})
+        env.append({"name": "KUBERL_SANDBOX_URL", "value": f"http://{pool}.{namespace}.svc:{SANDBOX_PORT}"})
+    return env
+
+
+def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
+    """ConfigMap + headless Service + Indexed Job of trainer pods (+ inline fleet/pool CRs).
+
+    An Indexed Job (not a StatefulSet) because training runs to completion: its pods get
+    stable hostnames ``<job>-trainer-<i>`` under the headless Service, so rank 0 is the
+    torch.distributed rendezvous (MASTER_ADDR) and JOB_COMPLETION_INDEX is the node rank;
+    Job conditions (Complete/Failed) and ``suspend`` give completion, failure and pausing.
+    """
+    spec = job.spec
+    name = job.metadata.name
+    tname = trainer_name(name)
+    sel = selector_labels(name, "trainer")
+    labels = object_labels(name, "trainer", "AgenticRLJob")
+    doc = resolved_job_document(job, namespace)
+    job_yaml = yaml.safe_dump(doc, sort_keys=False)
+    trainer = spec.trainer
+    acc = trainer.accelerator
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(config_map_name(name), namespace, labels),
+        "data": {"job.yaml": job_yaml},
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(tname, namespace, labels),
+        "spec": {
+            "clusterIP": "None",
+            # Rendezvous happens before any pod is Ready; DNS must resolve them anyway.
+            "publishNotReadyAddresses": True,
+            "selector": sel,
+            "ports": [
+                {"name": "rendezvous", "port": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"},
+                {"name": "metrics", "port": TRAINER_METRICS_PORT, "protocol": "TCP"},
+            ],
+        },
+    }
+    master = f"{tname}-0.{tname}.{namespace}.svc"
+    env = [
+        {"name": "KUBERL_JOB", "value": name},
+        {"name": "KUBERL_METRICS_PORT", "value": str(TRAINER_METRICS_PORT)},
+        {"name": "MASTER_ADDR", "value": master},
+        {"name": "MASTER_PORT", "value": str(TRAINER_RENDEZVOUS_PORT)},
+        {"name": "NNODES", "value": str(trainer.replicas)},
+        {"name": "NPROC_PER_NODE", "value": str(acc.count)},
+        {"name": "WORLD_SIZE", "value": str(trainer.replicas * (acc.count if acc.profile != "cpu" else 1))},
+        {
+            "name": "NODE_RANK",
+            "valueFrom": {
+                "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+            },
+        },
+        {"name": "HF_HOME", "value": "/models"},
+        *endpoints_env(job, namespace),
+    ]
+    if trainer.threads:
+        env.append({"name": "OMP_NUM_THREADS", "value": str(trainer.threads)})
+    container = {
+        "name": "trainer",
+        "image": trainer.resolved_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["kuberl", "run", JOB_CONFIG_PATH, "--out", JOB_RUN_DIR],
+        "env": env,
+        "ports": [
+            {"name": "rendezvous", "containerPort": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": accelerator_resources(acc, trainer.resources),
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/kuberl", "readOnly": True},
+            {"name": "run", "mountPath": JOB_RUN_DIR},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": "/models"},
+        ],
+    }
+    shm = "2Gi" if acc.profile == "cpu" else f"{min(512, 32 * acc.count)}Gi"
+    trainer_job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(tname, namespace, labels),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": trainer.replicas,
+            "parallelism": trainer.replicas,
+            # A distributed step cannot survive a lost rank: fail fast, resume from checkpoint.
+            "backoffLimit": 0,
+            "suspend": spec.suspend,
+            "template": {
+                "metadata": {
+                    "labels": labels,
+                    "annotations": {
+                        ANNOTATION_CONFIG_HASH: spec_hash(job_yaml),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(TRAINER_METRICS_PORT),
+                    },
+                },
+                "spec": {
+                    "restartPolicy": "Never",
+                    "subdomain": tname,
+                    "enableServiceLinks": False,
+                    **accelerator_pod_fields(acc),
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": config_map_name(name)}},
+                        {"name": "run", "emptyDir": {}},
+                        _shm_volume(shm),
+                        {"name": "model-cache", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+    return [config_map, service, trainer_job, *_inline_children(job, namespace)]
+
+
+# --- KEDA ---------------------------------------------------------------------------------
+
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+
+def build_keda_scaled_object(
+    resource: Resource, namespace: str = "default", prometheus_url: str = DEFAULT_PROMETHEUS
+) -> Manifest:
+    """A KEDA ScaledObject equivalent to the operator's own autoscaling timer.
+
+    KEDA scales the custom resource itself through its scale subresource (kubectl-scale
+    semantics), so the operator keeps reconciling the Deployment from spec.replicas.
+    SandboxPool: ``sum(queue)/workersPerPod`` as an AverageValue metric gives
+    ``ceil(queue / (workersPerPod * targetQueuePerWorker))`` pods. RolloutFleet: mean KV-cache
+    usage as a Value metric (replicas * usage / target) and queued requests per engine.
+    """
+    if not isinstance(resource, SandboxPool | RolloutFleet):
+        raise ValueError(f"{resource.KIND} has no autoscaling; KEDA applies to SandboxPool and RolloutFleet")
+    name = resource.metadata.name
+    auto = resource.spec.autoscaling
+    if auto is None:
+        raise ValueError(f"{resource.KIND}/{name}: spec.autoscaling is not set, nothing to render for KEDA")
+    pods = f'namespace="{namespace}",pod=~"{name}-.*"'
+    if isinstance(resource, SandboxPool):
+        component = "sandbox"
+        triggers = [
+            {
+                "type": "prometheus",
+                "name": "queue-per-worker",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": prometheus_url,
+                    "query": f'sum(kuberl_sandbox_queue_depth{{pool="{name}"}}) / {resource.spec.workers_per_pod}',
+                    "threshold": f"{auto.target_queue_per_worker:g}",
+                },
+            }
+        ]
+    else:
+        component = "rollout"
+        triggers = [
+            {
+                "type": "prometheus",
+                "name": "kv-cache-utilization",
+                "metricType": "Value",
+                "metadata": {
+                    "serverAddress": prometheus_url,
+                    "query": f"avg(sglang:token_usage{{{pods}}})",
+                    "threshold": f"{auto.target_kv_cache_utilization:g}",
+                },
+            },
+            {
+                "type": "prometheus",
+                "name": "queued-requests",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": prometheus_url,
+                    "query": f"sum(sglang:num_queue_reqs{{{pods}}})",
+                    "threshold": f"{auto.target_queued_requests:g}",
+                },
+            },
+        ]
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _meta(name, namespace, object_labels(name, component, resource.KIND)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": resource.KIND, "name": name},
+            "minReplicaCount": auto.min_replicas,
+            "maxReplicaCount": auto.max_replicas,
+            "pollingInterval": 15,
+            "advanced": {
+                "horizontalPodAutoscalerConfig": {
+                    "behavior": {
+                        "scaleDown": {"stabilizationWindowSeconds": auto.scale_down_stabilization_seconds}
+                    }
+                }
+            },
+            "triggers": triggers,
+        },
+    }
+
+
+def wants_keda(resource: Resource) -> bool:
+    return resource.metadata.annotations.get(ANNOTATION_AUTOSCALER) == "keda"
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+
+def build_for(resource: Resource, namespace: str = "default") -> list[Manifest]:
+    """Every manifest the operator creates for ``resource`` (dispatch on kind; used by render).
+
+    Objects carry no ownerReferences here: those need the live owner's uid and are added by
+    the operator (kopf.adopt) when it applies them.
+    """
+    ns = resource.metadata.namespace or namespace
+    if isinstance(resource, SandboxPool):
+        out = build_sandbox_pool(resource, ns)
+    elif isinstance(resource, RolloutFleet):
+        out = build_rollout_fleet(resource, ns)
+    elif isinstance(resource, AgenticRLJob):
+        out = build_job(resource, ns)
+    else:
+        raise ValueError(f"no builder for kind {resource.KIND!r}")
+    if (
+        isinstance(resource, SandboxPool | RolloutFleet)
+        and wants_keda(resource)
+        and resource.spec.autoscaling
+    ):
+        out.append(build_keda_scaled_object(resource, ns))
+    return copy.deepcopy(out)

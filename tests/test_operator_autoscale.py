@@ -1,0 +1,119 @@
+"""The autoscaling decision logic: pure functions, fed synthetic metrics and clocks."""
+
+from __future__ import annotations
+
+from kuberl.api.rollout_fleet import FleetAutoscaling
+from kuberl.api.sandbox_pool import SandboxAutoscaling
+from kuberl.operator.autoscale import (
+    FleetLoad,
+    PoolLoad,
+    Recommendation,
+    decide,
+    fleet_load,
+    parse_gauges,
+    pool_load,
+    recommend_fleet,
+    recommend_pool,
+)
+
+POOL = SandboxAutoscaling(min_replicas=1, max_replicas=20, target_queue_per_worker=4)
+FLEET = FleetAutoscaling(
+    min_replicas=1, max_replicas=16, target_kv_cache_utilization=0.8, target_queued_requests=8
+)
+
+
+def _decide(current, rec, history=(), now=1000.0, lo=1, hi=20, window=300.0):
+    return decide(current, rec, history, min_replicas=lo, max_replicas=hi, stabilization_s=window, now=now)
+
+
+def test_pool_recommendation_follows_queue_per_worker() -> None:
+    # 2 pods x 8 workers, 128 queued = 8/worker, target 4 -> double.
+    assert recommend_pool(2, PoolLoad(128, 16, 2), 8, POOL) == 4
+    # Within the 10% tolerance band: hold.
+    assert recommend_pool(2, PoolLoad(68, 16, 2), 8, POOL) == 2
+    # Empty queue, every worker busy: keep every pod that runs calls.
+    assert recommend_pool(4, PoolLoad(0, 32, 4), 8, POOL) == 4
+    # Idle: only what is busy.
+    assert recommend_pool(4, PoolLoad(0, 9, 4), 8, POOL) == 2
+    assert recommend_pool(4, PoolLoad(0, 0, 4), 8, POOL) == 0
+    # From zero pods, queued work asks for pods.
+    assert recommend_pool(0, PoolLoad(40, 0, 0), 8, POOL) == 2
+
+
+def test_fleet_recommendation_kv_and_queue() -> None:
+    assert recommend_fleet(4, FleetLoad((0.8,) * 4, (0,) * 4), FLEET) == 4  # on target
+    assert recommend_fleet(4, FleetLoad((1.0,) * 4, (0,) * 4), FLEET) == 5  # ceil(4 * 1.0/0.8)
+    assert recommend_fleet(4, FleetLoad((0.2,) * 4, (0,) * 4), FLEET) == 1
+    # KV low but long queues: the queue signal wins (ceil(4 * 24/8) = 12).
+    assert recommend_fleet(4, FleetLoad((0.3,) * 4, (24,) * 4), FLEET) == 12
+    # A queue under target never forces a scale-down by itself.
+    assert recommend_fleet(4, FleetLoad((0.8,) * 4, (4,) * 4), FLEET) == 4
+
+
+def test_scale_up_is_immediate_but_at_most_doubling() -> None:
+    d = _decide(2, 10)
+    assert (d.desired, d.reason) == (4, "scale-up")
+    assert _decide(4, 5).desired == 5
+    assert _decide(0, 3, lo=0).desired == 1  # min +1 from zero
+
+
+def test_scale_down_waits_for_the_stabilization_window() -> None:
+    history: tuple[Recommendation, ...] = ()
+    now = 0.0
+    # Load was high at t=0 (8 pods), then drops to 2.
+    d = _decide(8, 8, history, now=now)
+    history = d.history
+    for t in (60.0, 120.0, 290.0):
+        d = _decide(8, 2, history, now=t)
+        history = d.history
+        assert d.desired == 8 and d.reason == "hold", t
+    # The high sample ages out after 300 s; the highest remaining recommendation is 2.
+    d = _decide(8, 2, history, now=301.0)
+    assert (d.desired, d.reason) == (2, "scale-down")
+    assert all(301.0 - r.time <= 300 for r in d.history)
+
+
+def test_scale_down_uses_the_highest_recent_recommendation() -> None:
+    hist = (Recommendation(900.0, 6), Recommendation(950.0, 3))
+    assert _decide(8, 2, hist, now=1000.0).desired == 6
+
+
+def test_bounds_and_missing_metrics() -> None:
+    assert _decide(3, 50, hi=5).desired == 5
+    assert _decide(3, 0, window=0, lo=2).desired == 2
+    d = _decide(7, None, hi=5)
+    assert (d.desired, d.reason) == (5, "bounds")
+    d = _decide(3, None, (Recommendation(999.0, 3),))
+    assert (d.desired, d.reason) == (3, "hold") and len(d.history) == 1  # not recorded
+
+
+def test_zero_window_scales_down_at_once() -> None:
+    assert _decide(6, 2, (Recommendation(999.0, 6),), window=0).desired == 2
+
+
+SANDBOX_TEXT = """\
+# HELP kuberl_sandbox_queue_depth Calls waiting for a worker.
+# TYPE kuberl_sandbox_queue_depth gauge
+kuberl_sandbox_queue_depth{pool="p"} 12.0
+# HELP kuberl_sandbox_workers_busy Workers running a call.
+# TYPE kuberl_sandbox_workers_busy gauge
+kuberl_sandbox_workers_busy{pool="p"} 8.0
+# TYPE kuberl_tool_calls_total counter
+kuberl_tool_calls_total{pool="p",outcome="stdout"} 99.0
+"""
+SGLANG_TEXT = """\
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="policy"} 0.5
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{model_name="policy"} 3.0
+"""
+
+
+def test_metrics_parsing() -> None:
+    assert parse_gauges(SANDBOX_TEXT, ["kuberl_sandbox_queue_depth"]) == {"kuberl_sandbox_queue_depth": 12.0}
+    load = pool_load([SANDBOX_TEXT, SANDBOX_TEXT, "garbage_metric 1\n"])
+    assert load == PoolLoad(24.0, 16.0, 2)
+    assert pool_load(["other 1\n"]) is None
+    fl = fleet_load([SGLANG_TEXT, SGLANG_TEXT.replace("0.5", "0.9")])
+    assert fl is not None and abs(fl.mean_token_usage - 0.7) < 1e-9 and fl.queued_per_engine == 3.0
+    assert fleet_load([]) is None

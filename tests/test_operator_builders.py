@@ -1,0 +1,274 @@
+"""Unit tests of the pure manifest builders (no cluster): shape, profiles, security, validity."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
+from kuberl.operator.builders import (
+    ANNOTATION_AUTOSCALER,
+    build_for,
+    build_keda_scaled_object,
+    resolved_job_document,
+    selector_string,
+)
+from kuberl.operator.schemas import validate_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def _fleet(**spec) -> RolloutFleet:
+    base = {"model": {"uri": "Qwen/Qwen3-14B-Base"}}
+    return RolloutFleet.model_validate({"metadata": {"name": "f"}, "spec": {**base, **spec}})
+
+
+def _job(**spec) -> AgenticRLJob:
+    base = {"model": {"base": "Qwen/Qwen3-14B-Base"}, "data": {"train": "s3://d/train.jsonl"}}
+    return AgenticRLJob.model_validate({"metadata": {"name": "j"}, "spec": {**base, **spec}})
+
+
+def _by_kind(objs: list[dict]) -> dict[str, dict]:
+    out = {o["kind"]: o for o in objs}
+    assert len(out) == len(objs), "one object per kind expected"
+    return out
+
+
+def _container(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_renders_valid_manifests(path: Path) -> None:
+    count = 0
+    for res in load_manifests(path):
+        for obj in build_for(res, "ns1"):
+            validate_manifest(obj)  # kubernetes-validate --strict, or the CRD/upstream schema
+            assert obj["metadata"]["namespace"] == "ns1"
+            labels = obj["metadata"]["labels"]
+            assert labels["app.kubernetes.io/managed-by"] == "kuberl"
+            assert labels["app.kubernetes.io/component"] in {"trainer", "rollout", "sandbox"}
+            assert labels["app.kubernetes.io/instance"]
+            count += 1
+    assert count >= 3
+
+
+def test_validation_is_strict() -> None:
+    """The checker itself must reject a typo, or every test above proves nothing."""
+    dep = _by_kind(build_for(SandboxPool.model_validate({"metadata": {"name": "p"}})))["Deployment"]
+    _container(dep)["imagePulPolicy"] = "Always"
+    with pytest.raises(ValueError, match="imagePulPolicy"):
+        validate_manifest(dep)
+    job = _by_kind(build_for(_job(sandbox={"pool": {"replicas": 2}})))["SandboxPool"]
+    job["spec"]["replicas"] = -1
+    with pytest.raises(ValueError, match="replicas"):
+        validate_manifest(job)
+
+
+def test_sandbox_pool_security_and_egress() -> None:
+    pool = SandboxPool.model_validate(
+        {
+            "metadata": {"name": "tools"},
+            "spec": {"replicas": 3, "workersPerPod": 16, "limits": {"timeoutSeconds": 20}},
+        }
+    )
+    objs = _by_kind(build_for(pool))
+    dep, svc, netpol = objs["Deployment"], objs["Service"], objs["NetworkPolicy"]
+    assert dep["spec"]["replicas"] == 3
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    sc = _container(dep)["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    args = _container(dep)["args"]
+    assert args[args.index("--workers") + 1] == "16" and args[args.index("--pool") + 1] == "tools"
+    assert svc["spec"]["ports"][0]["name"] == "http"
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert netpol["spec"]["egress"] == [] and "Egress" in netpol["spec"]["policyTypes"]
+    assert netpol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    # Selector labels must be a subset of the pod labels or the Deployment is rejected.
+    assert (
+        dep["spec"]["selector"]["matchLabels"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_fleet_mi300x_profile() -> None:
+    fleet = _fleet(
+        replicas=4,
+        engine={"tensorParallel": 2, "memFractionStatic": 0.8, "contextLength": 16384, "extraArgs": ["--x"]},
+        accelerator={"profile": "mi300x", "count": 2},
+    )
+    objs = _by_kind(build_for(fleet))
+    dep, svc = objs["Deployment"], objs["Service"]
+    assert dep["spec"]["replicas"] == 4
+    c = _container(dep)
+    assert "rocm" in c["image"]
+    assert c["resources"]["limits"]["amd.com/gpu"] == "2"
+    cmd = c["command"]
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+    for flag, value in [
+        ("--tp", "2"),
+        ("--mem-fraction-static", "0.8"),
+        ("--context-length", "16384"),
+        ("--port", "30000"),
+        ("--host", "0.0.0.0"),
+        ("--model-path", "Qwen/Qwen3-14B-Base"),
+    ]:
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-metrics" in cmd and cmd[-1] == "--x"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    pod = dep["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    keys = {
+        e["key"]
+        for t in pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        for e in t["matchExpressions"]
+    }
+    assert "amd.com/gpu.product-name" in keys
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["name"] == "http"
+
+
+def test_fleet_h100_and_cpu_profiles() -> None:
+    h100 = _container(_by_kind(build_for(_fleet(accelerator={"profile": "h100", "count": 1})))["Deployment"])
+    assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1"} and "cu12" in h100["image"]
+    cpu_dep = _by_kind(build_for(_fleet(accelerator={"profile": "cpu", "count": 1})))["Deployment"]
+    c = _container(cpu_dep)
+    assert not any("gpu" in k for part in c.get("resources", {}).values() for k in part)
+    assert "affinity" not in cpu_dep["spec"]["template"]["spec"]
+    assert c["command"][c["command"].index("--device") + 1] == "cpu"
+
+
+def test_fleet_spanning_nodes_is_a_leaderworkerset() -> None:
+    fleet = _fleet(replicas=2, engine={"tensorParallel": 16}, accelerator={"profile": "mi300x", "count": 8})
+    objs = _by_kind(build_for(fleet))
+    lws, svc = objs["LeaderWorkerSet"], objs["Service"]
+    validate_manifest(lws)
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    tmpl = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["spec"]["replicas"] == 2 and tmpl["size"] == 2
+    leader = tmpl["leaderTemplate"]["spec"]["containers"][0]
+    worker = tmpl["workerTemplate"]["spec"]["containers"][0]
+    assert "--nnodes" in leader["command"] and "$(LWS_LEADER_ADDRESS):20000" in leader["command"]
+    assert "readinessProbe" in leader and "readinessProbe" not in worker
+    assert svc["spec"]["selector"]["kuberl.io/role"] == "leader"
+
+
+def test_job_trainer_rendezvous_and_config() -> None:
+    job = _job(
+        trainer={"replicas": 4, "accelerator": {"profile": "mi300x", "count": 8}},
+        rollout={"fleetRef": "shared"},
+        sandbox={"poolRef": "tools"},
+    )
+    objs = _by_kind(build_for(job, "team"))
+    assert set(objs) == {"ConfigMap", "Service", "Job"}  # refs: no inline children
+    cm, svc, trainer = objs["ConfigMap"], objs["Service"], objs["Job"]
+    doc = yaml.safe_load(cm["data"]["job.yaml"])
+    assert AgenticRLJob.model_validate(doc).spec.trainer.replicas == 4  # the trainer can load it
+    assert doc["spec"]["algorithm"]["groupSize"] == 16  # defaults resolved
+    spec = trainer["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == svc["metadata"]["name"] == "j-trainer"
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    env = {e["name"]: e.get("value") for e in _container(trainer)["env"]}
+    assert env["MASTER_ADDR"] == "j-trainer-0.j-trainer.team.svc"
+    assert env["KUBERL_SANDBOX_URL"] == "http://tools.team.svc:8080"
+    assert env["KUBERL_ROLLOUT_FLEET"] == "shared"
+    assert _container(trainer)["command"] == [
+        "kuberl",
+        "run",
+        "/etc/kuberl/job.yaml",
+        "--out",
+        "/var/run/kuberl",
+    ]
+    assert _container(trainer)["resources"]["limits"]["amd.com/gpu"] == "8"
+
+
+def test_job_inline_children_and_suspend() -> None:
+    job = _job(
+        rollout={
+            "fleet": {
+                "replicas": 2,
+                "accelerator": {"profile": "h100", "count": 1},
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 4},
+            }
+        },
+        sandbox={"pool": {"replicas": 3}},
+    )
+    objs = _by_kind(build_for(job))
+    fleet, pool = objs["RolloutFleet"], objs["SandboxPool"]
+    assert fleet["metadata"]["name"] == "j-rollout" and pool["metadata"]["name"] == "j-sandbox"
+    assert fleet["spec"]["model"]["uri"] == "Qwen/Qwen3-14B-Base"  # defaults to model.base
+    assert RolloutFleet.model_validate(fleet).spec.replicas == 2
+    doc = resolved_job_document(job, "default")
+    assert doc["spec"]["rollout"] == {**doc["spec"]["rollout"], "fleetRef": "j-rollout"}
+    assert "fleet" not in doc["spec"]["rollout"] and doc["spec"]["sandbox"]["poolRef"] == "j-sandbox"
+
+    suspended = _by_kind(
+        build_for(job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})}))
+    )
+    assert suspended["Job"]["spec"]["suspend"] is True
+    assert (
+        suspended["RolloutFleet"]["spec"]["replicas"] == 0
+        and "autoscaling" not in suspended["RolloutFleet"]["spec"]
+    )
+    assert suspended["SandboxPool"]["spec"]["replicas"] == 0
+    for obj in suspended.values():
+        validate_manifest(obj)
+
+
+def test_config_change_changes_pod_template_hash() -> None:
+    a = _by_kind(build_for(_job()))["Job"]["spec"]["template"]["metadata"]["annotations"]
+    b = _by_kind(build_for(_job(seed=7)))["Job"]["spec"]["template"]["metadata"]["annotations"]
+    assert a["kuberl.io/config-hash"] != b["kuberl.io/config-hash"]
+
+
+def test_keda_scaled_objects() -> None:
+    pool = SandboxPool.model_validate(
+        {
+            "metadata": {"name": "p", "annotations": {ANNOTATION_AUTOSCALER: "keda"}},
+            "spec": {
+                "replicas": 2,
+                "workersPerPod": 8,
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 10, "targetQueuePerWorker": 2},
+            },
+        }
+    )
+    objs = _by_kind(build_for(pool))
+    so = objs["ScaledObject"]
+    validate_manifest(so)
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "SandboxPool",
+        "name": "p",
+    }
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 10)
+    trig = so["spec"]["triggers"][0]
+    assert trig["type"] == "prometheus" and "kuberl_sandbox_queue_depth" in trig["metadata"]["query"]
+    assert trig["metadata"]["threshold"] == "2"
+    fleet = _fleet(autoscaling={"minReplicas": 1, "maxReplicas": 8, "scaleDownStabilizationSeconds": 120})
+    fso = build_keda_scaled_object(fleet, "ns")
+    validate_manifest(fso)
+    queries = " ".join(t["metadata"]["query"] for t in fso["spec"]["triggers"])
+    assert "sglang:token_usage" in queries and "sglang:num_queue_reqs" in queries
+    assert fso["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
+        "stabilizationWindowSeconds": 120
+    }
+    with pytest.raises(ValueError, match="autoscaling is not set"):
+        build_keda_scaled_object(_fleet())
+    with pytest.raises(ValueError, match="no autoscaling"):
+        build_keda_scaled_object(_job())
+
+
+def test_selector_string_is_sorted_and_stable() -> None:
+    assert selector_string({"b": "2", "a": "1"}) == "a=1,b=2"
