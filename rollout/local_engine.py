@@ -1,0 +1,316 @@
+"""An in-process inference engine with continuous batching over a KV cache.
+
+It serves ``kuberl.trainer.model.GPT`` (or any module with the same forward contract:
+``logits, present = model(input_ids, past=None, attention_mask=None)`` with left padding) and
+is the embedded default of ``kuberl run`` and the engine of the tests.
+
+Why continuous batching: an RL step issues hundreds of concurrent ``generate`` calls (every
+rollout of a group, every turn). A tiny model on CPU is dominated by per-forward overhead, so
+one batched decode step over all running sequences is the unit of work. Requests arriving while
+a batch is running are prefilled together and merged into the running batch (left padding, one
+shared KV cache); finished rows leave the batch at once, and leading all-padding columns are
+trimmed so the cache never grows with the batch's history.
+
+Log-probs: sampling uses ``softmax(logits / temperature)`` (with top-p filtering), but the
+reported ``output_logprobs`` are ``log_softmax(logits)`` of the raw logits at the sampled token,
+i.e. the log-probs of the policy itself (temperature 1.0), which is what the trainer recomputes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kuberl.rollout.engine import Engine, EngineLoad, GenerateOutput, GenerateRequest
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Seq:
+    req: GenerateRequest
+    future: asyncio.Future
+    limit: int  # max new tokens after clamping to the context length
+    out_ids: list[int] = field(default_factory=list)
+    out_lps: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def reserved(self) -> int:
+        return len(self.req.input_ids) + self.limit
+
+    @property
+    def used(self) -> int:
+        return len(self.req.input_ids) + len(self.out_ids)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens [B], log_softmax(logits) at the tokens [B]).
+
+    ``temperature`` and ``top_p`` are per-row [B] tensors; rows with temperature <= 0 are greedy.
+    Nucleus filtering keeps the smallest prefix of the sorted distribution whose mass reaches
+    ``top_p`` (the most likely token is always kept).
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    greedy = temperature <= 0
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        idx = (~greedy).nonzero(as_tuple=True)[0]
+        scaled = logits[idx] / temperature[idx, None]
+        probs = torch.softmax(scaled, dim=-1)
+        p = top_p[idx]
+        if bool((p < 1.0).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before >= p[:, None], 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        picked = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        tokens = tokens.clone()
+        tokens[idx] = picked
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _pad_left(past: KV, mask: torch.Tensor, width: int) -> tuple[KV, torch.Tensor]:
+    """Left-pad a KV cache and its mask to ``width`` columns (zeros, mask 0)."""
+    extra = width - mask.shape[1]
+    if extra <= 0:
+        return past, mask
+    padded = []
+    for k, v in past:
+        z = k.new_zeros(k.shape[0], k.shape[1], extra, k.shape[3])
+        padded.append((torch.cat([z, k], dim=2), torch.cat([z, v], dim=2)))
+    return padded, torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
+
+
+class LocalEngine(Engine):
+    """Continuous-batching engine over an in-process causal LM (see module docstring).
+
+    The engine serves a private copy of ``model`` (in eval mode), so the trainer's module is
+    never put into eval mode or read mid-step; ``set_weights`` copies new weights in between
+    decode steps. ``max_total_tokens`` is the KV budget reported to the scheduler and also the
+    admission limit: a request is admitted when its prompt + clamped max_new_tokens fit next to
+    the running requests' reservations (or when nothing is running). ``context_length`` defaults
+    to ``model.config.block_size``; a request stops with finish_reason "length" when prompt +
+    output reaches it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_total_tokens: int = 65536,
+        max_batch: int = 64,
+        device: str = "cpu",
+        name: str = "local-0",
+        context_length: int | None = None,
+        seed: int | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        self.name = name
+        self.device = torch.device(device)
+        self.model = copy.deepcopy(model).to(self.device).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        cfg = getattr(self.model, "config", None)
+        self.context_length = int(context_length or getattr(cfg, "block_size", 0) or 1 << 30)
+        self.max_batch = max_batch
+        self._max_total_tokens = max_total_tokens
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed if seed is not None else torch.seed() % (1 << 62))
+        self._lock = threading.Lock()  # serializes forward passes and weight updates
+        self._pending: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._past: KV | None = None
+        self._mask: torch.Tensor | None = None
+        self._next: torch.Tensor | None = None  # last sampled token per row, not yet in the cache
+        self._driver: asyncio.Task | None = None
+        self.steps = 0  # decode steps run (batched forwards), for tests and benchmarks
+        self.prefills = 0
+
+    # -- Engine interface ---------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        req.validate()
+        limit = min(req.max_new_tokens, self.context_length - len(req.input_ids))
+        if limit <= 0:
+            return GenerateOutput([], [], "length")
+        loop = asyncio.get_running_loop()
+        seq = _Seq(req=req, future=loop.create_future(), limit=limit)
+        self._pending.append(seq)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive(), name=f"{self.name}-driver")
+        return await seq.future
+
+    async def max_total_tokens(self) -> int:
+        return self._max_total_tokens
+
+    async def health(self) -> bool:
+        return self._driver is None or not self._driver.done() or self._driver.exception() is None
+
+    async def load_metrics(self) -> EngineLoad:
+        used = sum(s.used for s in self._running)
+        return EngineLoad(used / self._max_total_tokens, len(self._running), len(self._pending))
+
+    async def close(self) -> None:
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+            try:
+                await self._driver
+            except asyncio.CancelledError:
+                pass
+        for seq in [*self._running, *self._pending]:
+            if not seq.future.done():
+                seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, "abort"))
+        self._running, self._pending = [], deque()
+        self._past = self._mask = self._next = None
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new policy weights in (between decode steps); running requests continue with them."""
+        with self._lock, torch.no_grad():
+            self.model.load_state_dict(state_dict)
+
+    load_state_dict = set_weights
+
+    # -- batching -----------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        await asyncio.sleep(0)  # let the other generate() calls of this tick enqueue first
+        try:
+            while self._pending or self._running:
+                for seq in self._running:
+                    if seq.future.done():  # the caller went away (cancelled): drop the row
+                        seq.finish = "abort"
+                admit = self._admit()
+                finished = await asyncio.to_thread(self._step, admit)
+                for seq in finished:
+                    if not seq.future.done():
+                        seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, seq.finish))
+        except BaseException as err:
+            for seq in [*self._running, *self._pending]:
+                if not seq.future.done():
+                    if isinstance(err, asyncio.CancelledError):
+                        seq.future.cancel()
+                    else:
+                        seq.future.set_exception(err)
+            self._running, self._pending = [], deque()
+            self._past = self._mask = self._next = None
+            raise
+
+    def _admit(self) -> list[_Seq]:
+        reserved = sum(s.reserved for s in self._running)
+        admit: list[_Seq] = []
+        while self._pending and len(self._running) + len(admit) < self.max_batch:
+            seq = self._pending[0]
+            if seq.future.done():
+                self._pending.popleft()
+                continue
+            if (self._running or admit) and reserved + seq.reserved > self._max_total_tokens:
+                break
+            reserved += seq.reserved
+            admit.append(self._pending.popleft())
+        return admit
+
+    @torch.inference_mode()
+    def _step(self, admit: list[_Seq]) -> list[_Seq]:
+        """Prefill ``admit`` into the batch, then run one decode step; return finished rows."""
+        with self._lock:
+            finished = self._evict()
+            if admit:
+                finished += self._prefill(admit)
+            if self._running:
+                self._decode()
+                finished += self._evict()
+            return finished
+
+    def _prefill(self, admit: list[_Seq]) -> list[_Seq]:
+        width = max(len(s.req.input_ids) for s in admit)
+        ids = torch.zeros(len(admit), width, dtype=torch.long)
+        mask = torch.zeros(len(admit), width, dtype=torch.long)
+        for i, s in enumerate(admit):
+            n = len(s.req.input_ids)
+            ids[i, width - n :] = torch.tensor(s.req.input_ids, dtype=torch.long)
+            mask[i, width - n :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits, past = self.model(ids, attention_mask=mask)
+        self.prefills += 1
+        tokens = self._sample(admit, logits[:, -1])
+        self._merge(admit, past, mask, tokens)
+        return self._evict()
+
+    def _merge(self, seqs: list[_Seq], past: KV, mask: torch.Tensor, tokens: torch.Tensor) -> None:
+        if not self._running:
+            self._running, self._past, self._mask, self._next = list(seqs), past, mask, tokens
+            return
+        assert self._past is not None and self._mask is not None and self._next is not None
+        width = max(mask.shape[1], self._mask.shape[1])
+        old_past, old_mask = _pad_left(self._past, self._mask, width)
+        new_past, new_mask = _pad_left(past, mask, width)
+        self._past = [
+            (torch.cat([k0, k1], dim=0), torch.cat([v0, v1], dim=0))
+            for (k0, v0), (k1, v1) in zip(old_past, new_past, strict=True)
+        ]
+        self._mask = torch.cat([old_mask, new_mask], dim=0)
+        self._next = torch.cat([self._next, tokens], dim=0)
+        self._running.extend(seqs)
+
+    def _decode(self) -> None:
+        assert self._past is not None and self._mask is not None and self._next is not None
+        mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], dim=1)
+        logits, self._past = self.model(self._next[:, None], past=self._past, attention_mask=mask)
+        self._mask = mask
+        self.steps += 1
+        self._next = self._sample(self._running, logits[:, -1])
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
+        temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32, device=logits.device)
+        top_p = torch.tensor([s.req.top_p for s in seqs], dtype=torch.float32, device=logits.device)
+        tokens, lps = sample_tokens(logits, temps, top_p, self._generator)
+        for s, tok, lp in zip(seqs, tokens.tolist(), lps.tolist(), strict=True):
+            if s.finish is not None:
+                continue
+            s.out_ids.append(tok)
+            s.out_lps.append(lp)
+            if tok in s.req.stop_token_ids:
+                s.finish = "stop"
+            elif len(s.out_ids) >= s.limit:
+                s.finish = "length"
+        return tokens
+
+    def _evict(self) -> list[_Seq]:
+        """Remove finished (or aborted) rows from the batch and trim all-padding columns."""
+        done = [s for s in self._running if s.finish is not None]
+        if not done:
+            return []
+        keep = [i for i, s in enumerate(self._running) if s.finish is None]
+        if not keep:
+            self._running, self._past, self._mask, self._next = [], None, None, None
+            return done
+        assert self._past is not None and self._mask is not None and self._next is not None
+        index = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
+        mask = self._mask.index_select(0, index)
+        first = int(mask.any(dim=0).long().argmax())  # first column holding a real token
+        self._mask = mask[:, first:]
+        self._past = [
+            (k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+            for k, v in self._past
+        ]
+        self._next = self._next.index_select(0, index)
+        self._running = [self._running[i] for i in keep]
+        return done

@@ -1,0 +1,237 @@
+"""Assigning multi-turn rollouts to inference engines (paper section 3.2).
+
+A rollout holds its engine for all of its turns (the KV cache of earlier turns stays useful
+via prefix caching), so assignment happens once per rollout through :meth:`Scheduler.session`.
+
+Policies:
+
+* ``kv-aware`` (the paper's load-balanced scheduler): each rollout reserves
+  ``prompt_tokens + max_response_tokens`` KV tokens on the engine with the most free capacity
+  that fits. If none fits, the rollout waits (FIFO) until a running rollout releases its
+  reservation. The sum of reservations on an engine never exceeds its ``max_total_tokens``,
+  so the engine never has to evict and recompute (no KV overflow), and fast engines that free
+  capacity sooner automatically receive more rollouts.
+* ``least-requests``: the engine with the fewest in-flight rollouts, capacity-blind.
+* ``round-robin``: engines in turn, capacity-blind.
+* ``static`` (verl style, the baseline): the rollouts of a batch are partitioned into equal
+  contiguous chunks, one per engine, regardless of speed or load (call :meth:`start_batch`
+  with the batch size first; without it, rollouts are dealt out modulo the engine count).
+
+The capacity-blind policies admit immediately unless ``max_inflight_per_engine`` is set, in
+which case they wait for a free slot. Reservations are tracked for every policy, so overflow
+(reserved > capacity) is observable; only ``kv-aware`` prevents it.
+
+Per-engine gauges in the prometheus-client default registry:
+``kuberl_rollout_kv_cache_utilization{engine}`` (reserved / capacity) and
+``kuberl_rollout_requests_inflight{engine}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from prometheus_client import Gauge
+
+from kuberl.rollout.engine import Engine
+
+POLICIES = ("kv-aware", "least-requests", "round-robin", "static")
+
+KV_UTILIZATION = Gauge(
+    "kuberl_rollout_kv_cache_utilization",
+    "Reserved KV-cache tokens / engine capacity, as seen by the rollout scheduler",
+    ["engine"],
+)
+REQUESTS_INFLIGHT = Gauge(
+    "kuberl_rollout_requests_inflight", "Rollouts currently assigned to the engine", ["engine"]
+)
+
+
+@dataclass
+class EngineStats:
+    """The scheduler's book-keeping for one engine."""
+
+    name: str
+    capacity: int = 0
+    reserved: int = 0
+    inflight: int = 0
+    sessions_total: int = 0
+    peak_reserved: int = 0
+    overflow_events: int = 0  # admissions that pushed reserved above capacity
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.reserved
+
+    @property
+    def utilization(self) -> float:
+        return self.reserved / self.capacity if self.capacity else 0.0
+
+
+class Scheduler:
+    """Assigns rollouts to engines; see the module docstring for the policies."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        policy: str = "kv-aware",
+        max_response_tokens_default: int = 4096,
+        *,
+        max_inflight_per_engine: int | None = None,
+    ):
+        if not engines:
+            raise ValueError("Scheduler needs at least one engine")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown scheduler policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        if max_inflight_per_engine is not None and max_inflight_per_engine < 1:
+            raise ValueError(f"max_inflight_per_engine must be >= 1, got {max_inflight_per_engine}")
+        self.engines = list(engines)
+        self.policy = policy
+        self.max_response_tokens_default = max_response_tokens_default
+        self.max_inflight_per_engine = max_inflight_per_engine
+        self.stats = [EngineStats(e.name) for e in self.engines]
+        self._cond = asyncio.Condition()
+        self._capacities_known = False
+        self._waiting: deque[object] = deque()
+        self._counter = itertools.count()
+        self._batch_total: int | None = None
+        self._batch_start = 0
+
+    async def refresh_capacities(self) -> list[int]:
+        """Ask every engine for its KV capacity (done lazily before the first assignment)."""
+        caps = await asyncio.gather(*(e.max_total_tokens() for e in self.engines))
+        for st, cap in zip(self.stats, caps, strict=True):
+            if cap < 1:
+                raise ValueError(f"engine {st.name} reports max_total_tokens={cap}")
+            st.capacity = int(cap)
+            self._export(st)
+        self._capacities_known = True
+        return [st.capacity for st in self.stats]
+
+    def start_batch(self, total: int) -> None:
+        """Announce that the next ``total`` sessions form one batch (used by ``static``)."""
+        if total < 1:
+            raise ValueError(f"batch size must be >= 1, got {total}")
+        self._batch_total = total
+        self._batch_start = next(self._counter)
+        self._counter = itertools.count(self._batch_start)
+
+    @asynccontextmanager
+    async def session(
+        self, prompt_tokens: int, max_response_tokens: int | None = None
+    ) -> AsyncIterator[Engine]:
+        """Reserve ``prompt_tokens + max_response_tokens`` on an engine for one whole rollout."""
+        if max_response_tokens is None:
+            max_response_tokens = self.max_response_tokens_default
+        if prompt_tokens < 0 or max_response_tokens < 0:
+            raise ValueError(
+                f"prompt_tokens and max_response_tokens must be >= 0, got {prompt_tokens}, {max_response_tokens}"
+            )
+        need = prompt_tokens + max_response_tokens
+        index = await self._acquire(need)
+        try:
+            yield self.engines[index]
+        finally:
+            await self._release(index, need)
+
+    async def _acquire(self, need: int) -> int:
+        # Take a place in the FIFO before the first await, so arrival order is admission order.
+        seq = next(self._counter)
+        ticket = object()
+        self._waiting.append(ticket)
+        try:
+            if not self._capacities_known:
+                async with self._cond:
+                    if not self._capacities_known:
+                        await self.refresh_capacities()
+            if self.policy == "kv-aware":
+                biggest = max(st.capacity for st in self.stats)
+                if need > biggest:
+                    raise ValueError(
+                        f"a rollout needs {need} KV tokens but the largest engine holds {biggest}; "
+                        "lower maxResponseTokens or use engines with a larger KV cache"
+                    )
+            async with self._cond:
+                while True:
+                    index = self._pick(need, seq) if self._waiting[0] is ticket else None
+                    if index is not None:
+                        break
+                    await self._cond.wait()
+                self._waiting.popleft()
+                self._cond.notify_all()  # the next waiter may fit too
+                st = self.stats[index]
+                st.reserved += need
+                st.inflight += 1
+                st.sessions_total += 1
+                st.peak_reserved = max(st.peak_reserved, st.reserved)
+                if st.reserved > st.capacity:
+                    st.overflow_events += 1
+                self._export(st)
+                return index
+        except BaseException:
+            if ticket in self._waiting:  # cancelled or failed while queued: let the next one go
+                self._waiting.remove(ticket)
+                async with self._cond:
+                    self._cond.notify_all()
+            raise
+
+    async def _release(self, index: int, need: int) -> None:
+        async with self._cond:
+            st = self.stats[index]
+            st.reserved -= need
+            st.inflight -= 1
+            self._export(st)
+            self._cond.notify_all()
+
+    def _pick(self, need: int, seq: int) -> int | None:
+        """The engine for the next rollout, or None to wait. Pure function of the stats."""
+        n = len(self.stats)
+        cap = self.max_inflight_per_engine
+        if self.policy == "kv-aware":
+            fits = [i for i, st in enumerate(self.stats) if st.free >= need]
+            if not fits:
+                return None
+            return max(fits, key=lambda i: (self.stats[i].free, -self.stats[i].inflight, -i))
+        open_ = [i for i, st in enumerate(self.stats) if cap is None or st.inflight < cap]
+        if not open_:
+            return None
+        if self.policy == "least-requests":
+            return min(open_, key=lambda i: (self.stats[i].inflight, i))
+        if self.policy == "round-robin":
+            want = seq % n
+        else:  # static: equal contiguous chunks of the announced batch
+            k = seq - self._batch_start
+            total = self._batch_total
+            want = (k * n // total) % n if total and k < total else seq % n
+        return want if want in open_ else None
+
+    def _export(self, st: EngineStats) -> None:
+        KV_UTILIZATION.labels(engine=st.name).set(st.utilization)
+        REQUESTS_INFLIGHT.labels(engine=st.name).set(st.inflight)
+
+    @property
+    def overflow_events(self) -> int:
+        return sum(st.overflow_events for st in self.stats)
+
+    def snapshot(self) -> list[dict]:
+        """Per-engine book-keeping as plain dicts (for logs and the bench)."""
+        return [
+            {
+                "engine": st.name,
+                "capacity": st.capacity,
+                "reserved": st.reserved,
+                "inflight": st.inflight,
+                "utilization": st.utilization,
+                "sessions_total": st.sessions_total,
+                "peak_reserved": st.peak_reserved,
+                "overflow_events": st.overflow_events,
+            }
+            for st in self.stats
+        ]

@@ -1,0 +1,146 @@
+"""LocalEngine: continuous batching must not change what is generated, and log-probs are exact."""
+
+import asyncio
+
+import pytest
+import torch
+
+from kuberl.rollout.engine import GenerateOutput, GenerateRequest
+from kuberl.rollout.local_engine import LocalEngine, sample_tokens
+from kuberl.trainer.model import GPT, GPTConfig
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=48, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():  # sharpen the logits so greedy decoding has no near-ties
+        m.wte.weight.mul_(20)
+    return m
+
+
+def _requests(n: int, seed: int, stop: tuple[int, ...] = ()) -> list[GenerateRequest]:
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for _ in range(n):
+        plen = int(torch.randint(1, 16, (1,), generator=g))
+        reqs.append(
+            GenerateRequest(
+                input_ids=torch.randint(0, 48, (plen,), generator=g).tolist(),
+                max_new_tokens=int(torch.randint(1, 30, (1,), generator=g)),
+                temperature=0.0,
+                stop_token_ids=stop,
+            )
+        )
+    return reqs
+
+
+def _reference_logprobs(model, req: GenerateRequest, out: GenerateOutput) -> list[float]:
+    ids = torch.tensor([req.input_ids + out.output_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids)[0][0], dim=-1)
+    n = len(req.input_ids)
+    return [float(lp[n - 1 + i, t]) for i, t in enumerate(out.output_ids)]
+
+
+def _greedy_reference(model, req: GenerateRequest, context: int) -> list[int]:
+    ids = list(req.input_ids)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < req.max_new_tokens and len(ids) < context:
+            tok = int(model(torch.tensor([ids]))[0][0, -1].argmax())
+            out.append(tok)
+            ids.append(tok)
+            if tok in req.stop_token_ids:
+                break
+    return out
+
+
+async def test_batched_greedy_equals_sequential_and_logprobs_match_full_forward(model):
+    # A stop token that greedy decoding actually emits, so "stop" and "length" both occur.
+    probe = _requests(20, seed=1)
+    first = [_greedy_reference(model, r, 48)[0] for r in probe]
+    stop = (max(set(first), key=first.count),)
+    reqs = _requests(20, seed=1, stop=stop)
+    engine = LocalEngine(model, max_batch=6, seed=0)  # < 20: requests join a running batch
+    batched = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    assert engine.prefills > 1, "later requests must join the running batch via prefill"
+    assert engine.steps < sum(len(o.output_ids) for o in batched) / 2, "decode steps must be batched"
+    for req, out in zip(reqs, batched, strict=True):
+        assert out.output_ids == _greedy_reference(model, req, 48)
+        alone = await engine.generate(req)
+        assert alone.output_ids == out.output_ids
+        assert out.output_logprobs == pytest.approx(_reference_logprobs(model, req, out), abs=1e-4)
+        expect = "stop" if out.output_ids[-1] in stop else "length"
+        assert out.finish_reason == expect
+    assert {o.finish_reason for o in batched} == {"stop", "length"}
+
+
+async def test_context_limit_and_max_total_tokens_admission(model):
+    engine = LocalEngine(model, max_batch=64, max_total_tokens=60, seed=0)
+    long = GenerateRequest(input_ids=list(range(40)), max_new_tokens=100, temperature=0.0)
+    out = await engine.generate(long)
+    assert len(out.output_ids) == 8 and out.finish_reason == "length"  # 40 + 8 = block_size 48
+    full = await engine.generate(GenerateRequest(input_ids=[1] * 48, max_new_tokens=5))
+    assert full == GenerateOutput([], [], "length")
+    # 3 requests of 10 + 20 reserve 30 tokens each: only 2 fit in 60 at a time.
+    reqs = [GenerateRequest(input_ids=[i + 1] * 10, max_new_tokens=20, temperature=0.0) for i in range(3)]
+    before = engine.prefills
+    outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    assert all(len(o.output_ids) == 20 for o in outs)
+    assert engine.prefills - before == 2  # the third request waited for a second prefill
+    load = await engine.load_metrics()
+    assert load.running == 0 and load.queued == 0 and load.kv_cache_utilization == 0.0
+
+
+async def test_sampling_is_seeded_and_set_weights_changes_outputs(model):
+    req = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=20, temperature=1.0, top_p=0.9)
+    a = await LocalEngine(model, seed=7).generate(req)
+    b = await LocalEngine(model, seed=7).generate(req)
+    assert a.output_ids == b.output_ids and len(a.output_ids) == 20
+    engine = LocalEngine(model, seed=0)
+    greedy = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=10, temperature=0.0)
+    before = await engine.generate(greedy)
+    other = GPT(model.config)
+    engine.set_weights(other.state_dict())
+    after = await engine.generate(greedy)
+    assert after.output_ids == _greedy_reference(other.eval(), greedy, 48)
+    assert after.output_logprobs == pytest.approx(_reference_logprobs(other, greedy, after), abs=1e-4)
+    assert after.output_logprobs != pytest.approx(before.output_logprobs, abs=1e-3)
+    # The engine serves its own copy: the caller's module is untouched.
+    assert not torch.equal(model.wte.weight, other.wte.weight)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(2000, 1))
+    g = torch.Generator().manual_seed(0)
+    temps = torch.ones(2000)
+    toks, lps = sample_tokens(logits, temps, torch.full((2000,), 0.7), g)
+    assert set(toks.tolist()) == {0, 1}
+    assert torch.allclose(lps, logits.gather(-1, toks[:, None]).squeeze(-1))
+    toks, _ = sample_tokens(logits, torch.zeros(2000), torch.ones(2000), g)
+    assert set(toks.tolist()) == {0}
+
+
+async def test_bad_requests_are_clear_errors(model):
+    engine = LocalEngine(model)
+    with pytest.raises(ValueError, match="input_ids must not be empty"):
+        await engine.generate(GenerateRequest(input_ids=[], max_new_tokens=3))
+    with pytest.raises(ValueError, match="top_p"):
+        await engine.generate(GenerateRequest(input_ids=[1], max_new_tokens=3, top_p=0.0))
+    with pytest.raises(ValueError, match="max_batch"):
+        LocalEngine(model, max_batch=0)
+
+
+async def test_cancelled_caller_leaves_the_batch(model):
+    engine = LocalEngine(model, seed=0)
+    slow = asyncio.ensure_future(engine.generate(GenerateRequest([1, 2], max_new_tokens=40, temperature=0.0)))
+    fast = engine.generate(GenerateRequest([3, 4], max_new_tokens=3, temperature=0.0))
+    out = await fast
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    await asyncio.sleep(0.05)
+    assert len(out.output_ids) == 3
+    assert (await engine.load_metrics()).running == 0
+    await engine.close()

@@ -1,0 +1,134 @@
+"""The multi-turn loop: exact token ids across turns, loss mask, stop rules, budget truncation."""
+
+import json
+
+import pytest
+import torch
+
+from kuberl.rollout import template
+from kuberl.rollout.local_engine import LocalEngine
+from kuberl.rollout.loop import Tokenizer, ToolExecutor, Trajectory, rollout_group, rollout_one
+from kuberl.rollout.scheduler import Scheduler
+from kuberl.trainer.model import GPT, GPTConfig
+from tests.rollout_helpers import ByteTokenizer, FakeExecutor, ScriptedEngine
+
+TOK = ByteTokenizer()
+END = template.IM_END
+PROMPT = template.render_prompt("What is 6*7?", style="compact")
+
+
+def _check_alignment(traj: Trajectory) -> None:
+    assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.logprobs)
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m == 0)
+
+
+async def _run(turns: list[str], executor=None, **kw) -> tuple[Trajectory, ScriptedEngine]:
+    engine = ScriptedEngine(TOK, turns)
+    kw.setdefault("max_turns", 5)
+    kw.setdefault("max_response_tokens", 4000)
+    traj = await rollout_one(Scheduler([engine]), TOK, executor or FakeExecutor(), PROMPT, **kw)
+    _check_alignment(traj)
+    return traj, engine
+
+
+def test_protocols_match_the_test_doubles():
+    assert isinstance(TOK, Tokenizer)
+    assert isinstance(FakeExecutor(), ToolExecutor)
+
+
+async def test_tool_turn_then_answer_keeps_exact_ids_and_masks_tool_tokens():
+    call1 = template.render_tool_call("print(6*7)")
+    call2 = template.render_tool_call("raise ValueError")
+    turn1 = f"<reason>compute</reason>{call1}{call2}{END}"
+    turn2 = f"<reason>ok</reason><answer>\\boxed{{42}}</answer>{END}"
+    executor = FakeExecutor(delay=0.01)
+    traj, engine = await _run([turn1, turn2], executor)
+    assert traj.turns == 2 and traj.finish_reason == "answer" and traj.answer == "42"
+    assert traj.tool_calls == 2 and traj.tool_errors == 1 and traj.format_errors == 0
+    assert executor.max_concurrent == 2, "a turn's calls run concurrently"
+    assert not traj.truncated
+    tool_text = template.render_tool_responses(
+        ["len=10", "Traceback (most recent call last):\nValueError: boom"]
+    )
+    t1, t2, tt = TOK.encode(turn1), TOK.encode(turn2), TOK.encode(tool_text)
+    assert traj.prompt_ids == TOK.encode(PROMPT)
+    assert traj.response_ids == t1 + tt + t2
+    assert traj.loss_mask == [1] * len(t1) + [0] * len(tt) + [1] * len(t2)
+    assert traj.logprobs[: len(t1)] == [-0.5] * len(t1)
+    assert traj.response_text == turn1 + tool_text + turn2
+    # The second turn continued exactly the ids so far: prompt + turn 1 + tool response.
+    assert engine.requests[1].input_ids == traj.prompt_ids + t1 + tt
+    assert engine.requests[1].stop_token_ids == (TOK.eos_id,)
+    assert engine.requests[1].max_new_tokens == 4000 - len(t1) - len(tt)
+
+
+async def test_invalid_json_becomes_the_tool_response_and_counts_as_format_error():
+    bad = f'<tool_call>{{"name": "{template.TOOL_NAME}", "arguments": {{"code": "1"</tool_call>{END}'
+    traj, _ = await _run([bad, f"no tools{END}"])
+    assert traj.format_errors == 1 and traj.tool_errors == 1 and traj.tool_calls == 1
+    assert "<tool_response>Error: invalid tool call JSON" in traj.response_text
+    assert traj.finish_reason == "no_tool_call" and traj.turns == 2 and traj.answer is None
+
+
+async def test_max_turns_stops_without_running_the_last_calls():
+    call = template.render_tool_call("print(1)") + END
+    executor = FakeExecutor()
+    traj, _ = await _run([call], executor, max_turns=3)
+    assert traj.turns == 3 and traj.finish_reason == "max_turns"
+    assert traj.tool_calls == 2 and len(executor.calls) == 2
+    assert traj.response_ids[-1] == TOK.eos_id and traj.loss_mask[-1] == 1
+
+
+async def test_generation_hitting_the_budget_is_truncated():
+    traj, _ = await _run(["x" * 100 + END], max_response_tokens=30)
+    assert traj.truncated and traj.finish_reason == "length" and len(traj.response_ids) == 30
+
+
+async def test_tool_response_overflowing_the_budget_is_cut():
+    turn = template.render_tool_call("print(1)") + END
+    n = len(TOK.encode(turn))
+    traj, engine = await _run([turn, "never" + END], max_response_tokens=n + 10)
+    assert traj.truncated and traj.finish_reason == "length"
+    assert len(traj.response_ids) == n + 10 and traj.loss_mask == [1] * n + [0] * 10
+    assert len(engine.requests) == 1, "no room left for another turn"
+
+
+async def test_unclosed_tool_call_is_a_format_error():
+    traj, _ = await _run([f'<tool_call>{{"name": "x"{END}'])
+    assert traj.format_errors == 1 and traj.finish_reason == "no_tool_call" and traj.tool_calls == 0
+
+
+async def test_rollout_group_runs_everything_concurrently_through_the_scheduler():
+    engine = ScriptedEngine(TOK, [f"<answer>1</answer>{END}"], capacity=10_000)
+    sched = Scheduler([engine])
+    groups = await rollout_group(
+        sched, TOK, FakeExecutor(), [PROMPT, PROMPT + "x"], 3, max_turns=2, max_response_tokens=100
+    )
+    assert [len(g) for g in groups] == [3, 3]
+    assert groups[1][0].prompt_ids == TOK.encode(PROMPT + "x")
+    assert sched.snapshot()[0]["sessions_total"] == 6 and sched.snapshot()[0]["reserved"] == 0
+    with pytest.raises(ValueError, match="max_turns"):
+        await rollout_one(sched, TOK, FakeExecutor(), PROMPT, max_turns=0, max_response_tokens=10)
+
+
+async def test_loop_on_local_engine_end_to_end():
+    """A real GPT on LocalEngine: ids handed to the engine are exactly prompt + response so far."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=TOK.vocab_size, block_size=256, n_layer=2, n_head=2, n_embd=32))
+    # Bias the untrained model towards emitting <|im_end|> quickly so turns end by "stop".
+    with torch.no_grad():
+        model.wte.weight[TOK.eos_id] += 0.5 * model.wte.weight[TOK.OFFSET + ord("a")]
+    engine = LocalEngine(model, max_batch=16, seed=0)
+    sched = Scheduler([engine])
+    groups = await rollout_group(
+        sched, TOK, FakeExecutor(), [PROMPT] * 4, 4, max_turns=3, max_response_tokens=64, temperature=1.0
+    )
+    trajs = [t for g in groups for t in g]
+    assert len(trajs) == 16
+    for t in trajs:
+        _check_alignment(t)
+        assert 1 <= len(t.response_ids) <= 64 and t.turns >= 1
+        assert t.truncated == (t.finish_reason == "length")
+        assert all(m == 1 for m in t.loss_mask)  # random text never forms a valid tool call
+    assert engine.steps < sum(len(t.response_ids) for t in trajs) / 2, "rollouts share decode steps"
+    assert json.loads(json.dumps(sched.snapshot()))[0]["sessions_total"] == 16

@@ -1,0 +1,122 @@
+"""Scheduler policies: KV reservations never overflow, waiting rollouts are admitted on release."""
+
+import asyncio
+
+import pytest
+from prometheus_client import REGISTRY
+
+from kuberl.rollout.scheduler import Scheduler
+from tests.rollout_helpers import ByteTokenizer, ScriptedEngine
+
+TOK = ByteTokenizer()
+
+
+def _engines(*caps: int) -> list[ScriptedEngine]:
+    return [ScriptedEngine(TOK, ["x"], name=f"e{i}", capacity=c) for i, c in enumerate(caps)]
+
+
+async def test_kv_aware_picks_most_free_and_waits_instead_of_overflowing():
+    sched = Scheduler(_engines(100, 300), policy="kv-aware")
+    order: list[str] = []
+    gate = asyncio.Event()
+
+    async def rollout(tag: str, need: int):
+        async with sched.session(need - 10, 10) as engine:
+            order.append(f"{tag}:{engine.name}")
+            await gate.wait()
+
+    tasks = [asyncio.create_task(rollout(f"r{i}", 100)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    # e1 (300 free) takes r0, then both have 200/100 free... 4 fit in 400 tokens, the fifth waits.
+    assert len(order) == 4 and sched.overflow_events == 0
+    assert sorted(o.split(":")[1] for o in order) == ["e0", "e1", "e1", "e1"]
+    assert order[0] == "r0:e1"
+    assert [s["reserved"] for s in sched.snapshot()] == [100, 300]
+    assert REGISTRY.get_sample_value("kuberl_rollout_kv_cache_utilization", {"engine": "e1"}) == 1.0
+    assert REGISTRY.get_sample_value("kuberl_rollout_requests_inflight", {"engine": "e1"}) == 3.0
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert len(order) == 5 and sched.overflow_events == 0
+    assert [s["reserved"] for s in sched.snapshot()] == [0, 0]
+    assert [s["inflight"] for s in sched.snapshot()] == [0, 0]
+    assert REGISTRY.get_sample_value("kuberl_rollout_requests_inflight", {"engine": "e1"}) == 0.0
+
+
+async def test_kv_aware_rejects_a_rollout_no_engine_can_hold():
+    sched = Scheduler(_engines(100), policy="kv-aware")
+    with pytest.raises(ValueError, match="largest engine holds 100"):
+        async with sched.session(50, 51):
+            pass
+
+
+async def test_fifo_admission_releases_in_order():
+    sched = Scheduler(_engines(100), policy="kv-aware")
+    admitted: list[int] = []
+    releases = [asyncio.Event() for _ in range(4)]
+
+    async def rollout(i: int):
+        async with sched.session(0, 60):
+            admitted.append(i)
+            await releases[i].wait()
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(rollout(i)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert admitted == [0]
+    for i in range(4):
+        releases[i].set()
+        await asyncio.sleep(0.01)
+        assert admitted == list(range(min(i + 2, 4)))
+    await asyncio.gather(*tasks)
+
+
+async def test_static_partitions_contiguously_and_ignores_capacity():
+    sched = Scheduler(_engines(10, 1000, 1000), policy="static")
+    sched.start_batch(6)
+    names = []
+
+    async def rollout():
+        async with sched.session(5, 20) as engine:
+            names.append(engine.name)
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(rollout() for _ in range(6)))
+    assert names == ["e0", "e0", "e1", "e1", "e2", "e2"]
+    assert sched.overflow_events == 2  # e0 took 50 tokens into a 10-token cache
+
+
+async def test_round_robin_and_least_requests():
+    rr = Scheduler(_engines(100, 100, 100), policy="round-robin")
+    got = []
+    for _ in range(4):
+        async with rr.session(1, 1) as e:
+            got.append(e.name)
+    assert got == ["e0", "e1", "e2", "e0"]
+
+    lr = Scheduler(_engines(100, 100), policy="least-requests", max_inflight_per_engine=1)
+    hold = asyncio.Event()
+    seen = []
+
+    async def rollout(delay: float):
+        async with lr.session(1, 1) as e:
+            seen.append(e.name)
+            if delay:
+                await hold.wait()
+
+    long = asyncio.create_task(rollout(1))
+    await asyncio.sleep(0)
+    await asyncio.gather(*(rollout(0) for _ in range(3)))
+    assert seen == ["e0", "e1", "e1", "e1"]  # e0 is busy with the long rollout
+    hold.set()
+    await long
+
+
+def test_bad_configuration_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown scheduler policy"):
+        Scheduler(_engines(1), policy="fastest")
+    with pytest.raises(ValueError, match="at least one engine"):
+        Scheduler([])
+    with pytest.raises(ValueError, match="unique"):
+        Scheduler([*_engines(1), *_engines(1)])
