@@ -1,0 +1,81 @@
+"""Admission rules the CRD schema cannot express, as plain functions (kopf wraps them).
+
+Validation: the whole pydantic model (cross-field rules such as replicas within the
+autoscaling bounds, clip.high >= clip.low, tensorParallel vs accelerators per node, unique
+stage names), then references: a job's ``rollout.fleetRef`` / ``sandbox.poolRef`` must name
+an existing RolloutFleet / SandboxPool in the job's namespace, and a ``keda`` autoscaler
+annotation needs ``spec.autoscaling``.
+
+Mutation: fills in what is derived rather than defaulted -- an inline fleet's model comes
+from the job's ``model.base`` -- and labels every kuberl resource ``app.kubernetes.io/name:
+kuberl`` so ``kubectl get -l`` finds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
+
+from .builders import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
+
+# (kind, namespace, name) -> does it exist?
+Lookup = Callable[[str, str, str], Awaitable[bool]]
+
+
+def _as_manifest(body: dict[str, Any]) -> dict[str, Any]:
+    meta = dict(body.get("metadata") or {})
+    # Server-managed metadata is irrelevant to the spec rules; keep what ObjectMeta reads.
+    keep = {
+        k: meta[k] for k in ("name", "namespace", "labels", "annotations", "generation", "uid") if k in meta
+    }
+    if "name" not in keep and meta.get("generateName"):
+        keep["name"] = meta["generateName"].rstrip("-") or "x"
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": keep,
+        "spec": body.get("spec"),
+    }
+
+
+async def validation_errors(body: dict[str, Any], lookup: Lookup | None) -> list[str]:
+    """Everything wrong with ``body`` (empty list = admit). ``lookup=None`` skips the refs."""
+    try:
+        res = parse_resource(_as_manifest(body), source="admission")
+    except ManifestError as err:
+        return [str(err).removeprefix("admission: ")]
+    errors: list[str] = []
+    ns = res.metadata.namespace or (body.get("metadata") or {}).get("namespace") or "default"
+    if isinstance(res, SandboxPool | RolloutFleet):
+        if res.metadata.annotations.get(ANNOTATION_AUTOSCALER) == "keda" and res.spec.autoscaling is None:
+            errors.append(
+                f"annotation {ANNOTATION_AUTOSCALER}=keda needs spec.autoscaling (min/max replicas)"
+            )
+    if isinstance(res, AgenticRLJob) and lookup is not None:
+        rollout, sandbox = res.spec.rollout, res.spec.sandbox
+        if (
+            rollout.fleet_ref
+            and rollout.engine != "local"
+            and not await lookup("RolloutFleet", ns, rollout.fleet_ref)
+        ):
+            errors.append(f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} does not exist")
+        if sandbox.pool_ref and not await lookup("SandboxPool", ns, sandbox.pool_ref):
+            errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
+    return errors
+
+
+def mutation(body: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch that completes ``body`` (empty dict = nothing to change)."""
+    patch: dict[str, Any] = {}
+    labels = (body.get("metadata") or {}).get("labels") or {}
+    if LABEL_NAME not in labels:
+        patch["metadata"] = {"labels": {LABEL_NAME: APP_NAME}}
+    if body.get("kind") == "AgenticRLJob":
+        spec = body.get("spec") or {}
+        fleet = (spec.get("rollout") or {}).get("fleet")
+        base = (spec.get("model") or {}).get("base")
+        if isinstance(fleet, dict) and not fleet.get("model") and base:
+            patch["spec"] = {"rollout": {"fleet": {"model": {"uri": base, "servedName": "policy"}}}}
+    return patch

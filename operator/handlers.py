@@ -1,0 +1,640 @@
+"""kopf handlers: reconcile AgenticRLJob, RolloutFleet and SandboxPool into running pods.
+
+``build_registry(config)`` registers everything on a fresh ``kopf.OperatorRegistry`` (not
+kopf's global one), so the CLI and each end-to-end test get their own operator with their
+own timings, login and metrics scraper.
+
+Per custom resource:
+
+* create / update / resume -> ``reconcile``: build the children (``builders``), adopt them
+  (ownerReferences, namespace), apply each one idempotently (get, then create or merge-patch
+  only what differs), and write ``status`` (phase, conditions, observedGeneration; replicas
+  and selector for the scale subresource). An invalid spec is not retried: it gets phase
+  ``Invalid``, a Ready=False condition with the field-level message and a Warning event.
+* a timer (``reconcile_interval``) runs the same reconcile: drift repair (a deleted child is
+  recreated, a hand-edited one is patched back) and status refresh from the children.
+* an autoscaling timer (``autoscale_interval``) for pools/fleets with ``spec.autoscaling``:
+  scrape each ready pod's /metrics, decide with ``autoscale.decide`` and write spec.replicas
+  (as an HPA writes the scale subresource); skipped when ``kuberl.io/autoscaler: keda``.
+* no finalizers: every child carries an ownerReference, so Kubernetes' garbage collector
+  removes them when the owner goes; there is no external state to clean up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import kopf
+from prometheus_client.parser import text_string_to_metric_families
+
+from kuberl import GROUP, VERSION
+from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
+
+from . import admission, autoscale, builders, status
+from .kube import ApiError, KubeClient, is_subset, kind_of
+
+log = logging.getLogger("kuberl.operator")
+
+Scraper = Callable[[str], Awaitable[str]]
+KINDS: dict[str, type[Resource]] = {
+    "SandboxPool": SandboxPool,
+    "RolloutFleet": RolloutFleet,
+    "AgenticRLJob": AgenticRLJob,
+}
+PLURALS = {cls.KIND: cls.PLURAL for cls in KINDS.values()}
+TERMINAL = ("Succeeded", "Failed")
+
+
+async def http_scrape(url: str, timeout: float = 2.0) -> str:
+    """GET a /metrics page (the default scraper)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s, s.get(url) as rsp:
+        rsp.raise_for_status()
+        return await rsp.text()
+
+
+def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account; elsewhere: the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@dataclass
+class OperatorConfig:
+    reconcile_interval: float = 30.0
+    autoscale_interval: float = 15.0
+    scrape_timeout: float = 2.0
+    login: Callable[..., kopf.ConnectionInfo | None] = default_login
+    scraper: Scraper | None = None
+    clock: Callable[[], float] = time.time
+    admission: bool = True  # register validating/mutating handlers (served only if a server is set)
+
+
+@dataclass
+class OperatorContext:
+    config: OperatorConfig
+    namespaces: list[str] | None = None
+    connection: kopf.ConnectionInfo | None = None
+    resync_task: asyncio.Task[None] | None = None
+    phases: dict[str, str] = field(default_factory=dict)  # uid -> last phase reported (events)
+    histories: dict[str, tuple[autoscale.Recommendation, ...]] = field(default_factory=dict)
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
+    _client: KubeClient | None = field(default=None, repr=False)
+
+    def lock(self, uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    def client(self) -> KubeClient:
+        if self._client is None:
+            if self.connection is None:
+                raise RuntimeError("not logged in to the Kubernetes API yet")
+            self._client = KubeClient(self.connection)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def scrape(self, url: str) -> str:
+        if self.config.scraper is not None:
+            return await self.config.scraper(url)
+        return await http_scrape(url, self.config.scrape_timeout)
+
+
+# --- reconcile -----------------------------------------------------------------------------
+
+
+def _parse(body: Mapping[str, Any]) -> Resource:
+    raw = dict(body)
+    meta = dict(raw.get("metadata") or {})
+    doc = {
+        "apiVersion": raw.get("apiVersion"),
+        "kind": raw.get("kind"),
+        "metadata": {
+            k: meta[k]
+            for k in ("name", "namespace", "labels", "annotations", "generation", "uid")
+            if k in meta
+        },
+        "spec": raw.get("spec") or {},
+    }
+    return parse_resource(doc, source="cluster")
+
+
+def _workload_ref(objs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((o for o in objs if o["kind"] in ("Deployment", "LeaderWorkerSet")), None)
+
+
+async def _apply_all(
+    ctx: OperatorContext, body: Mapping[str, Any], objs: list[dict[str, Any]], first_time: bool
+) -> tuple[dict[tuple[str, str], dict[str, Any]], list[status.Event]]:
+    client = ctx.client()
+    kopf.adopt(objs, owner=kopf.Body(dict(body)))
+    live: dict[tuple[str, str], dict[str, Any]] = {}
+    events: list[status.Event] = []
+    for obj in objs:
+        what = f"{obj['kind']}/{obj['metadata']['name']}"
+        try:
+            action, current = await client.apply(obj)
+        except ApiError as err:
+            if err.status == 422 and obj["kind"] == "Job":
+                # batch/v1 pod templates are immutable: replace the trainer; it resumes from
+                # its last checkpoint. The next reconcile creates the new one.
+                await client.delete(
+                    kind_of("batch/v1", "Job"), obj["metadata"]["namespace"], obj["metadata"]["name"]
+                )
+                events.append(status.Event("Normal", "TrainerReplaced", f"{what} spec changed; replacing it"))
+                continue
+            raise kopf.TemporaryError(f"cannot apply {what}: {err}", delay=5) from err
+        live[obj["kind"], obj["metadata"]["name"]] = current
+        if action == "created" and not first_time:
+            events.append(
+                status.Event("Warning", "ChildRecreated", f"{what} was missing and has been recreated")
+            )
+        elif action == "updated":
+            events.append(status.Event("Normal", "ChildUpdated", f"{what} updated to match the spec"))
+    return live, events
+
+
+async def _ready_pods(client: KubeClient, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
+    pods = await client.list(kind_of("v1", "Pod"), namespace, labels)
+    out = []
+    for pod in pods:
+        st = pod.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []
+        )
+        if (
+            st.get("phase") == "Running"
+            and ready
+            and st.get("podIP")
+            and not pod["metadata"].get("deletionTimestamp")
+        ):
+            out.append(pod)
+    return out
+
+
+def _pod_port(pod: dict[str, Any], names: tuple[str, ...] = ("metrics", "http")) -> int | None:
+    for c in pod.get("spec", {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") in names:
+                return int(p["containerPort"])
+    return None
+
+
+async def _scrape_pods(ctx: OperatorContext, pods: list[dict[str, Any]], names: tuple[str, ...]) -> list[str]:
+    async def one(pod: dict[str, Any]) -> str | None:
+        port = _pod_port(pod, names)
+        if port is None:
+            return None
+        try:
+            return await ctx.scrape(f"http://{pod['status']['podIP']}:{port}/metrics")
+        except (aiohttp.ClientError, TimeoutError, OSError) as err:
+            log.debug("scrape of %s failed: %s", pod["metadata"]["name"], err)
+            return None
+
+    results = await asyncio.gather(*(one(p) for p in pods))
+    return [r for r in results if r is not None]
+
+
+def train_progress(text: str, job: str) -> dict[str, Any]:
+    """status.stage/step/summary from a trainer's /metrics (kuberl_train_* of DESIGN.md)."""
+    out: dict[str, Any] = {}
+    summary: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels.get("job", job) != job:
+                continue
+            if s.name == "kuberl_train_step":
+                if s.value >= out.get("step", -1):
+                    out["step"] = int(s.value)
+                    if "stage" in s.labels:
+                        out["stage"] = s.labels["stage"]
+            elif s.name == "kuberl_train_reward_mean":
+                summary["rewardMean"] = s.value
+            elif s.name == "kuberl_train_tool_error_ratio_positive":
+                summary["toolErrorRatio"] = s.value
+    if summary:
+        out["summary"] = summary
+    return out
+
+
+async def reconcile(
+    ctx: OperatorContext, body: Mapping[str, Any], *, first_time: bool
+) -> tuple[dict[str, Any], list[status.Event]]:
+    """Bring one custom resource's children in line with its spec; return (status, events).
+
+    Serialized per object: the change handlers and the resync loop may both get here.
+    """
+    uid = body.get("metadata", {}).get("uid", "")
+    async with ctx.lock(uid):
+        kind = body["kind"]
+        previous = dict(body.get("status") or {})
+        generation = body.get("metadata", {}).get("generation")
+        old_phase = ctx.phases.get(uid, previous.get("phase"))
+        try:
+            res = _parse(body)
+        except ManifestError as err:
+            new = status.invalid_status(str(err).removeprefix("cluster: "), generation, previous)
+            events: list[status.Event] = []
+        else:
+            namespace = body["metadata"]["namespace"]
+            if isinstance(res, AgenticRLJob):
+                new, events = await _reconcile_job(
+                    ctx, body, res, namespace, previous, generation, first_time
+                )
+            else:
+                new, events = await _reconcile_scaled(
+                    ctx, body, res, namespace, previous, generation, first_time
+                )
+        events = events + status.transition_events(kind, old_phase, new)
+        if new.get("phase"):
+            ctx.phases[uid] = new["phase"]
+        return new, events
+
+
+async def _reconcile_scaled(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    res: SandboxPool | RolloutFleet,
+    namespace: str,
+    previous: dict[str, Any],
+    generation: int | None,
+    first_time: bool,
+) -> tuple[dict[str, Any], list[status.Event]]:
+    objs = builders.build_for(res, namespace)
+    objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
+    component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
+    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    ref = _workload_ref(objs)
+    workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
+    sel = builders.selector_labels(res.metadata.name, component)
+    new = status.scaled_status(
+        desired=res.spec.replicas,
+        workload=workload,
+        selector=builders.selector_string(sel),
+        generation=generation,
+        previous=previous,
+        noun="sandbox" if component == "sandbox" else "engine",
+    )
+    if isinstance(res, RolloutFleet):
+        pods = await _ready_pods(ctx.client(), namespace, sel)
+        new["engines"] = sorted(f"{p['status']['podIP']}:{res.spec.engine.port}" for p in pods)
+    return new, events
+
+
+async def _reconcile_job(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    job: AgenticRLJob,
+    namespace: str,
+    previous: dict[str, Any],
+    generation: int | None,
+    first_time: bool,
+) -> tuple[dict[str, Any], list[status.Event]]:
+    client = ctx.client()
+    name = job.metadata.name
+    events: list[status.Event] = []
+    trainer_name = builders.trainer_name(name)
+    finished = previous.get("phase") in TERMINAL and previous.get("observedGeneration") == generation
+    if finished:
+        # Terminal: no trainer is recreated; the job-owned fleet and pool are released.
+        for kind, child in (
+            ("RolloutFleet", builders.inline_fleet_name(name)),
+            ("SandboxPool", builders.inline_pool_name(name)),
+        ):
+            if await client.delete(kind_of(f"{GROUP}/{VERSION}", kind), namespace, child):
+                events.append(
+                    status.Event("Normal", "Released", f"{kind}/{child} deleted: the job has finished")
+                )
+        return {}, events
+
+    waiting: list[str] = []
+    rollout, sandbox = job.spec.rollout, job.spec.sandbox
+    if rollout.fleet_ref and builders.uses_fleet(job):
+        if (
+            await client.get(kind_of(f"{GROUP}/{VERSION}", "RolloutFleet"), namespace, rollout.fleet_ref)
+            is None
+        ):
+            waiting.append(
+                f"RolloutFleet {namespace}/{rollout.fleet_ref} (spec.rollout.fleetRef) which does not exist"
+            )
+    if sandbox.pool_ref:
+        if (
+            await client.get(kind_of(f"{GROUP}/{VERSION}", "SandboxPool"), namespace, sandbox.pool_ref)
+            is None
+        ):
+            waiting.append(
+                f"SandboxPool {namespace}/{sandbox.pool_ref} (spec.sandbox.poolRef) which does not exist"
+            )
+
+    objs = builders.build_for(job, namespace)
+    if waiting:
+        # The trainer would only crash-loop without its dependencies: hold it back.
+        objs = [o for o in objs if o["kind"] != "Job"]
+    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    trainer = live.get(("Job", trainer_name))
+    labels = builders.selector_labels(name, "trainer")
+    pods = await client.list(kind_of("v1", "Pod"), namespace, labels) if trainer is not None else []
+    progress: dict[str, Any] = {}
+    running = [
+        p
+        for p in pods
+        if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
+    ]
+    if running:
+        texts = await _scrape_pods(ctx, running[:1], ("metrics",))
+        if texts:
+            progress = train_progress(texts[0], name)
+    new = status.job_status(
+        trainer=trainer,
+        pods=pods,
+        suspended=job.spec.suspend,
+        waiting_for=waiting,
+        generation=generation,
+        previous=previous,
+        progress=progress,
+    )
+    return new, events
+
+
+# --- autoscaling ---------------------------------------------------------------------------
+
+
+@dataclass
+class ScaleResult:
+    decision: autoscale.Decision
+    status: dict[str, Any]
+    events: list[status.Event]
+
+    @property
+    def replicas(self) -> int:
+        return self.decision.desired
+
+
+async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> ScaleResult | None:
+    """Scrape the pods' /metrics and decide the replica count (None: not autoscaled here)."""
+    try:
+        res = _parse(body)
+    except ManifestError:
+        return None
+    if (
+        not isinstance(res, SandboxPool | RolloutFleet)
+        or res.spec.autoscaling is None
+        or builders.wants_keda(res)
+    ):
+        return None
+    auto = res.spec.autoscaling
+    namespace = body["metadata"]["namespace"]
+    component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
+    pods = await _ready_pods(ctx.client(), namespace, builders.selector_labels(res.metadata.name, component))
+    texts = await _scrape_pods(ctx, pods, ("http",))
+    current = res.spec.replicas
+    rec: int | None = None
+    st: dict[str, Any] = {}
+    if isinstance(res, SandboxPool):
+        load = autoscale.pool_load(texts)
+        if load is not None:
+            rec = autoscale.recommend_pool(current, load, res.spec.workers_per_pod, auto)
+            st.update(queueDepth=load.queue_depth, workersBusy=load.workers_busy)
+    else:
+        fload = autoscale.fleet_load(texts)
+        if fload is not None:
+            rec = autoscale.recommend_fleet(current, fload, auto)
+            st.update(
+                kvCacheUtilization=round(fload.mean_token_usage, 4),
+                queuedRequests=round(fload.queued_per_engine, 3),
+            )
+    uid = body["metadata"].get("uid", "")
+    decision = autoscale.decide(
+        current,
+        rec,
+        ctx.histories.get(uid, ()),
+        min_replicas=auto.min_replicas,
+        max_replicas=auto.max_replicas,
+        stabilization_s=auto.scale_down_stabilization_seconds,
+        now=ctx.config.clock(),
+    )
+    ctx.histories[uid] = decision.history
+    st["desiredReplicas"] = decision.desired
+    events = []
+    if decision.desired != current:
+        events.append(
+            status.Event(
+                "Normal",
+                "ScaledUp" if decision.desired > current else "ScaledDown",
+                f"replicas {current} -> {decision.desired} ({decision.reason}; load asks for {decision.recommendation})",
+            )
+        )
+    return ScaleResult(decision, st, events)
+
+
+# --- events and the resync loop --------------------------------------------------------------
+
+
+async def post_events(ctx: OperatorContext, body: Mapping[str, Any], events: list[status.Event]) -> None:
+    """Record core/v1 Events on the custom resource (best effort: a lost event is only logged)."""
+    meta = body.get("metadata", {})
+    for ev in events:
+        now = status.now_rfc3339()
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {
+                "generateName": f"{meta.get('name', 'kuberl')}.",
+                "namespace": meta.get("namespace"),
+            },
+            "involvedObject": {
+                "apiVersion": body.get("apiVersion"),
+                "kind": body.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": ev.type,
+            "reason": ev.reason,
+            "message": ev.message[:1024],
+            "source": {"component": "kuberl-operator"},
+            "reportingComponent": "kuberl-operator",
+            "reportingInstance": "kuberl-operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await ctx.client().create(event)
+        except (ApiError, aiohttp.ClientError) as err:
+            log.warning(
+                "could not post event %s on %s/%s: %s", ev.reason, body.get("kind"), meta.get("name"), err
+            )
+
+
+def _status_changed(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    def strip(d: Any) -> Any:
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k != "lastTransitionTime"}
+        if isinstance(d, list):
+            return [strip(x) for x in d]
+        return d
+
+    return not is_subset(strip(dict(new)), strip(dict(current or {})))
+
+
+async def resync_object(ctx: OperatorContext, body: Mapping[str, Any], *, autoscale_due: bool) -> None:
+    """One periodic pass over one object: drift repair, status refresh, autoscaling."""
+    client = ctx.client()
+    kind = kind_of(body["apiVersion"], body["kind"])
+    meta = body["metadata"]
+    new, events = await reconcile(ctx, body, first_time=False)
+    if autoscale_due:
+        scaled = await autoscale_once(ctx, body)
+        if scaled is not None:
+            new = {**new, **scaled.status}
+            events += scaled.events
+            if scaled.replicas != body["spec"].get("replicas"):
+                # As an HPA would: through the scale subresource, so the change is a spec change.
+                await client.patch(
+                    kind,
+                    meta["namespace"],
+                    meta["name"],
+                    {"spec": {"replicas": scaled.replicas}},
+                    sub="scale",
+                )
+    if new and _status_changed(body.get("status") or {}, new):
+        await client.patch(kind, meta["namespace"], meta["name"], {"status": new}, sub="status")
+    await post_events(ctx, body, events)
+
+
+async def resync_loop(ctx: OperatorContext, namespaces: list[str] | None) -> None:
+    """Controller-style periodic resync over every kuberl object (no finalizers needed).
+
+    kopf timers would do this per object but require a finalizer on each one (so a deleted
+    object hangs while the operator is down); a plain loop over LIST results needs none,
+    and the children are cleaned up by ownerReferences.
+    """
+    cfg = ctx.config
+    while ctx.connection is None:
+        await asyncio.sleep(0.05)
+    last_autoscale = 0.0
+    while True:
+        started = time.monotonic()
+        autoscale_due = started - last_autoscale >= cfg.autoscale_interval
+        if autoscale_due:
+            last_autoscale = started
+        for kind_name in PLURALS:
+            kind = kind_of(f"{GROUP}/{VERSION}", kind_name)
+            for ns in namespaces or [None]:
+                try:
+                    items = await ctx.client().list(kind, ns)  # type: ignore[arg-type]
+                except (ApiError, aiohttp.ClientError, TimeoutError) as err:
+                    log.warning("resync: cannot list %s: %s", kind.plural, err)
+                    continue
+                for body in items:
+                    body.setdefault("apiVersion", kind.api_version)
+                    body.setdefault("kind", kind.kind)
+                    if body["metadata"].get("deletionTimestamp"):
+                        continue
+                    try:
+                        await resync_object(ctx, body, autoscale_due=autoscale_due)
+                    except (ApiError, aiohttp.ClientError, TimeoutError, kopf.TemporaryError) as err:
+                        log.warning(
+                            "resync of %s/%s failed: %s", kind.kind, body["metadata"].get("name"), err
+                        )
+        await asyncio.sleep(max(0.0, cfg.reconcile_interval - (time.monotonic() - started)))
+
+
+# --- registry ------------------------------------------------------------------------------
+
+
+def build_registry(
+    config: OperatorConfig | None = None, namespaces: list[str] | None = None
+) -> tuple[kopf.OperatorRegistry, OperatorContext]:
+    """A kopf registry with every kuberl handler bound to one OperatorContext.
+
+    ``namespaces=None`` means cluster-wide (the resync loop lists across namespaces).
+    """
+    ctx = OperatorContext(config or OperatorConfig(), namespaces=namespaces)
+    reg = kopf.OperatorRegistry()
+    cfg = ctx.config
+
+    @kopf.on.login(registry=reg)
+    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = cfg.login(**kwargs)
+        if info is not None:
+            ctx.connection = info
+        return info
+
+    @kopf.on.cleanup(registry=reg)
+    async def _cleanup(**_: Any) -> None:
+        if ctx.resync_task is not None:
+            ctx.resync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ctx.resync_task
+        await ctx.close()
+
+    @kopf.on.startup(registry=reg)
+    async def _startup(**_: Any) -> None:
+        ctx.resync_task = asyncio.create_task(resync_loop(ctx, ctx.namespaces))
+
+    for kind, plural in PLURALS.items():
+        res_args = (GROUP, VERSION, plural)
+
+        async def on_change(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
+            new, events = await reconcile(ctx, body, first_time=reason == "create")
+            patch.status.update(new)
+            await post_events(ctx, body, events)
+
+        kopf.on.create(*res_args, id=f"{kind}-create", registry=reg)(on_change)
+        kopf.on.update(*res_args, id=f"{kind}-update", registry=reg)(on_change)
+        kopf.on.resume(*res_args, id=f"{kind}-resume", registry=reg)(on_change)
+
+        if cfg.admission:
+
+            async def on_validate(body: kopf.Body, **_: Any) -> None:
+                errors = await admission.validation_errors(dict(body), _lookup(ctx))
+                if errors:
+                    raise kopf.AdmissionError("; ".join(errors), code=422)
+
+            def on_mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+                changes = admission.mutation(dict(body))
+                for key, value in changes.items():
+                    patch[key] = value
+
+            kopf.on.validate(
+                *res_args, id=f"validate-{plural}", operations=["CREATE", "UPDATE"], registry=reg
+            )(on_validate)
+            kopf.on.mutate(*res_args, id=f"mutate-{plural}", operations=["CREATE", "UPDATE"], registry=reg)(
+                on_mutate
+            )
+
+    return reg, ctx
+
+
+def _lookup(ctx: OperatorContext) -> admission.Lookup:
+    async def exists(kind: str, namespace: str, name: str) -> bool:
+        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name) is not None
+
+    return exists
+
+
+def configure_settings(settings: kopf.OperatorSettings, *, fast: bool = False) -> None:
+    """Operator-wide kopf settings: explicit events only, and (for tests) short timeouts."""
+    settings.posting.loggers = False  # only the explicit kopf.event() transitions become events
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    if fast:
+        settings.watching.server_timeout = 5
+        settings.watching.client_timeout = 10
+        settings.watching.reconnect_backoff = 0.2
+        settings.queueing.idle_timeout = 0.2
+        settings.queueing.exit_timeout = 1
+        settings.posting.default_backoffs = (0.1, 0.2)

@@ -1,0 +1,247 @@
+"""A small async Kubernetes REST client for the objects the operator owns.
+
+kopf watches and patches the kuberl resources with its own client; the *children*
+(Deployments, Services, Jobs, ...) need create/get/patch/delete/list, which kopf does not
+expose. Rather than a second, blocking client library inside the event loop, this speaks the
+REST API over aiohttp with the very credentials kopf logged in with (``ConnectionInfo``).
+
+``apply`` is get-then-create-or-merge-patch: idempotent, and a no-op when the live object
+already contains every field the builder wants (server-added defaults are ignored).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+import aiohttp
+import kopf
+
+from kuberl import API_VERSION
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str
+    kind: str
+    plural: str
+    namespaced: bool = True
+
+    def path(self, namespace: str | None, name: str | None = None, sub: str | None = None) -> str:
+        base = f"/api/{self.api_version}" if "/" not in self.api_version else f"/apis/{self.api_version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{quote(namespace)}"
+        base += f"/{self.plural}"
+        if name:
+            base += f"/{quote(name)}"
+        if sub:
+            base += f"/{sub}"
+        return base
+
+
+KNOWN_KINDS: dict[tuple[str, str], Kind] = {
+    (k.api_version, k.kind): k
+    for k in (
+        Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Service", "services"),
+        Kind("v1", "Pod", "pods"),
+        Kind("v1", "Event", "events"),
+        Kind("apps/v1", "Deployment", "deployments"),
+        Kind("apps/v1", "StatefulSet", "statefulsets"),
+        Kind("batch/v1", "Job", "jobs"),
+        Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+        Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
+        Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+        Kind(API_VERSION, "AgenticRLJob", "agenticrljobs"),
+        Kind(API_VERSION, "RolloutFleet", "rolloutfleets"),
+        Kind(API_VERSION, "SandboxPool", "sandboxpools"),
+    )
+}
+
+
+def kind_of(api_version: str, kind: str) -> Kind:
+    try:
+        return KNOWN_KINDS[api_version, kind]
+    except KeyError:
+        raise ValueError(f"the operator does not manage {api_version}/{kind}") from None
+
+
+class ApiError(Exception):
+    """A non-2xx answer of the API server, with its Status reason and message."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def is_subset(desired: Any, current: Any) -> bool:
+    """True when every field of ``desired`` has the same value in ``current``.
+
+    Lists must match element by element (same length); dicts may carry extra keys in
+    ``current`` (defaults the API server filled in). This is what decides whether a child
+    needs a patch, so a live object is never rewritten just because the server defaulted it.
+    """
+    if isinstance(desired, dict):
+        return isinstance(current, dict) and all(
+            k in current and is_subset(v, current[k]) for k, v in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(current, list)
+            and len(desired) == len(current)
+            and all(is_subset(d, c) for d, c in zip(desired, current, strict=True))
+        )
+    if isinstance(desired, bool) or isinstance(current, bool):
+        return desired is current
+    if isinstance(desired, int | float) and isinstance(current, int | float):
+        return float(desired) == float(current)
+    return desired == current
+
+
+def owned_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """The part of a built manifest the operator owns (everything but status)."""
+    return {k: v for k, v in obj.items() if k != "status"}
+
+
+def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
+    if info.insecure:
+        return False
+    ctx = ssl.create_default_context(cafile=str(info.ca_path) if info.ca_path else None)
+    if info.ca_data:
+        data = info.ca_data.decode() if isinstance(info.ca_data, bytes) else info.ca_data
+        try:
+            data = base64.b64decode(data, validate=True).decode()
+        except ValueError:
+            pass  # already PEM
+        ctx.load_verify_locations(cadata=data)
+    cert, key = info.certificate_path, info.private_key_path
+    tmp: list[str] = []
+    for data in (info.certificate_data, info.private_key_data):
+        if data:
+            f = tempfile.NamedTemporaryFile("wb", suffix=".pem", delete=False)  # noqa: SIM115 - kept for the process
+            raw = data if isinstance(data, bytes) else data.encode()
+            try:
+                raw = base64.b64decode(raw, validate=True)
+            except ValueError:
+                pass
+            f.write(raw)
+            f.close()
+            tmp.append(f.name)
+    if tmp and info.certificate_data:
+        cert = tmp[0]
+        key = tmp[1] if len(tmp) > 1 else key
+    if cert:
+        ctx.load_cert_chain(str(cert), str(key) if key else None)
+    return ctx
+
+
+class KubeClient:
+    """REST calls for child objects, authenticated like kopf (token, basic, or client cert)."""
+
+    def __init__(self, info: kopf.ConnectionInfo, *, timeout: float = 30.0) -> None:
+        self.server = info.server.rstrip("/")
+        headers = {"User-Agent": "kuberl-operator"}
+        if info.token:
+            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
+        auth = aiohttp.BasicAuth(info.username, info.password or "") if info.username else None
+        ctx = _ssl_context(info) if self.server.startswith("https") else None
+        connector = aiohttp.TCPConnector(ssl=ctx) if ctx is not None else aiohttp.TCPConnector()
+        self._session = aiohttp.ClientSession(
+            headers=headers, auth=auth, connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        data = json.dumps(body) if body is not None else None
+        headers = {"Content-Type": content_type} if data is not None else {}
+        async with self._session.request(
+            method, self.server + path, data=data, params=params, headers=headers
+        ) as rsp:
+            text = await rsp.text()
+            try:
+                payload = json.loads(text) if text else {}
+            except ValueError:
+                payload = {"message": text}
+            if rsp.status >= 400:
+                raise ApiError(
+                    rsp.status, str(payload.get("reason", rsp.reason)), str(payload.get("message", text))
+                )
+            return payload
+
+    async def get(
+        self, kind: Kind, namespace: str, name: str, sub: str | None = None
+    ) -> dict[str, Any] | None:
+        try:
+            return await self._call("GET", kind.path(namespace, name, sub))
+        except ApiError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list(
+        self, kind: Kind, namespace: str, labels: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        params = (
+            {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(labels.items()))} if labels else None
+        )
+        rsp = await self._call("GET", kind.path(namespace), params=params)
+        return list(rsp.get("items") or [])
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        kind = kind_of(obj["apiVersion"], obj["kind"])
+        return await self._call("POST", kind.path(obj["metadata"]["namespace"]), body=obj)
+
+    async def patch(
+        self, kind: Kind, namespace: str, name: str, patch: Any, *, sub: str | None = None
+    ) -> dict[str, Any]:
+        return await self._call(
+            "PATCH", kind.path(namespace, name, sub), body=patch, content_type="application/merge-patch+json"
+        )
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
+        """Delete (children go with it: background propagation). False if it was already gone."""
+        try:
+            await self._call(
+                "DELETE",
+                kind.path(namespace, name),
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            )
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
+    async def apply(
+        self, obj: dict[str, Any]
+    ) -> tuple[Literal["created", "updated", "unchanged"], dict[str, Any]]:
+        """Make the live object contain ``obj``: create it, patch the fields that differ, or leave it."""
+        kind = kind_of(obj["apiVersion"], obj["kind"])
+        meta = obj["metadata"]
+        live = await self.get(kind, meta["namespace"], meta["name"])
+        desired = owned_fields(obj)
+        if live is None:
+            try:
+                return "created", await self.create(desired)
+            except ApiError as err:
+                if err.status != 409:  # lost a race with another writer: fall through to patch
+                    raise
+                live = await self.get(kind, meta["namespace"], meta["name"]) or {}
+        if is_subset(desired, live):
+            return "unchanged", live
+        return "updated", await self.patch(kind, meta["namespace"], meta["name"], desired)

@@ -1,0 +1,350 @@
+"""An in-memory Kubernetes API server for end-to-end tests of the operator (kmock-based).
+
+``kmock.KubernetesEmulator`` stores objects and streams watch events over real HTTP; the real
+API server does more that the kopf runtime and the operator rely on, added here:
+
+* ``metadata.uid``, ``resourceVersion`` (a global counter), ``generation`` (bumped by spec
+  changes only), ``creationTimestamp``, ``generateName`` (kopf posts Events with it);
+* PATCH semantics by Content-Type: JSON merge patch (RFC 7386, ``null`` deletes) and JSON
+  patch (RFC 6902, including the ``test`` op kopf uses with resourceVersion for finalizers,
+  answered with 422 on mismatch);
+* the ``status`` subresource (main-resource writes ignore status and vice versa) and the
+  ``scale`` subresource (autoscaling/v1 Scale, as ``kubectl scale`` uses it);
+* ``labelSelector`` on lists (equality, inequality, existence);
+* deletion with finalizers (deletionTimestamp first) and the garbage collector: deleting an
+  owner deletes everything whose ownerReferences point at its uid, and an object created
+  with an owner that no longer exists is collected at once;
+* optionally a stand-in for the controllers (``simulate_controllers``): Deployments,
+  StatefulSets and LeaderWorkerSets report all replicas ready; Jobs report active pods
+  (none while suspended). Tests that need other states patch ``/status`` themselves.
+
+It is a test double, so it is deliberately permissive about schemas (no validation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import uuid
+from typing import Any
+
+import aiohttp.web
+import attrs
+import jsonpatch
+import kmock
+from kmock._internal import enums, rendering
+
+from kuberl import GROUP, VERSION
+
+CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
+    # "group/version/plural": (kind, namespaced, subresources)
+    "v1/pods": ("Pod", True, ("status",)),
+    "v1/services": ("Service", True, ("status",)),
+    "v1/configmaps": ("ConfigMap", True, ()),
+    "v1/events": ("Event", True, ()),
+    "v1/namespaces": ("Namespace", False, ("status",)),
+    "apps/v1/deployments": ("Deployment", True, ("status", "scale")),
+    "apps/v1/statefulsets": ("StatefulSet", True, ("status", "scale")),
+    "batch/v1/jobs": ("Job", True, ("status",)),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
+    "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
+    "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ("status",)),
+    f"{GROUP}/{VERSION}/agenticrljobs": ("AgenticRLJob", True, ("status",)),
+    f"{GROUP}/{VERSION}/rolloutfleets": ("RolloutFleet", True, ("status", "scale")),
+    f"{GROUP}/{VERSION}/sandboxpools": ("SandboxPool", True, ("status", "scale")),
+}
+
+
+def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=status, reason=reason, message=message, details={})
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def matches_selector(labels: dict[str, str], selector: str) -> bool:
+    """Equality-based label selectors: ``a=b``, ``a==b``, ``a!=b``, ``a``, ``!a``."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k.strip()) == v.strip():
+                return False
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            if labels.get(k.strip()) != v.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:].strip() in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@attrs.define(kw_only=True)
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """kmock's Kubernetes emulator with the API-server semantics the operator depends on."""
+
+    simulate_controllers: bool = True
+    namespaces: set[str] = attrs.field(factory=lambda: {"default"})
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _last_rv: int = attrs.field(default=0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        for key, (kind, namespaced, subs) in CORE_RESOURCES.items():
+            self.resources[key] = kmock.ResourceInfo(
+                kind=kind,
+                namespaced=namespaced,
+                singular=kind.lower(),
+                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+                subresources=set(subs),
+            )
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _subresources(self, res: Any) -> set[str]:
+        info = self.resources[res]
+        return set(info.subresources)
+
+    def _store(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
+        if key not in self.objects:
+            return None
+        obj = self.objects[key]
+        return None if obj.deleted else copy.deepcopy(obj.raw)
+
+    def _live(self) -> list[tuple[tuple[Any, str | None, str], dict[str, Any]]]:
+        out = []
+        for key, obj in list(self.objects.items()):
+            if not obj.deleted:
+                out.append((key, obj.raw))
+        return out
+
+    async def _emit(self, res: Any, type_: str, obj: dict[str, Any]) -> None:
+        await self._buses[res].put({"type": type_, "object": copy.deepcopy(obj)})
+
+    async def _write(
+        self, key: tuple[Any, str | None, str], new: dict[str, Any], *, created: bool
+    ) -> dict[str, Any]:
+        self._last_rv = next(self._rv)
+        new.setdefault("metadata", {})["resourceVersion"] = str(self._last_rv)
+        if self.simulate_controllers:
+            self._controller(new)
+        if created:
+            if key in self.objects:
+                self.objects[key].create(new)
+            else:
+                self.objects[key] = new
+        else:
+            self.objects[key].create(new)  # a new version in the object's history
+        await self._emit(key[0], "ADDED" if created else "MODIFIED", new)
+        return new
+
+    def _controller(self, obj: dict[str, Any]) -> None:
+        """Stand-in for kube-controller-manager/LWS controller status (all pods ready)."""
+        kind = obj.get("kind")
+        spec = obj.get("spec") or {}
+        gen = obj.get("metadata", {}).get("generation")
+        if kind not in ("Deployment", "StatefulSet", "LeaderWorkerSet", "Job"):
+            return
+        st = obj.setdefault("status", {})
+        if kind in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
+            n = int(spec.get("replicas", 1))
+            st.update(
+                replicas=n, readyReplicas=n, availableReplicas=n, updatedReplicas=n, observedGeneration=gen
+            )
+        elif kind == "Job" and not st.get("conditions"):
+            active = 0 if spec.get("suspend") else int(spec.get("parallelism", 1))
+            st.update(active=active, ready=active)
+            st.setdefault("startTime", _now())
+
+    async def _delete(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
+        current = self._store(key)
+        if current is None:
+            return None
+        meta = current.setdefault("metadata", {})
+        if meta.get("finalizers"):
+            if not meta.get("deletionTimestamp"):
+                meta["deletionTimestamp"] = _now()
+                await self._write(key, current, created=False)
+            return current
+        self.objects[key].delete()
+        await self._emit(key[0], "DELETED", current)
+        await self._collect(meta.get("uid"))
+        return current
+
+    async def _collect(self, uid: str | None) -> None:
+        """The garbage collector: dependents of a deleted owner go too (background cascade)."""
+        if not uid:
+            return
+        for key, raw in self._live():
+            refs = raw.get("metadata", {}).get("ownerReferences") or []
+            if any(r.get("uid") == uid for r in refs):
+                await self._delete(key)
+
+    def _owner_exists(self, refs: list[dict[str, Any]]) -> bool:
+        uids = {raw.get("metadata", {}).get("uid") for _, raw in self._live()}
+        return all(r.get("uid") in uids for r in refs)
+
+    # -- request handling ---------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # kmock's path parser reads "/api/v1/namespaces" as a namespace prefix and fails;
+        # kopf lists/watches namespaces on start-up, so answer that collection here.
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
+            if raw_request.query.get("watch") == "true":
+                rsp = aiohttp.web.StreamResponse()
+                await rsp.prepare(raw_request)
+                await asyncio.sleep(float(raw_request.query.get("timeoutSeconds", "5")))
+                return rsp
+            items = [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Namespace",
+                    "metadata": {"name": n, "uid": n},
+                    "status": {"phase": "Active"},
+                }
+                for n in sorted(self.namespaces)
+            ]
+            return aiohttp.web.json_response(
+                {
+                    "apiVersion": "v1",
+                    "kind": "NamespaceList",
+                    "metadata": {"resourceVersion": str(self._last_rv)},
+                    "items": items,
+                }
+            )
+        return await super().__call__(raw_request)
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        act = request.action
+        if res is None or act in (None, enums.action.WATCH) or not self._known(res):
+            # Discovery, watches and anything unknown: kmock's own behaviour.
+            return await kmock.RawHandler._handle(self, request)
+        async with self._lock:
+            payload = await self._serve(request)
+        return aiohttp.web.json_response(payload)
+
+    def _known(self, res: Any) -> bool:
+        return any(res == r for r in self.resources)
+
+    async def _serve(self, request: rendering.Request) -> dict[str, Any]:
+        res, act, sub = request.resource, request.action, request.subresource
+        ns, name = request.namespace, request.name
+        if act == enums.action.LIST:
+            selector = request.params.get("labelSelector", "")
+            items = [
+                raw
+                for (r, n, _), raw in self._live()
+                if r == res
+                and (ns is None or n == ns)
+                and matches_selector(raw.get("metadata", {}).get("labels") or {}, selector)
+            ]
+            return {"metadata": {"resourceVersion": str(self._last_rv)}, "items": copy.deepcopy(items)}
+        if act == enums.action.CREATE:
+            obj = copy.deepcopy(request.data or {})
+            meta = obj.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            if not meta.get("name"):
+                raise _error(422, "Invalid", "metadata.name or metadata.generateName is required")
+            ns = ns or meta.get("namespace")
+            if ns and self.resources[res].namespaced:
+                meta["namespace"] = ns
+            key = (res, ns, meta["name"])
+            if self._store(key) is not None:
+                raise _error(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
+            meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
+            meta.pop("resourceVersion", None)
+            obj = await self._write(key, obj, created=True)
+            if meta.get("ownerReferences") and not self._owner_exists(meta["ownerReferences"]):
+                await self._delete(key)  # the GC collects children of owners that are gone
+            return obj
+        key = (res, ns, name)
+        current = self._store(key)
+        if current is None:
+            raise _error(404, "NotFound", f"{res.plural} {name!r} not found")
+        if act == enums.action.FETCH:
+            return self._scale_view(current) if sub == "scale" else current
+        if act == enums.action.DELETE:
+            await self._delete(key)
+            return current
+        if act == enums.action.UPDATE:
+            return await self._patch(key, current, request)
+        raise _error(405, "MethodNotAllowed", f"{request.method} is not supported here")
+
+    async def _patch(self, key: Any, current: dict[str, Any], request: rendering.Request) -> dict[str, Any]:
+        sub = request.subresource
+        ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip()
+        body = request.data
+        if sub == "scale":
+            replicas = (
+                (merge_patch({}, body).get("spec") or {}).get("replicas")
+                if ctype != "application/json-patch+json"
+                else None
+            )
+            if ctype == "application/json-patch+json":
+                view = jsonpatch.apply_patch(self._scale_view(current), body)
+                replicas = view["spec"]["replicas"]
+            if replicas is None:
+                raise _error(422, "Invalid", "spec.replicas is required on the scale subresource")
+            body, ctype, sub = {"spec": {"replicas": replicas}}, "application/merge-patch+json", None
+        if ctype == "application/json-patch+json":
+            try:
+                new = jsonpatch.apply_patch(current, body)
+            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as err:
+                raise _error(422, "Invalid", f"the JSON patch cannot be applied: {err}") from None
+        else:
+            new = merge_patch(current, body)
+        has_status_sub = "status" in self._subresources(key[0])
+        if sub == "status":
+            new = {**current, "status": new.get("status")}
+        elif has_status_sub:
+            new["status"] = current.get("status")
+            if new["status"] is None:
+                new.pop("status")
+        meta = new.setdefault("metadata", {})
+        for fixed in ("uid", "creationTimestamp", "name", "namespace"):
+            if fixed in current.get("metadata", {}):
+                meta[fixed] = current["metadata"][fixed]
+        strip = lambda o: {k: v for k, v in o.items() if k not in ("metadata", "status")}  # noqa: E731
+        if strip(new) != strip(current):
+            meta["generation"] = int(current["metadata"].get("generation", 1)) + 1
+        else:
+            meta["generation"] = current["metadata"].get("generation", 1)
+        if json.dumps(new, sort_keys=True) == json.dumps(current, sort_keys=True):
+            return current  # no-op patches do not bump resourceVersion (as the real server)
+        out = await self._write(key, new, created=False)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            await self._delete(key)
+        return self._scale_view(out) if request.subresource == "scale" else out
+
+    @staticmethod
+    def _scale_view(obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj.get("metadata", {})
+        st = obj.get("status") or {}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+            "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
+            "status": {"replicas": st.get("replicas", 0), "selector": st.get("selector", "")},
+        }
