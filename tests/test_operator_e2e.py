@@ -179,3 +179,315 @@ async def test_pool_lifecycle_create_update_drift_scale_delete() -> None:
         await eventually(gone, what="children removed")
         await asyncio.sleep(1.2)  # two timer periods: nothing comes back for a deleted owner
         assert await k.get(dep_path) is None
+
+
+def job(name: str = "train", **spec: Any) -> dict[str, Any]:
+    base = {
+        "model": {"base": "Qwen/Qwen2.5-1.5B-Instruct"},
+        "data": {"train": "s3://d/train.jsonl"},
+        "stages": [{"name": "rl", "type": "rl", "steps": 10}],
+        "trainer": {"replicas": 2, "accelerator": {"profile": "h100", "count": 8}},
+    }
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "AgenticRLJob",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {**base, **spec},
+    }
+
+
+async def _status(k: Cluster, path: str) -> dict[str, Any]:
+    return ((await k.get(path)) or {}).get("status") or {}
+
+
+async def test_job_inline_children_suspend_resume_and_completion() -> None:
+    async with cluster_and_operator() as k:
+        spec = {
+            "rollout": {"fleet": {"replicas": 2, "accelerator": {"profile": "h100", "count": 1}}},
+            "sandbox": {"pool": {"replicas": 1, "workersPerPod": 4}},
+        }
+        await k.create(f"{API}/agenticrljobs", job(**spec))
+        job_path = f"/apis/batch/v1/namespaces/{NS}/jobs/train-trainer"
+        trainer = await eventually(lambda: k.get(job_path), what="trainer Job")
+        assert trainer["spec"]["completionMode"] == "Indexed" and trainer["spec"]["parallelism"] == 2
+        cm = await k.get(f"/api/v1/namespaces/{NS}/configmaps/train-config")
+        assert "fleetRef: train-rollout" in cm["data"]["job.yaml"]
+        # The job owns a fleet and a pool, which the operator reconciles in turn.
+        await eventually(
+            lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/train-rollout"), what="fleet engines"
+        )
+        await eventually(
+            lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/train-sandbox"), what="sandbox pods"
+        )
+
+        async def phase(p: str) -> Callable[[], Awaitable[bool]]:
+            async def probe() -> bool:
+                return (await _status(k, f"{API}/agenticrljobs/train")).get("phase") == p
+
+            return probe
+
+        await eventually(await phase("Running"), what="job Running")
+
+        # suspend: trainer Job suspended, inline fleet scaled to zero, phase Suspended
+        await k.patch(f"{API}/agenticrljobs/train", {"spec": {"suspend": True}})
+        await eventually(await phase("Suspended"), what="job Suspended")
+        assert (await k.get(job_path))["spec"]["suspend"] is True
+        fleet = await k.get(f"{API}/rolloutfleets/train-rollout")
+        assert fleet["spec"]["replicas"] == 0
+        await k.patch(f"{API}/agenticrljobs/train", {"spec": {"suspend": False}})
+        await eventually(await phase("Running"), what="job resumed")
+        assert (await k.get(f"{API}/rolloutfleets/train-rollout"))["spec"]["replicas"] == 2
+
+        # the trainer pods finish: the Job controller marks the Job Complete
+        done = {"type": "Complete", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+        await k.patch(
+            f"/apis/batch/v1/namespaces/{NS}/jobs/train-trainer/status",
+            {"status": {"conditions": [done], "succeeded": 2, "active": 0}},
+        )
+        await eventually(await phase("Succeeded"), what="job Succeeded")
+        st = await _status(k, f"{API}/agenticrljobs/train")
+        assert any(c["type"] == "Complete" and c["status"] == "True" for c in st["conditions"])
+        # A finished job releases its accelerators: the inline fleet and pool are deleted.
+        await eventually(lambda: _absent(k, f"{API}/rolloutfleets/train-rollout"), what="fleet released")
+        await eventually(
+            lambda: _absent(k, f"/apis/apps/v1/namespaces/{NS}/deployments/train-rollout"),
+            what="engines gone",
+        )
+        reasons = [e["reason"] for e in await k.events("train")]
+        assert "Running" in reasons and "Suspended" in reasons and "Succeeded" in reasons
+
+
+async def _absent(k: Cluster, path: str) -> bool:
+    return await k.get(path) is None
+
+
+async def test_job_failure_is_reported_from_trainer_pods() -> None:
+    async with cluster_and_operator() as k:
+        await k.create(f"{API}/agenticrljobs", job("boom"))
+        await eventually(
+            lambda: k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer"), what="trainer Job"
+        )
+        trainer = await k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer")
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "boom-trainer-0-x",
+                "namespace": NS,
+                "labels": trainer["spec"]["template"]["metadata"]["labels"],
+            },
+            "spec": {"containers": [{"name": "trainer", "image": "i"}]},
+        }
+        await k.create(f"/api/v1/namespaces/{NS}/pods", pod)
+        term = {"terminated": {"reason": "OOMKilled", "exitCode": 137, "message": "CUDA out of memory"}}
+        await k.patch(
+            f"/api/v1/namespaces/{NS}/pods/boom-trainer-0-x/status",
+            {"status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": term}]}},
+        )
+        failed = {
+            "type": "Failed",
+            "status": "True",
+            "reason": "BackoffLimitExceeded",
+            "message": "Job has reached the specified backoff limit",
+        }
+        await k.patch(
+            f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer/status",
+            {"status": {"conditions": [failed], "active": 0, "failed": 1}},
+        )
+
+        async def failed_phase() -> Any:
+            st = await _status(k, f"{API}/agenticrljobs/boom")
+            return st if st.get("phase") == "Failed" else None
+
+        st = await eventually(failed_phase, what="job Failed")
+        cond = next(c for c in st["conditions"] if c["type"] == "Failed")
+        assert "BackoffLimitExceeded" in cond["message"] and "OOMKilled (exit 137)" in cond["message"]
+        warnings = [e for e in await k.events("boom") if e["type"] == "Warning"]
+        assert any("OOMKilled" in e["message"] for e in warnings)
+        # Terminal: deleting the finished trainer does not start a new one.
+        await k.delete(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer")
+        await asyncio.sleep(1.2)
+        assert await k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer") is None
+
+
+async def test_invalid_objects_and_missing_references_are_reported() -> None:
+    async with cluster_and_operator() as k:
+        # What the CRD's CEL rule would reject, reaching the operator anyway (e.g. no webhook).
+        bad = pool("bad", replicas=9, autoscaling={"minReplicas": 1, "maxReplicas": 4})
+        await k.create(f"{API}/sandboxpools", bad)
+
+        async def invalid() -> Any:
+            st = await _status(k, f"{API}/sandboxpools/bad")
+            return st if st.get("phase") == "Invalid" else None
+
+        st = await eventually(invalid, what="phase Invalid")
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+        assert "replicas (9) is outside the autoscaling bounds" in ready["message"]
+        assert await k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/bad") is None
+        ev = [e for e in await k.events("bad") if e["type"] == "Warning"]
+        assert ev and "outside the autoscaling bounds" in ev[0]["message"]
+
+        # A job referencing a fleet that does not exist waits (no trainer), then proceeds.
+        await k.create(f"{API}/agenticrljobs", job("refs", rollout={"fleetRef": "shared"}))
+
+        async def waiting() -> Any:
+            s = await _status(k, f"{API}/agenticrljobs/refs")
+            return s if s.get("phase") == "Waiting" else None
+
+        s = await eventually(waiting, what="job Waiting")
+        assert "RolloutFleet e2e/shared" in s["conditions"][0]["message"]
+        assert await k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/refs-trainer") is None
+        fleet = {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "shared", "namespace": NS},
+            "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu", "count": 1}},
+        }
+        await k.create(f"{API}/rolloutfleets", fleet)
+        await eventually(
+            lambda: k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/refs-trainer"),
+            what="trainer after fleet exists",
+        )
+
+        # Fixing the invalid pool makes it reconcile normally.
+        await k.patch(f"{API}/sandboxpools/bad", {"spec": {"replicas": 3}})
+        await eventually(
+            lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/bad"), what="fixed pool deployed"
+        )
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(render: Callable[[], str]) -> AsyncIterator[int]:
+    """A real /metrics endpoint on 127.0.0.1 standing in for the pods' exporters."""
+    from aiohttp import web
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=render(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
+
+
+async def add_ready_pod(k: Cluster, name: str, labels: dict[str, str], port: int) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
+        "spec": {
+            "containers": [{"name": "c", "image": "i", "ports": [{"name": "http", "containerPort": port}]}]
+        },
+    }
+    await k.create(f"/api/v1/namespaces/{NS}/pods", pod)
+    ready = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+    await k.patch(f"/api/v1/namespaces/{NS}/pods/{name}/status", {"status": ready})
+
+
+async def test_pool_autoscaling_from_scraped_queue_depth() -> None:
+    load = {"queue": 0.0, "busy": 0.0}
+
+    def render() -> str:
+        return (
+            "# TYPE kuberl_sandbox_queue_depth gauge\n"
+            f'kuberl_sandbox_queue_depth{{pool="auto"}} {load["queue"]}\n'
+            "# TYPE kuberl_sandbox_workers_busy gauge\n"
+            f'kuberl_sandbox_workers_busy{{pool="auto"}} {load["busy"]}\n'
+        )
+
+    async with metrics_server(render) as port, cluster_and_operator(autoscale_interval=0.3) as k:
+        auto = {
+            "minReplicas": 1,
+            "maxReplicas": 6,
+            "targetQueuePerWorker": 2,
+            "scaleDownStabilizationSeconds": 0,
+        }
+        await k.create(f"{API}/sandboxpools", pool("auto", replicas=1, workersPerPod=4, autoscaling=auto))
+        dep_path = f"/apis/apps/v1/namespaces/{NS}/deployments/auto"
+        dep = await eventually(lambda: k.get(dep_path), what="Deployment")
+        await add_ready_pod(k, "auto-0", dep["spec"]["selector"]["matchLabels"], port)
+
+        # 1 pod x 4 workers with 16 queued = 4/worker, target 2 -> 2 pods, then 4 as the
+        # per-pod queue stays high (the exporter reports the same totals), capped at 6.
+        load.update(queue=16.0, busy=4.0)
+
+        async def replicas_at_least(n: int) -> Callable[[], Awaitable[bool]]:
+            async def probe() -> bool:
+                return (await k.get(f"{API}/sandboxpools/auto"))["spec"]["replicas"] >= n and (
+                    await k.get(dep_path)
+                )["spec"]["replicas"] >= n
+
+            return probe
+
+        await eventually(await replicas_at_least(2), what="scale-up")
+        st = await _status(k, f"{API}/sandboxpools/auto")
+        assert st.get("queueDepth") == 16.0 and st.get("workersBusy") == 4.0
+        assert any(e["reason"] == "ScaledUp" for e in await k.events("auto"))
+
+        # Load gone: scale down to minReplicas (no stabilization window in this test).
+        load.update(queue=0.0, busy=0.0)
+
+        async def at_min() -> bool:
+            return (await k.get(f"{API}/sandboxpools/auto"))["spec"]["replicas"] == 1 and (
+                await k.get(dep_path)
+            )["spec"]["replicas"] == 1
+
+        await eventually(at_min, what="scale-down to minReplicas")
+        assert any(e["reason"] == "ScaledDown" for e in await k.events("auto"))
+
+
+async def test_fleet_autoscaling_on_sglang_metrics_with_stabilization() -> None:
+    load = {"usage": 0.95, "queued": 0.0}
+
+    def render() -> str:
+        return (
+            "# TYPE sglang:token_usage gauge\n"
+            f'sglang:token_usage{{model_name="policy"}} {load["usage"]}\n'
+            "# TYPE sglang:num_queue_reqs gauge\n"
+            f'sglang:num_queue_reqs{{model_name="policy"}} {load["queued"]}\n'
+        )
+
+    async with metrics_server(render) as port, cluster_and_operator(autoscale_interval=0.3) as k:
+        fleet = {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "gen", "namespace": NS},
+            "spec": {
+                "replicas": 2,
+                "model": {"uri": "m"},
+                "accelerator": {"profile": "cpu", "count": 1},
+                "autoscaling": {
+                    "minReplicas": 1,
+                    "maxReplicas": 3,
+                    "targetKVCacheUtilization": 0.8,
+                    "scaleDownStabilizationSeconds": 2,
+                },
+            },
+        }
+        await k.create(f"{API}/rolloutfleets", fleet)
+        dep = await eventually(
+            lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/gen"), what="engines"
+        )
+        for i in range(2):
+            await add_ready_pod(k, f"gen-{i}", dep["spec"]["selector"]["matchLabels"], port)
+
+        async def replicas(n: int) -> Callable[[], Awaitable[bool]]:
+            async def probe() -> bool:
+                return (await k.get(f"{API}/rolloutfleets/gen"))["spec"]["replicas"] == n
+
+            return probe
+
+        await eventually(await replicas(3), what="scale-up to maxReplicas")  # ceil(2*0.95/0.8) = 3
+        st = await _status(k, f"{API}/rolloutfleets/gen")
+        assert st["kvCacheUtilization"] == 0.95 and st["engines"] == ["127.0.0.1:30000"] * 2
+        load.update(usage=0.1)
+        t0 = time.monotonic()
+        await eventually(await replicas(1), timeout=10, what="scale-down after the window")
+        assert time.monotonic() - t0 >= 1.5, "scale-down must wait for the stabilization window"
