@@ -616,6 +616,8 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
         "image": trainer.resolved_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["kuberl", "run", JOB_CONFIG_PATH, "--out", JOB_RUN_DIR],
+        # A crash's last log lines become the pod's termination message -> job status.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": env,
         "ports": [
             {"name": "rendezvous", "containerPort": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"},

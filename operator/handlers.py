@@ -11,13 +11,17 @@ Per custom resource:
   only what differs), and write ``status`` (phase, conditions, observedGeneration; replicas
   and selector for the scale subresource). An invalid spec is not retried: it gets phase
   ``Invalid``, a Ready=False condition with the field-level message and a Warning event.
-* a timer (``reconcile_interval``) runs the same reconcile: drift repair (a deleted child is
-  recreated, a hand-edited one is patched back) and status refresh from the children.
-* an autoscaling timer (``autoscale_interval``) for pools/fleets with ``spec.autoscaling``:
-  scrape each ready pod's /metrics, decide with ``autoscale.decide`` and write spec.replicas
-  (as an HPA writes the scale subresource); skipped when ``kuberl.io/autoscaler: keda``.
+  Every phase transition is a Kubernetes Event on the object.
+* ``resync_loop`` (every ``reconcile_interval``) runs the same reconcile over every object:
+  drift repair (a deleted child is recreated, a hand-edited one patched back), status
+  refresh from the children (readiness, trainer completion/failure), and -- every
+  ``autoscale_interval`` -- autoscaling of pools/fleets with ``spec.autoscaling``: scrape
+  each ready pod's /metrics, decide with ``autoscale.decide``, write the scale subresource
+  (as an HPA would); skipped for ``kuberl.io/autoscaler: keda``.
 * no finalizers: every child carries an ownerReference, so Kubernetes' garbage collector
-  removes them when the owner goes; there is no external state to clean up.
+  removes them when the owner goes, and there is no external state to clean up. (kopf
+  timers would add a finalizer to every object, which is why the resync is a plain loop.)
+* optional validating/mutating admission (``admission.py``) when a webhook server is set.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class OperatorConfig:
     login: Callable[..., kopf.ConnectionInfo | None] = default_login
     scraper: Scraper | None = None
     clock: Callable[[], float] = time.time
-    admission: bool = True  # register validating/mutating handlers (served only if a server is set)
+    # Register the validating/mutating webhooks; kopf then requires settings.admission.server.
+    admission: bool = False
 
 
 @dataclass

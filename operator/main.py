@@ -23,11 +23,15 @@ import kopf
 from .handlers import OperatorConfig, build_registry, configure_settings
 
 
-def _settings(verbose: bool, fast: bool = False) -> kopf.OperatorSettings:
+def _settings(
+    verbose: bool, fast: bool = False, webhook: kopf.WebhookServer | None = None
+) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     configure_settings(settings, fast=fast)
     port = os.environ.get("KUBERL_WEBHOOK_PORT")
-    if port:
+    if webhook is not None:
+        settings.admission.server = webhook
+    elif port:
         settings.admission.server = kopf.WebhookServer(
             port=int(port),
             host=os.environ.get("KUBERL_WEBHOOK_HOST"),
@@ -47,14 +51,18 @@ async def operate(
     ready_flag: asyncio.Event | threading.Event | None = None,
     fast: bool = False,
     verbose: bool = False,
+    webhook: kopf.WebhookServer | None = None,
 ) -> None:
-    """Run the operator in the current event loop until ``stop_flag`` is set (tests use this)."""
+    """Run the operator in the current event loop until ``stop_flag`` is set (tests use this).
+
+    ``webhook`` serves the admission handlers (``config.admission`` must be true).
+    """
     watched = None if clusterwide else (namespaces or ["default"])
     registry, _ctx = build_registry(config, namespaces=watched)
     kwargs: dict[str, Any] = {"clusterwide": True} if watched is None else {"namespaces": watched}
     await kopf.operator(
         registry=registry,
-        settings=_settings(verbose, fast=fast),
+        settings=_settings(verbose, fast=fast, webhook=webhook),
         standalone=True,
         stop_flag=stop_flag,
         ready_flag=ready_flag,
@@ -73,6 +81,7 @@ def run_operator(namespaces: list[str], all_namespaces: bool, verbose: bool) -> 
     config = OperatorConfig(
         reconcile_interval=float(os.environ.get("KUBERL_RECONCILE_INTERVAL", "30")),
         autoscale_interval=float(os.environ.get("KUBERL_AUTOSCALE_INTERVAL", "15")),
+        admission=bool(os.environ.get("KUBERL_WEBHOOK_PORT")),
     )
     registry, _ctx = build_registry(config, namespaces=None if all_namespaces else namespaces)
     kwargs: dict[str, Any] = {"clusterwide": True} if all_namespaces else {"namespaces": namespaces}

@@ -272,3 +272,15 @@ def test_keda_scaled_objects() -> None:
 
 def test_selector_string_is_sorted_and_stable() -> None:
     assert selector_string({"b": "2", "a": "1"}) == "a=1,b=2"
+
+
+def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+    from kuberl.cli import main
+
+    assert main(["render", str(REPO / "examples" / "rstar2-mi300x.yaml"), "--namespace", "rl"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service", "ConfigMap", "Service", "Job"]
+    )
+    assert {d["metadata"]["namespace"] for d in docs} == {"rl"}

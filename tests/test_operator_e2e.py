@@ -491,3 +491,95 @@ async def test_fleet_autoscaling_on_sglang_metrics_with_stabilization() -> None:
         t0 = time.monotonic()
         await eventually(await replicas(1), timeout=10, what="scale-down after the window")
         assert time.monotonic() - t0 >= 1.5, "scale-down must wait for the stabilization window"
+
+
+async def test_admission_webhooks_through_kopf() -> None:
+    """Validating and mutating admission, served by kopf's own webhook server (plain HTTP)."""
+    import base64
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    webhook = kopf.WebhookServer(host="127.0.0.1", port=port, insecure=True)
+    async with (
+        ClusterEmulator(namespaces={NS}) as emu,
+        kmock.Server(emu) as srv,
+        aiohttp.ClientSession() as session,
+    ):
+        url = str(srv.url).rstrip("/")
+        cfg = OperatorConfig(
+            reconcile_interval=0.5,
+            login=lambda **_: kopf.ConnectionInfo(server=url, default_namespace=NS),
+            admission=True,
+        )
+        stop, ready = asyncio.Event(), asyncio.Event()
+        task = asyncio.create_task(
+            operate(cfg, namespaces=[NS], stop_flag=stop, ready_flag=ready, fast=True, webhook=webhook)
+        )
+        try:
+            await asyncio.wait_for(ready.wait(), 15)
+            k = Cluster(emu, url, session)
+
+            async def review(hook: str, obj: dict[str, Any], plural: str) -> dict[str, Any]:
+                body = {
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "request": {
+                        "uid": "u1",
+                        "kind": {"group": "kuberl.io", "version": "v1alpha1", "kind": obj["kind"]},
+                        "resource": {"group": "kuberl.io", "version": "v1alpha1", "resource": plural},
+                        "operation": "CREATE",
+                        "namespace": NS,
+                        "name": obj["metadata"]["name"],
+                        "object": obj,
+                        "userInfo": {"username": "tester"},
+                        "dryRun": False,
+                    },
+                }
+                for _ in range(50):  # the server starts after the resources are scanned
+                    try:
+                        async with session.post(f"http://127.0.0.1:{port}/{hook}", json=body) as rsp:
+                            return (await rsp.json())["response"]
+                    except aiohttp.ClientConnectionError:
+                        await asyncio.sleep(0.1)
+                pytest.fail("webhook server did not start")
+
+            bad = job("bad-ref", rollout={"fleetRef": "nope"}, sandbox={"poolRef": "nada"})
+            rsp = await review("validate-agenticrljobs", bad, "agenticrljobs")
+            assert rsp["allowed"] is False
+            assert "RolloutFleet e2e/nope does not exist" in rsp["status"]["message"]
+            assert "SandboxPool e2e/nada does not exist" in rsp["status"]["message"]
+
+            clip = job("clip", algorithm={"clip": {"low": 0.3, "high": 0.2}})
+            rsp = await review("validate-agenticrljobs", clip, "agenticrljobs")
+            assert (
+                rsp["allowed"] is False
+                and "clip.high (0.2) must be >= clip.low (0.3)" in rsp["status"]["message"]
+            )
+
+            await k.create(
+                f"{API}/rolloutfleets",
+                {
+                    "apiVersion": "kuberl.io/v1alpha1",
+                    "kind": "RolloutFleet",
+                    "metadata": {"name": "nope", "namespace": NS},
+                    "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}},
+                },
+            )
+            await k.create(f"{API}/sandboxpools", pool("nada"))
+            rsp = await review("validate-agenticrljobs", bad, "agenticrljobs")
+            assert rsp["allowed"] is True
+
+            inline = job("inline", rollout={"fleet": {"replicas": 1}})
+            rsp = await review("mutate-agenticrljobs", inline, "agenticrljobs")
+            assert rsp["allowed"] is True and rsp["patchType"] == "JSONPatch"
+            ops = json.loads(base64.b64decode(rsp["patch"]))
+            paths = {op["path"]: op.get("value") for op in ops}
+            assert any("rollout/fleet/model" in p for p in paths), ops
+            assert any("labels" in p for p in paths), ops
+        finally:
+            stop.set()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(task, 10)

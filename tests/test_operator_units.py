@@ -1,0 +1,299 @@
+"""Unit tests of the operator's pure parts: status rules, admission rules, diffing, emulator."""
+
+from __future__ import annotations
+
+import aiohttp
+import kmock
+import kopf
+import pytest
+
+from kuberl.operator import admission, status
+from kuberl.operator.handlers import OperatorConfig, build_registry, train_progress
+from kuberl.operator.kube import KubeClient, is_subset, kind_of
+from kuberl.operator.testing import ClusterEmulator, matches_selector, merge_patch
+
+
+def test_is_subset_ignores_server_defaults_but_not_changes() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "args": ["x"]}]}}}
+    live = {
+        "spec": {
+            "replicas": 2,
+            "progressDeadlineSeconds": 600,
+            "template": {"containers": [{"name": "a", "args": ["x"], "terminationMessagePath": "/dev/t"}]},
+        }
+    }
+    assert is_subset(desired, live)
+    assert not is_subset({"spec": {"replicas": 3}}, live)
+    assert not is_subset({"spec": {"template": {"containers": [{"name": "a", "args": ["x", "y"]}]}}}, live)
+    assert not is_subset({"a": True}, {"a": 1}) and is_subset({"a": 1}, {"a": 1.0})
+
+
+def test_scaled_status_phases_and_transition_time() -> None:
+    dep = {"status": {"replicas": 3, "readyReplicas": 1}}
+    st = status.scaled_status(
+        desired=3, workload=dep, selector="a=b", generation=4, previous={}, noun="sandbox"
+    )
+    assert st["phase"] == "Progressing" and st["readyReplicas"] == 1 and st["observedGeneration"] == 4
+    assert st["conditions"][0]["status"] == "False" and "1/3" in st["conditions"][0]["message"]
+    first = dict(st["conditions"][0], lastTransitionTime="2020-01-01T00:00:00Z")
+    again = status.scaled_status(
+        desired=3,
+        workload=dep,
+        selector="a=b",
+        generation=4,
+        previous={"conditions": [first]},
+        noun="sandbox",
+    )
+    assert again["conditions"][0]["lastTransitionTime"] == "2020-01-01T00:00:00Z"  # no flip, no new time
+    ready = status.scaled_status(
+        desired=3,
+        workload={"status": {"replicas": 3, "readyReplicas": 3}},
+        selector="a=b",
+        generation=4,
+        previous={"conditions": [first]},
+        noun="sandbox",
+    )
+    assert (
+        ready["phase"] == "Ready" and ready["conditions"][0]["lastTransitionTime"] != "2020-01-01T00:00:00Z"
+    )
+    assert (
+        status.scaled_status(desired=1, workload=None, selector="", generation=1, previous={}, noun="x")[
+            "phase"
+        ]
+        == "Pending"
+    )
+
+
+def test_job_status_phases() -> None:
+    def js(**kw):
+        args = {
+            "trainer": {"status": {}},
+            "pods": [],
+            "suspended": False,
+            "waiting_for": [],
+            "generation": 1,
+            "previous": {},
+        }
+        return status.job_status(**{**args, **kw})
+
+    assert js(trainer=None)["phase"] == "Pending"
+    assert js(trainer={"status": {"active": 2}})["phase"] == "Running"
+    assert js(suspended=True)["phase"] == "Suspended"
+    assert js(waiting_for=["RolloutFleet ns/x"])["phase"] == "Waiting"
+    done = js(trainer={"status": {"succeeded": 2, "conditions": [{"type": "Complete", "status": "True"}]}})
+    assert done["phase"] == "Succeeded"
+    pods = [
+        {
+            "metadata": {"name": "p0"},
+            "status": {
+                "phase": "Failed",
+                "containerStatuses": [
+                    {
+                        "state": {
+                            "terminated": {
+                                "reason": "Error",
+                                "exitCode": 3,
+                                "message": "Traceback ... ValueError: bad",
+                            }
+                        }
+                    }
+                ],
+            },
+        }
+    ]
+    failed = js(
+        trainer={
+            "status": {
+                "conditions": [
+                    {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "m"}
+                ]
+            }
+        },
+        pods=pods,
+    )
+    assert failed["phase"] == "Failed"
+    assert "pod p0: Error (exit 3): Traceback ... ValueError: bad" in failed["conditions"][0]["message"]
+    progress = js(trainer={"status": {"active": 1}}, progress={"step": 5, "stage": "rl"})
+    assert progress["step"] == 5 and progress["stage"] == "rl"
+
+
+def test_transition_events() -> None:
+    st = {"phase": "Invalid", "conditions": [{"type": "Ready", "message": "spec.x: bad"}]}
+    (ev,) = status.transition_events("SandboxPool", None, st)
+    assert ev.type == "Warning" and ev.reason == "Invalid" and "spec.x: bad" in ev.message
+    assert status.transition_events("SandboxPool", "Invalid", st) == []
+    (ok,) = status.transition_events("SandboxPool", "Progressing", {"phase": "Ready", "conditions": []})
+    assert ok.type == "Normal"
+
+
+def test_train_progress_from_trainer_metrics() -> None:
+    text = (
+        "# TYPE kuberl_train_step gauge\n"
+        'kuberl_train_step{job="j",stage="sft"} 400\n'
+        'kuberl_train_step{job="j",stage="stage-1"} 412\n'
+        'kuberl_train_step{job="other",stage="x"} 9999\n'
+        "# TYPE kuberl_train_reward_mean gauge\n"
+        'kuberl_train_reward_mean{job="j"} 0.625\n'
+    )
+    assert train_progress(text, "j") == {"step": 412, "stage": "stage-1", "summary": {"rewardMean": 0.625}}
+
+
+async def test_admission_validation_rules() -> None:
+    existing = {("RolloutFleet", "ns", "f"), ("SandboxPool", "ns", "p")}
+
+    async def lookup(kind: str, ns: str, name: str) -> bool:
+        return (kind, ns, name) in existing
+
+    def job(**spec):
+        return {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "AgenticRLJob",
+            "metadata": {"name": "j", "namespace": "ns"},
+            "spec": {"model": {"base": "m"}, "data": {"train": "d"}, **spec},
+        }
+
+    assert (
+        await admission.validation_errors(job(rollout={"fleetRef": "f"}, sandbox={"poolRef": "p"}), lookup)
+        == []
+    )
+    errs = await admission.validation_errors(job(rollout={"fleetRef": "g"}), lookup)
+    assert errs == ["spec.rollout.fleetRef: RolloutFleet ns/g does not exist"]
+    # engine: local never talks to a fleet, so a dangling ref is harmless there.
+    assert await admission.validation_errors(job(rollout={"fleetRef": "g", "engine": "local"}), lookup) == []
+    (err,) = await admission.validation_errors(
+        job(stages=[{"name": "a", "type": "rl", "steps": 1}] * 2), lookup
+    )
+    assert "stage names must be unique" in err
+    pool = {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "SandboxPool",
+        "metadata": {"name": "p", "annotations": {"kuberl.io/autoscaler": "keda"}},
+        "spec": {},
+    }
+    (err,) = await admission.validation_errors(pool, None)
+    assert "needs spec.autoscaling" in err
+
+
+def test_admission_mutation() -> None:
+    body = {
+        "kind": "AgenticRLJob",
+        "metadata": {"name": "j"},
+        "spec": {"model": {"base": "Qwen/X"}, "rollout": {"fleet": {"replicas": 1}}},
+    }
+    patch = admission.mutation(body)
+    assert patch["spec"]["rollout"]["fleet"]["model"] == {"uri": "Qwen/X", "servedName": "policy"}
+    assert patch["metadata"]["labels"] == {"app.kubernetes.io/name": "kuberl"}
+    done = {"kind": "SandboxPool", "metadata": {"labels": {"app.kubernetes.io/name": "kuberl"}}, "spec": {}}
+    assert admission.mutation(done) == {}
+
+
+def test_registry_has_no_finalizer_requiring_handlers() -> None:
+    reg, _ = build_registry(OperatorConfig(admission=True))
+    handlers = reg._changing.get_all_handlers() + reg._spawning.get_all_handlers()
+    ids = {h.id for h in handlers}
+    assert {"SandboxPool-create", "RolloutFleet-update", "AgenticRLJob-resume"} <= ids
+    assert not any(h.requires_finalizer for h in handlers)
+    assert {h.id for h in reg._webhooks.get_all_handlers()} >= {
+        "validate-sandboxpools",
+        "mutate-agenticrljobs",
+    }
+
+
+def test_emulator_helpers() -> None:
+    assert merge_patch({"a": {"b": 1, "c": 2}, "d": [1]}, {"a": {"b": None, "e": 3}, "d": [2]}) == {
+        "a": {"c": 2, "e": 3},
+        "d": [2],
+    }
+    labels = {"app": "x", "tier": "web"}
+    assert matches_selector(labels, "app=x,tier=web") and matches_selector(labels, "app==x,!missing,tier")
+    assert not matches_selector(labels, "app!=x") and not matches_selector(labels, "app=y")
+    assert matches_selector(labels, "")
+
+
+async def test_client_apply_is_idempotent_against_the_emulator() -> None:
+    async with ClusterEmulator(simulate_controllers=True) as emu, kmock.Server(emu) as srv:
+        client = KubeClient(kopf.ConnectionInfo(server=str(srv.url)))
+        try:
+            cm = {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "c", "namespace": "default"},
+                "data": {"k": "1"},
+            }
+            action, live = await client.apply(cm)
+            assert action == "created" and live["metadata"]["resourceVersion"]
+            action, again = await client.apply(cm)
+            assert (
+                action == "unchanged"
+                and again["metadata"]["resourceVersion"] == live["metadata"]["resourceVersion"]
+            )
+            action, changed = await client.apply({**cm, "data": {"k": "2"}})
+            assert action == "updated" and changed["data"] == {"k": "2"}
+            assert [
+                o["metadata"]["name"] for o in await client.list(kind_of("v1", "ConfigMap"), "default")
+            ] == ["c"]
+            assert await client.delete(kind_of("v1", "ConfigMap"), "default", "c") is True
+            assert await client.delete(kind_of("v1", "ConfigMap"), "default", "c") is False
+            assert await client.get(kind_of("v1", "ConfigMap"), "default", "c") is None
+            with pytest.raises(ValueError, match="does not manage"):
+                kind_of("v1", "Secret")
+        finally:
+            await client.close()
+
+
+async def test_emulator_generation_status_subresource_and_gc() -> None:
+    async with ClusterEmulator() as emu, kmock.Server(emu) as srv, aiohttp.ClientSession(str(srv.url)) as s:
+        base = "/apis/kuberl.io/v1alpha1/namespaces/default/sandboxpools"
+        owner = await (
+            await s.post(
+                base,
+                json={
+                    "apiVersion": "kuberl.io/v1alpha1",
+                    "kind": "SandboxPool",
+                    "metadata": {"name": "p"},
+                    "spec": {"replicas": 1},
+                },
+            )
+        ).json()
+        merge = {"Content-Type": "application/merge-patch+json"}
+        st = await (
+            await s.patch(
+                f"{base}/p/status",
+                json={"status": {"phase": "Ready"}, "spec": {"replicas": 9}},
+                headers=merge,
+            )
+        ).json()
+        assert (
+            st["status"] == {"phase": "Ready"}
+            and st["spec"]["replicas"] == 1
+            and st["metadata"]["generation"] == 1
+        )
+        main = await (
+            await s.patch(
+                f"{base}/p", json={"spec": {"replicas": 2}, "status": {"phase": "X"}}, headers=merge
+            )
+        ).json()
+        assert main["metadata"]["generation"] == 2 and main["status"] == {"phase": "Ready"}
+        stale = [
+            {
+                "op": "test",
+                "path": "/metadata/resourceVersion",
+                "value": owner["metadata"]["resourceVersion"],
+            },
+            {"op": "add", "path": "/metadata/finalizers", "value": ["f"]},
+        ]
+        rsp = await s.patch(f"{base}/p", json=stale, headers={"Content-Type": "application/json-patch+json"})
+        assert rsp.status == 422
+        ref = {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "SandboxPool",
+            "name": "p",
+            "uid": owner["metadata"]["uid"],
+        }
+        child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "ownerReferences": [ref]}}
+        assert (await s.post("/api/v1/namespaces/default/configmaps", json=child)).status == 200
+        await s.delete(f"{base}/p")
+        assert (await s.get("/api/v1/namespaces/default/configmaps/c")).status == 404
+        # An object created for an owner that is already gone is collected at once.
+        assert (await s.post("/api/v1/namespaces/default/configmaps", json=child)).status == 200
+        assert (await s.get("/api/v1/namespaces/default/configmaps/c")).status == 404
