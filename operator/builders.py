@@ -522,6 +522,9 @@ def resolved_job_document(job: AgenticRLJob, namespace: str) -> dict[str, Any]:
     """
     doc = AgenticRLJob.model_validate(job.wire()).wire()
     doc.pop("status", None)
+    # Suspension is the Job controller's business; keeping it out of the document keeps the
+    # pod template (whose hash covers this document) unchanged across suspend/resume.
+    doc["spec"].pop("suspend", None)
     meta = {"name": job.metadata.name, "namespace": namespace}
     if job.metadata.labels:
         meta["labels"] = dict(job.metadata.labels)

@@ -14,6 +14,7 @@ API server does more that the kopf runtime and the operator rely on, added here:
 * deletion with finalizers (deletionTimestamp first) and the garbage collector: deleting an
   owner deletes everything whose ownerReferences point at its uid, and an object created
   with an owner that no longer exists is collected at once;
+* immutability of a running Job's pod template (422, as batch/v1 answers);
 * optionally a stand-in for the controllers (``simulate_controllers``): Deployments,
   StatefulSets and LeaderWorkerSets report all replicas ready; Jobs report active pods
   (none while suspended). Tests that need other states patch ``/status`` themselves.
@@ -314,6 +315,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 raise _error(422, "Invalid", f"the JSON patch cannot be applied: {err}") from None
         else:
             new = merge_patch(current, body)
+        if current.get("kind") == "Job" and sub is None:
+            before, after = current.get("spec") or {}, new.get("spec") or {}
+            for field in ("template", "completions", "completionMode", "selector"):
+                if field in before and before.get(field) != after.get(field) and not before.get("suspend"):
+                    raise _error(
+                        422, "Invalid", f"Job.batch {key[2]!r} is invalid: spec.{field}: field is immutable"
+                    )
         has_status_sub = "status" in self._subresources(key[0])
         if sub == "status":
             new = {**current, "status": new.get("status")}

@@ -583,3 +583,31 @@ async def test_admission_webhooks_through_kopf() -> None:
             stop.set()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(task, 10)
+
+
+async def test_job_spec_change_updates_config_and_replaces_trainer() -> None:
+    async with cluster_and_operator() as k:
+        await k.create(f"{API}/agenticrljobs", job("edit", seed=1))
+        job_path = f"/apis/batch/v1/namespaces/{NS}/jobs/edit-trainer"
+        first = await eventually(lambda: k.get(job_path), what="trainer Job")
+        await k.patch(f"{API}/agenticrljobs/edit", {"spec": {"seed": 2}})
+
+        async def config_updated() -> bool:
+            cm = await k.get(f"/api/v1/namespaces/{NS}/configmaps/edit-config")
+            return "seed: 2" in cm["data"]["job.yaml"]
+
+        await eventually(config_updated, what="ConfigMap updated")
+
+        async def replaced() -> bool:
+            j = await k.get(job_path)
+            return bool(j) and j["metadata"]["uid"] != first["metadata"]["uid"]
+
+        # The pod template is immutable: the trainer is replaced (it resumes from its checkpoint).
+        await eventually(replaced, what="trainer Job replaced")
+        new = await k.get(job_path)
+        h = "kuberl.io/config-hash"
+        assert (
+            new["spec"]["template"]["metadata"]["annotations"][h]
+            != first["spec"]["template"]["metadata"]["annotations"][h]
+        )
+        assert any(e["reason"] == "TrainerReplaced" for e in await k.events("edit"))
