@@ -611,3 +611,67 @@ async def test_job_spec_change_updates_config_and_replaces_trainer() -> None:
             != first["spec"]["template"]["metadata"]["annotations"][h]
         )
         assert any(e["reason"] == "TrainerReplaced" for e in await k.events("edit"))
+
+
+async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
+    """`kuberl operator -n e2e` (kopf.run underneath) logs in from a kubeconfig and reconciles."""
+    import os
+    import signal
+    import sys
+
+    import yaml
+
+    async with (
+        ClusterEmulator(namespaces={NS}) as emu,
+        kmock.Server(emu) as srv,
+        aiohttp.ClientSession() as session,
+    ):
+        url = str(srv.url).rstrip("/")
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "emu",
+                    "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                    "users": [{"name": "u", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": NS}}
+                    ],
+                }
+            )
+        )
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBERL_RECONCILE_INTERVAL": "0.5"}
+        env.pop("KUBERL_WEBHOOK_PORT", None)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kuberl",
+            "operator",
+            "-n",
+            NS,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            k = Cluster(emu, url, session)
+            await k.create(f"{API}/sandboxpools", pool("cli", replicas=1))
+            await eventually(
+                lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/cli"),
+                timeout=20,
+                what="Deployment from the CLI operator",
+            )
+            # It authenticated with the kubeconfig's token.
+            assert any(r.headers.get("Authorization") == "Bearer test-token" for r in list(emu))
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        out = (await proc.stdout.read()).decode()  # type: ignore[union-attr]
+        assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
