@@ -785,3 +785,116 @@ def build_for(resource: Resource, namespace: str = "default") -> list[Manifest]:
     ):
         out.append(build_keda_scaled_object(resource, ns))
     return copy.deepcopy(out)
+
+
+# --- the operator itself ------------------------------------------------------------------
+
+OPERATOR_IMAGE = "ghcr.io/kuberl/kuberl:0.1.0"
+_CRUD = ["get", "list", "watch", "create", "patch", "update", "delete"]
+
+
+def operator_rbac_rules() -> list[dict[str, Any]]:
+    """The least the operator needs: its own kinds, the children it builds, and what kopf reads."""
+    return [
+        {
+            "apiGroups": ["kuberl.io"],
+            "resources": ["agenticrljobs", "rolloutfleets", "sandboxpools"],
+            "verbs": _CRUD,
+        },
+        {
+            "apiGroups": ["kuberl.io"],
+            "resources": [
+                f"{p}/{s}"
+                for p in ("agenticrljobs", "rolloutfleets", "sandboxpools")
+                for s in ("status", "scale")
+            ],
+            "verbs": ["get", "patch", "update"],
+        },
+        {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": _CRUD},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": _CRUD},
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
+        {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+        {
+            "apiGroups": ["apiextensions.k8s.io"],
+            "resources": ["customresourcedefinitions"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {
+            "apiGroups": ["admissionregistration.k8s.io"],
+            "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
+            "verbs": ["get", "list", "watch", "create", "patch", "update"],
+        },
+    ]
+
+
+def build_operator(namespace: str = "kuberl-system", image: str = OPERATOR_IMAGE) -> list[Manifest]:
+    """ServiceAccount, ClusterRole(+Binding) and Deployment that run ``kuberl operator -A``.
+
+    One replica in kopf standalone mode (no peering objects): run exactly one.
+    """
+    name = "kuberl-operator"
+    labels = {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: "operator",
+        LABEL_MANAGED_BY: MANAGED_BY,
+    }
+    sel = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "operator"}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, namespace, labels)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": name, "labels": labels},
+            "rules": operator_rbac_rules(),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": name, "labels": labels},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(name, namespace, labels),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},  # never two operators at once
+                "selector": {"matchLabels": sel},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "serviceAccountName": name,
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": SANDBOX_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"},
+                        },
+                        "containers": [
+                            {
+                                "name": "operator",
+                                "image": image,
+                                "command": ["kuberl", "operator", "--all-namespaces"],
+                                "resources": {
+                                    "requests": {"cpu": "100m", "memory": "256Mi"},
+                                    "limits": {"memory": "1Gi"},
+                                },
+                                "securityContext": {
+                                    "allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]},
+                                },
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+    ]

@@ -284,3 +284,24 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
         ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service", "ConfigMap", "Service", "Job"]
     )
     assert {d["metadata"]["namespace"] for d in docs} == {"rl"}
+
+
+def test_operator_deployment_and_rbac() -> None:
+    from kuberl.operator.builders import build_operator
+
+    objs = _by_kind(build_operator("kuberl-system"))
+    for obj in objs.values():
+        validate_manifest(obj)
+    rules = objs["ClusterRole"]["rules"]
+    granted = {(g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    # Everything the builders emit must be writable by the operator.
+    for res in [
+        *load_manifests(REPO / "examples" / "rstar2-mi300x.yaml"),
+        *load_manifests(REPO / "examples" / "h100-inline.yaml"),
+    ]:
+        for obj in build_for(res):
+            group = obj["apiVersion"].rpartition("/")[0]
+            plural = {"NetworkPolicy": "networkpolicies"}.get(obj["kind"], obj["kind"].lower() + "s")
+            assert (group, plural) in granted, obj["kind"]
+    assert ("kuberl.io", "sandboxpools/scale") in granted and ("", "events") in granted
+    assert objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "kuberl-operator"
