@@ -11,7 +11,8 @@ Naming (``<name>`` is the custom resource's name):
   NetworkPolicy ``<name>-deny-egress``.
 * RolloutFleet ``<name>``: Deployment ``<name>`` (or LeaderWorkerSet ``<name>`` when one
   engine spans nodes), headless Service ``<name>`` (port ``http``; one DNS record per engine).
-* AgenticRLJob ``<name>``: ConfigMap ``<name>-config`` (key ``job.yaml``), headless Service
+* AgenticRLJob ``<name>``: ServiceAccount/Role/RoleBinding ``<name>-trainer`` (read
+  EndpointSlices), ConfigMap ``<name>-config`` (key ``job.yaml``), headless Service
   ``<name>-trainer``, Indexed Job ``<name>-trainer``, and -- only when declared inline --
   RolloutFleet ``<name>-rollout`` and SandboxPool ``<name>-sandbox``.
 """
@@ -658,6 +659,7 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
                 "spec": {
                     "restartPolicy": "Never",
                     "subdomain": tname,
+                    "serviceAccountName": tname,
                     "enableServiceLinks": False,
                     **accelerator_pod_fields(acc),
                     "containers": [container],
@@ -671,7 +673,42 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
             },
         },
     }
-    return [config_map, service, trainer_job, *_inline_children(job, namespace)]
+    return [
+        *trainer_rbac(job, namespace),
+        config_map,
+        service,
+        trainer_job,
+        *_inline_children(job, namespace),
+    ]
+
+
+def trainer_rbac(job: AgenticRLJob, namespace: str) -> list[Manifest]:
+    """The trainer's own identity: it may read EndpointSlices (to find the fleet's ready
+    engines, see kuberl.rollout.discovery) in its namespace, and nothing else."""
+    name = trainer_name(job.metadata.name)
+    labels = object_labels(job.metadata.name, "trainer", "AgenticRLJob")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, namespace, labels)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(name, namespace, labels),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(name, namespace, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
 
 
 # --- KEDA ---------------------------------------------------------------------------------
@@ -810,7 +847,14 @@ def operator_rbac_rules() -> list[dict[str, Any]]:
             ],
             "verbs": ["get", "patch", "update"],
         },
-        {"apiGroups": [""], "resources": ["services", "configmaps"], "verbs": _CRUD},
+        {"apiGroups": [""], "resources": ["services", "configmaps", "serviceaccounts"], "verbs": _CRUD},
+        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": _CRUD},
+        # Held so that it can be granted to trainers (RBAC forbids granting what one lacks).
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},

@@ -170,7 +170,19 @@ def test_job_trainer_rendezvous_and_config() -> None:
         sandbox={"poolRef": "tools"},
     )
     objs = _by_kind(build_for(job, "team"))
-    assert set(objs) == {"ConfigMap", "Service", "Job"}  # refs: no inline children
+    # refs: no inline children
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"}
+    assert objs["Role"]["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    assert (
+        objs["Job"]["spec"]["template"]["spec"]["serviceAccountName"]
+        == objs["ServiceAccount"]["metadata"]["name"]
+    )
     cm, svc, trainer = objs["ConfigMap"], objs["Service"], objs["Job"]
     doc = yaml.safe_load(cm["data"]["job.yaml"])
     assert AgenticRLJob.model_validate(doc).spec.trainer.replicas == 4  # the trainer can load it
@@ -281,7 +293,8 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service", "ConfigMap", "Service", "Job"]
+        ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service"]
+        + ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"]
     )
     assert {d["metadata"]["namespace"] for d in docs} == {"rl"}
 
