@@ -72,6 +72,13 @@ class EngineStats:
         return self.reserved / self.capacity if self.capacity else 0.0
 
 
+@dataclass(eq=False)  # identity equality: queue.remove() must find exactly this waiter
+class _Waiter:
+    need: int
+    seq: int
+    future: asyncio.Future
+
+
 class Scheduler:
     """Assigns rollouts to engines; see the module docstring for the policies."""
 
@@ -97,9 +104,9 @@ class Scheduler:
         self.max_response_tokens_default = max_response_tokens_default
         self.max_inflight_per_engine = max_inflight_per_engine
         self.stats = [EngineStats(e.name) for e in self.engines]
-        self._cond = asyncio.Condition()
+        self._refresh_lock = asyncio.Lock()
         self._capacities_known = False
-        self._waiting: deque[object] = deque()
+        self._queue: deque[_Waiter] = deque()
         self._counter = itertools.count()
         self._batch_total: int | None = None
         self._batch_start = 0
@@ -139,16 +146,15 @@ class Scheduler:
         try:
             yield self.engines[index]
         finally:
-            await self._release(index, need)
+            self._release(index, need)
 
     async def _acquire(self, need: int) -> int:
-        # Take a place in the FIFO before the first await, so arrival order is admission order.
-        seq = next(self._counter)
-        ticket = object()
-        self._waiting.append(ticket)
+        # Join the FIFO before the first await, so arrival order is admission order.
+        waiter = _Waiter(need, next(self._counter), asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
         try:
             if not self._capacities_known:
-                async with self._cond:
+                async with self._refresh_lock:
                     if not self._capacities_known:
                         await self.refresh_capacities()
             if self.policy == "kv-aware":
@@ -158,37 +164,57 @@ class Scheduler:
                         f"a rollout needs {need} KV tokens but the largest engine holds {biggest}; "
                         "lower maxResponseTokens or use engines with a larger KV cache"
                     )
-            async with self._cond:
-                while True:
-                    index = self._pick(need, seq) if self._waiting[0] is ticket else None
-                    if index is not None:
-                        break
-                    await self._cond.wait()
-                self._waiting.popleft()
-                self._cond.notify_all()  # the next waiter may fit too
-                st = self.stats[index]
-                st.reserved += need
-                st.inflight += 1
-                st.sessions_total += 1
-                st.peak_reserved = max(st.peak_reserved, st.reserved)
-                if st.reserved > st.capacity:
-                    st.overflow_events += 1
-                self._export(st)
-                return index
+            self._dispatch()
+            return await waiter.future
         except BaseException:
-            if ticket in self._waiting:  # cancelled or failed while queued: let the next one go
-                self._waiting.remove(ticket)
-                async with self._cond:
-                    self._cond.notify_all()
+            fut = waiter.future
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release(fut.result(), need)  # admitted, but the caller went away
+            else:
+                fut.cancel()
+                if waiter in self._queue:
+                    self._queue.remove(waiter)
+                self._dispatch()  # the next waiter may fit now
             raise
 
-    async def _release(self, index: int, need: int) -> None:
-        async with self._cond:
+    def _dispatch(self) -> None:
+        """Admit waiters from the head of the FIFO while the policy finds them an engine.
+
+        One pass per admission or release, so thousands of waiting rollouts cost O(1) each
+        instead of waking every waiter on every release.
+        """
+        if not self._capacities_known:
+            return
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():  # cancelled while waiting
+                self._queue.popleft()
+                continue
+            index = self._pick(head.need, head.seq)
+            if index is None:
+                return
+            self._queue.popleft()
             st = self.stats[index]
-            st.reserved -= need
-            st.inflight -= 1
+            st.reserved += head.need
+            st.inflight += 1
+            st.sessions_total += 1
+            st.peak_reserved = max(st.peak_reserved, st.reserved)
+            if st.reserved > st.capacity:
+                st.overflow_events += 1
             self._export(st)
-            self._cond.notify_all()
+            head.future.set_result(index)
+
+    def _release(self, index: int, need: int) -> None:
+        st = self.stats[index]
+        st.reserved -= need
+        st.inflight -= 1
+        self._export(st)
+        self._dispatch()
+
+    @property
+    def waiting(self) -> int:
+        """Rollouts waiting for an engine."""
+        return sum(not w.future.done() for w in self._queue)
 
     def _pick(self, need: int, seq: int) -> int | None:
         """The engine for the next rollout, or None to wait. Pure function of the stats."""

@@ -120,3 +120,29 @@ def test_bad_configuration_is_a_clear_error():
         Scheduler([])
     with pytest.raises(ValueError, match="unique"):
         Scheduler([*_engines(1), *_engines(1)])
+
+
+async def test_cancelled_waiters_leave_the_queue_and_keep_nothing_reserved():
+    sched = Scheduler(_engines(100), policy="kv-aware")
+    hold = asyncio.Event()
+    order = []
+
+    async def rollout(tag: str, need: int):
+        async with sched.session(0, need):
+            order.append(tag)
+            await hold.wait()
+
+    first = asyncio.create_task(rollout("a", 80))
+    await asyncio.sleep(0)
+    blocked = asyncio.create_task(rollout("big", 90))  # head of the queue, does not fit
+    small = asyncio.create_task(rollout("small", 10))  # fits, but waits behind the head (FIFO)
+    await asyncio.sleep(0.01)
+    assert order == ["a"] and sched.waiting == 2
+    blocked.cancel()
+    await asyncio.sleep(0.01)
+    assert order == ["a", "small"] and sched.waiting == 0
+    hold.set()
+    await asyncio.gather(first, small)
+    with pytest.raises(asyncio.CancelledError):
+        await blocked
+    assert sched.snapshot()[0]["reserved"] == 0 and sched.snapshot()[0]["inflight"] == 0
