@@ -1,0 +1,161 @@
+"""RoC selection, group advantages and the clipped policy loss against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kuberl.trainer.advantage import filter_groups, group_advantages
+from kuberl.trainer.loss import LossConfig, aggregate, policy_loss
+from kuberl.trainer.roc import RocCandidate, p_err, p_format, p_total, quotas, select
+
+
+def cand(reward, calls=1, errors=0, tags=1, turns=2, fmt=0):
+    return RocCandidate(reward, calls, errors, tags, turns, fmt)
+
+
+# -- RoC -------------------------------------------------------------------------------------
+
+
+def test_penalties_match_eqs_4_5():
+    assert p_err(cand(1, calls=0, errors=0)) == 0.5
+    assert p_err(cand(1, calls=4, errors=1)) == 0.25
+    assert p_format(cand(1, tags=0)) == 1.0
+    assert p_format(cand(1, tags=1)) == 0.0
+    assert p_format(cand(1, tags=3, turns=4)) == 0.5
+    assert p_format(cand(1, tags=9, turns=2)) == 1.0
+    assert p_format(cand(1, tags=1, turns=4, fmt=1)) == 0.25
+    assert p_total(cand(1, calls=2, errors=1, tags=2, turns=2)) == 1.0
+    with pytest.raises(ValueError):
+        cand(1, calls=1, errors=2)
+
+
+def test_quotas_keep_half_of_each_side_for_2g():
+    assert quotas(10, 6, 8) == (5, 3)
+    assert quotas(7, 9, 8) == (4, 4)  # floor(9/2) negatives, the rest positives
+    assert quotas(16, 0, 8) == (8, 0)  # all correct
+    assert quotas(0, 16, 8) == (0, 8)  # all wrong
+    assert quotas(1, 15, 8) == (1, 7)  # positives short: negatives fill the batch
+    assert quotas(3, 2, 8) == (3, 2)  # fewer than G: keep everything
+
+
+@pytest.mark.parametrize("n_pos", range(0, 17))
+def test_select_returns_exactly_g_with_paper_proportions(n_pos):
+    cands = [cand(1)] * n_pos + [cand(0)] * (16 - n_pos)
+    kept = select(cands, 8, seed=3)
+    assert len(kept) == 8 and len(set(kept)) == 8
+    n_neg_kept = sum(cands[i].reward == 0 for i in kept)
+    assert n_neg_kept == (16 - n_pos) // 2  # floor(|neg|/2); positives ceil(|pos|/2)
+
+
+def test_select_prefers_clean_positives_and_is_deterministic():
+    clean = [cand(1, calls=2, errors=0)] * 4
+    noisy = [cand(1, calls=2, errors=2, tags=3)] * 4
+    cands = noisy + clean + [cand(0)] * 8
+    kept = select(cands, 8, seed=0)
+    assert kept == select(cands, 8, seed=0)
+    assert set(range(4, 8)) <= set(kept)  # the four clean positives (weight 100 vs ~0.5)
+    assert not set(range(4)) & set(kept)
+    assert sum(cands[i].reward == 0 for i in kept) == 4
+
+
+def test_select_weights_are_inverse_to_p_total():
+    # one positive with p_total 0.5 (no tool call), one with 1.0 (half errors + clean format): keep 1 of 2
+    cands = [cand(1, calls=0), cand(1, calls=2, errors=1, tags=1, turns=2, fmt=1), cand(0), cand(0)]
+    # quotas(2, 2, 2) -> 1 positive, 1 negative; weights 1/(0.5+eps) vs 1/(1.0+eps)
+    picks = Counter(next(i for i in select(cands, 2, seed=s) if i < 2) for s in range(3000))
+    w0, w1 = 1 / (0.5 + 1e-2), 1 / (1.0 + 1e-2)
+    assert picks[0] / 3000 == pytest.approx(w0 / (w0 + w1), abs=0.03)
+
+
+def test_ties_and_negatives_are_uniform():
+    cands = [cand(0)] * 4 + [cand(1)] * 4
+    counts = Counter(i for s in range(2000) for i in select(cands, 4, seed=s))
+    for i in range(8):
+        assert counts[i] / 2000 == pytest.approx(0.5, abs=0.05)
+
+
+def test_plain_grpo_takes_the_first_g():
+    cands = [cand(1, errors=1)] * 5 + [cand(1)] * 5
+    assert select(cands, 4, seed=1, roc=False) == [0, 1, 2, 3]
+    assert select(cands[:3], 4, seed=1) == [0, 1, 2]
+    with pytest.raises(ValueError):
+        select(cands, 0, seed=1)
+
+
+# -- advantages ------------------------------------------------------------------------------
+
+
+def test_group_advantages_and_filter():
+    adv = group_advantages([1, 0, 0, 1])
+    assert adv == pytest.approx([1, -1, -1, 1])
+    adv = group_advantages([1, 0, 0, 0])
+    std = math.sqrt(0.1875)
+    assert adv == pytest.approx([0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std])
+    assert group_advantages([1, 1, 1]) == [0, 0, 0]
+    keep, dropped = filter_groups([[0, 0], [1, -1], [0.0, 0.0]])
+    assert keep == [1] and dropped == 2
+
+
+# -- loss ------------------------------------------------------------------------------------
+
+
+def test_loss_hand_computed_clip_higher_and_token_mean():
+    old = torch.zeros(2, 3)
+    ratios = torch.tensor([[1.5, 1.1, 2.0], [0.5, 0.9, 1.0]])
+    new = ratios.log().requires_grad_()
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss, st = policy_loss(new, old, adv, mask)
+    # row 0 (A=+1): min(r, clip(r, .8, 1.28)) -> 1.28, 1.1 ; row 1 (A=-1): min(-r, -clip(r)) -> -0.8, -0.9, -1.0
+    expected = -(1.28 + 1.1 - 0.8 - 0.9 - 1.0) / 5
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+    assert st["clip_high"] == pytest.approx(1 / 5) and st["clip_low"] == pytest.approx(1 / 5)
+    loss.backward()
+    # clipped tokens get no gradient; unclipped tokens d(-A r)/dlogr = -A r / N
+    g = new.grad
+    assert float(g[0, 0]) == 0 and float(g[1, 0]) == 0 and float(g[0, 2]) == 0
+    assert float(g[0, 1]) == pytest.approx(-1.1 / 5)
+    assert float(g[1, 1]) == pytest.approx(0.9 / 5)
+
+
+def test_negative_ratio_cap_intellect2():
+    old = torch.zeros(1, 2)
+    new = torch.tensor([[math.log(10.0), math.log(2.0)]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    loss_nocap, _ = policy_loss(new, old, torch.tensor([-1.0]), mask)
+    assert float(loss_nocap) == pytest.approx((10 + 2) / 2)
+    loss, st = policy_loss(new, old, torch.tensor([-1.0]), mask, LossConfig(negative_ratio_cap=4.0))
+    assert float(loss.detach()) == pytest.approx((4 + 2) / 2)
+    assert st["cap_frac"] == 0.5
+    loss.backward()
+    assert float(new.grad[0, 0]) == 0.0  # capped: no gradient from the exploding ratio
+    with pytest.raises(ValueError):
+        LossConfig(negative_ratio_cap=1.1)
+
+
+def test_aggregations_and_kl_entropy():
+    v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert float(aggregate(v, m, "token-mean")) == pytest.approx(10 / 4)
+    assert float(aggregate(v, m, "token-mean", num_tokens=8)) == pytest.approx(10 / 8)
+    assert float(aggregate(v, m, "seq-mean-token-mean")) == pytest.approx((2 + 4) / 2)
+    assert float(aggregate(v, m, "seq-mean-token-sum")) == pytest.approx((6 + 4) / 2)
+    lp = torch.zeros(1, 1)
+    ref = torch.tensor([[math.log(0.5)]])
+    loss, _ = policy_loss(
+        lp, lp, torch.tensor([0.0]), torch.ones(1, 1), LossConfig(kl_coef=2.0), ref_logprobs=ref
+    )
+    assert float(loss.detach()) == pytest.approx(2.0 * (0.5 - math.log(0.5) - 1))
+    ent = torch.tensor([[0.7]])
+    loss, _ = policy_loss(
+        lp, lp, torch.tensor([0.0]), torch.ones(1, 1), LossConfig(entropy_coef=0.1), entropy=ent
+    )
+    assert float(loss.detach()) == pytest.approx(-0.07)
+    with pytest.raises(ValueError):
+        LossConfig(aggregation="sum")
+    with pytest.raises(ValueError):
+        policy_loss(lp, lp, torch.tensor([0.0]), torch.ones(1, 1), LossConfig(kl_coef=1.0))
