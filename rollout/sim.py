@@ -150,6 +150,7 @@ class SimEngine(Engine):
         self._task: asyncio.Task | None = None
         self._admissions = 0
         self._ratio = spec.init_new_token_ratio
+        self._admit_blocked = False  # after an eviction: no admissions until a request finishes
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         want = max(1, self.oracle(req))
@@ -160,13 +161,16 @@ class SimEngine(Engine):
         session = req.rid.rsplit("/", 1)[0]
         context = len(req.input_ids)
         cached = self._cached.pop(session, 0)
-        sim = _SimReq(req.rid, session, context, n, req.max_new_tokens, prefill=context - min(cached, context))
+        sim = _SimReq(
+            req.rid, session, context, n, req.max_new_tokens, prefill=context - min(cached, context)
+        )
         sim.future = asyncio.get_running_loop().create_future()
         self._waiting.append(sim)
         self._wake.set()
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        await sim.future
+        if await sim.future == "abort":  # a single sequence outgrew the whole cache
+            return GenerateOutput([0] * sim.output, [0.0] * sim.output, "abort")
         self._cached[session] = context + n
         return GenerateOutput([0] * n, [0.0] * n, finish)  # type: ignore[arg-type]
 
@@ -190,6 +194,9 @@ class SimEngine(Engine):
         return r.context + self._ratio * max(0, r.max_new - r.output)
 
     def _admit(self) -> None:
+        if self._admit_blocked and self._running:
+            return
+        self._admit_blocked = False
         planned = sum(self._estimate(r) for r in self._running)
         while self._waiting and len(self._running) < self.spec.max_running:
             req = self._waiting[0]
@@ -205,6 +212,12 @@ class SimEngine(Engine):
     def _evict_half(self) -> None:
         """KV overflow: retract the most recently admitted half; they recompute later."""
         self.stats.overflow_events += 1
+        self._admit_blocked = True
+        if len(self._running) == 1:
+            r = self._running.pop()
+            assert r.future is not None
+            r.future.set_result("abort")
+            return
         victims = sorted(self._running, key=lambda r: r.admitted_at)[len(self._running) // 2 :]
         for r in victims:
             self._running.remove(r)
@@ -266,8 +279,9 @@ class SimEngine(Engine):
             self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self._usage())
             for r in finished:
                 self._running.remove(r)
+                self._admit_blocked = False
                 assert r.future is not None
-                r.future.set_result(None)
+                r.future.set_result("done")
 
 
 # -- workload -----------------------------------------------------------------------------------
@@ -325,7 +339,10 @@ def make_workload(spec: WorkloadSpec, seed: int) -> list[RolloutPlan]:
             tools.append(resp)
             budget -= resp
             lat.append(
-                min(spec.tool_timeout_s, rng.lognormal(math.log(spec.tool_latency_median_s), spec.tool_latency_sigma))
+                min(
+                    spec.tool_timeout_s,
+                    rng.lognormal(math.log(spec.tool_latency_median_s), spec.tool_latency_sigma),
+                )
             )
         plans.append(RolloutPlan(prompt, tuple(turns), tuple(lat), tuple(tools)))
     return plans
