@@ -188,6 +188,10 @@ class LocalEngine(Engine):
 
     load_state_dict = set_weights
 
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling RNG (reproducible rollouts per RL step)."""
+        self._generator.manual_seed(seed)
+
     # -- batching -----------------------------------------------------------------------------
 
     async def _drive(self) -> None:

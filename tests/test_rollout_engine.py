@@ -98,6 +98,9 @@ async def test_sampling_is_seeded_and_set_weights_changes_outputs(model):
     a = await LocalEngine(model, seed=7).generate(req)
     b = await LocalEngine(model, seed=7).generate(req)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 20
+    reseeded = LocalEngine(model, seed=1)
+    reseeded.reseed(7)
+    assert (await reseeded.generate(req)).output_ids == a.output_ids
     engine = LocalEngine(model, seed=0)
     greedy = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=10, temperature=0.0)
     before = await engine.generate(greedy)
