@@ -9,9 +9,10 @@ Definitions (paper eqs. 4-5; the choices the paper leaves open are marked *):
   Malformed ``<tool_call>`` blocks count as tool calls that errored (the rollout loop answers
   them with their parse error, exactly like a failing execution).
 * ``p_format`` (eq. 5) = 1 when the response has no ``<answer>`` tag, otherwise
-  min(1, (answer_tags - 1) / turns). *Additionally, an unclosed ``<tool_call>`` (counted by the
-  rollout loop in ``format_errors`` beyond the malformed calls already in ``p_err``) adds
-  1/turns each, capped at 1 in total, since it is the same kind of structural violation.
+  min(1, (answer_tags - 1) / turns). *Additionally, each tool-call format error the rollout
+  loop counts (``format_errors``: malformed or unclosed ``<tool_call>`` blocks) adds 1/turns,
+  capped at 1 in total. A malformed call therefore weighs twice (it is also a failed tool call
+  in ``p_err``, as the paper counts tool-call formatting issues among tool errors).
 * ``p_total`` = p_err + p_format, in [0, 2].
 * Negatives (reward 0): sampled uniformly without replacement, k_neg = floor(|neg| * G / N)
   (= floor(|neg|/2) for N = 2G, the paper's "half of the original group").
@@ -45,7 +46,7 @@ class RocCandidate:
     tool_errors: int
     answer_tags: int
     turns: int
-    format_errors: int = 0  # structural tool-call errors not already counted in tool_errors
+    format_errors: int = 0  # malformed/unclosed <tool_call> blocks (Trajectory.format_errors)
 
     def __post_init__(self) -> None:
         if self.tool_calls < 0 or self.tool_errors < 0 or self.answer_tags < 0 or self.format_errors < 0:

@@ -1,0 +1,150 @@
+"""Checkpoint and resume to a local folder or ``s3://bucket/prefix`` (boto3).
+
+A checkpoint is one ``torch.save`` blob ``ckpt-<global step, 8 digits>.pt`` holding the model,
+the optimizer, the RNG states of python/numpy/torch, the trainer position (stage index, step in
+stage, global step, data cursor), the tokenizer (as its JSON) and free-form ``extra`` state.
+Only the newest ``keep`` are kept. S3 uses the endpoint in ``AWS_ENDPOINT_URL`` (or
+``AWS_ENDPOINT_URL_S3``) when set, so MinIO/moto work the same as AWS.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+def capture_rng() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+@dataclass
+class TrainState:
+    """Where the run is; everything needed to continue exactly where it stopped."""
+
+    stage_index: int = 0
+    stage_step: int = 0  # steps completed in the current stage
+    global_step: int = 0
+    cursor: int = 0  # next training example / prompt index
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointStore:
+    """Save/list/load/prune checkpoints under a local path or an s3:// URI."""
+
+    def __init__(self, uri: str, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.uri = uri.rstrip("/")
+        self.keep = keep
+        if self.uri.startswith("s3://"):
+            rest = self.uri[len("s3://") :]
+            self.bucket, _, self.prefix = rest.partition("/")
+            if not self.bucket:
+                raise ValueError(f"checkpoint uri {uri!r}: missing bucket")
+            import boto3
+
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            self._s3 = boto3.client("s3", endpoint_url=endpoint)
+        else:
+            self._s3 = None
+            Path(self.uri).mkdir(parents=True, exist_ok=True)
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _location(self, name: str) -> str:
+        return f"{self.uri}/{name}"
+
+    def names(self) -> list[str]:
+        """Checkpoint names, oldest first."""
+        if self._s3 is None:
+            found = [p.name for p in Path(self.uri).iterdir() if _NAME.match(p.name)]
+        else:
+            found = []
+            paginator = self._s3.get_paginator("list_objects_v2")
+            prefix = self._key("")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    name = obj["Key"][len(prefix) :]
+                    if _NAME.match(name):
+                        found.append(name)
+        return sorted(found)
+
+    def save(self, payload: dict[str, Any], step: int) -> str:
+        """Write one checkpoint, prune old ones; returns its location."""
+        name = f"ckpt-{step:08d}.pt"
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        data = buf.getvalue()
+        if self._s3 is None:
+            tmp = Path(self.uri) / f".{name}.tmp"
+            tmp.write_bytes(data)
+            tmp.replace(Path(self.uri) / name)  # atomic: a crash never leaves a torn checkpoint
+        else:
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+        for old in self.names()[: -self.keep]:
+            self.delete(old)
+        return self._location(name)
+
+    def delete(self, name: str) -> None:
+        if self._s3 is None:
+            (Path(self.uri) / name).unlink(missing_ok=True)
+        else:
+            self._s3.delete_object(Bucket=self.bucket, Key=self._key(name))
+
+    def load(self, name: str | None = None) -> dict[str, Any] | None:
+        """The named (default: newest) checkpoint, or None when there is none."""
+        names = self.names()
+        if name is None:
+            if not names:
+                return None
+            name = names[-1]
+        elif name not in names:
+            raise FileNotFoundError(f"no checkpoint {name!r} in {self.uri}")
+        if self._s3 is None:
+            data = (Path(self.uri) / name).read_bytes()
+        else:
+            data = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def make_payload(model, optimizer, state: TrainState, tokenizer_json: str, config: dict) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "rng": capture_rng(),
+        "state": {
+            "stage_index": state.stage_index,
+            "stage_step": state.stage_step,
+            "global_step": state.global_step,
+            "cursor": state.cursor,
+            "extra": state.extra,
+        },
+        "tokenizer": tokenizer_json,
+        "model_config": config,
+    }
+
+
+def apply_payload(payload: dict[str, Any], model, optimizer) -> TrainState:
+    """Load model/optimizer/RNG from ``payload``; returns the trainer position."""
+    model.load_state_dict(payload["model"])
+    optimizer.load_state_dict(payload["optimizer"])
+    restore_rng(payload["rng"])
+    s = payload["state"]
+    return TrainState(s["stage_index"], s["stage_step"], s["global_step"], s["cursor"], dict(s["extra"]))

@@ -1,0 +1,157 @@
+"""Training data: the ``builtin:arith`` task, jsonl loading, and SFT tool-use traces.
+
+``builtin:arith`` is integer arithmetic a ~1M-parameter model cannot do in its head but can
+solve by calling the Python tool and copying the printed result into
+``<answer>\\boxed{...}</answer>``: products of two 2-3 digit numbers, some with an added
+third term. What RL can improve after a short SFT is exactly what the paper targets: copying
+the right numbers into the code and the answer, a clean tool-call format and fewer tool errors.
+
+SFT traces are non-reasoning (paper section 4.1): tool-call format and instruction following.
+They are built from the template functions the rollout loop uses and tokenized segment by
+segment exactly as the loop does (prompt, each assistant turn ending in <|im_end|>, each
+rendered tool response), so the SFT token layout is the RL token layout. A fraction of traces
+first make a tool error (a SyntaxError or a NameError) and then fix it; the tool responses of
+those traces are the real sandbox's, so the policy starts with a tool-error ratio among its
+correct rollouts that RoC can reduce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kuberl.rollout import template
+
+EVAL_SEED_OFFSET = 1_000_003  # the held-out eval stream is a different seed of the same generator
+
+
+@dataclass(frozen=True)
+class Problem:
+    question: str
+    answer: str
+    expr: str = ""  # the Python expression that solves it (builtin tasks; used for SFT traces)
+
+
+def arith_problem(rng: random.Random) -> Problem:
+    a = rng.randint(10, 999)
+    b = rng.randint(10, 999)
+    if rng.random() < 0.3:
+        c = rng.randint(10, 999)
+        expr = f"{a}*{b}+{c}"
+    else:
+        expr = f"{a}*{b}"
+    return Problem(question=f"{expr}=?", answer=str(eval(expr)), expr=expr)  # noqa: S307 - digits and * + only
+
+
+def arith_problems(n: int, seed: int) -> list[Problem]:
+    """``n`` problems, deterministic in ``seed``."""
+    rng = random.Random(seed)
+    return [arith_problem(rng) for _ in range(n)]
+
+
+def load_jsonl(path: str | Path) -> list[Problem]:
+    """Problems from a jsonl file with one {"question": ..., "answer": ...} object per line."""
+    out: list[Problem] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+            if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
+                raise ValueError(f'{path}:{lineno}: expected {{"question": ..., "answer": ...}}')
+            out.append(Problem(str(obj["question"]), str(obj["answer"])))
+    if not out:
+        raise ValueError(f"{path}: no problems")
+    return out
+
+
+def load_problems(source: str, n: int, seed: int) -> list[Problem]:
+    """``builtin:arith`` (``n`` generated problems) or a jsonl path (all of it)."""
+    if source == "builtin:arith":
+        return arith_problems(n, seed)
+    if source.startswith("builtin:"):
+        raise ValueError(f"unknown builtin dataset {source!r}; available: builtin:arith")
+    return load_jsonl(source)
+
+
+# -- SFT traces -------------------------------------------------------------------------------
+
+
+def trace_plan(p: Problem, rng: random.Random, error_fraction: float) -> list[str]:
+    """The codes the trace calls, in order (an erroring one first for ``error_fraction``)."""
+    good = f"print({p.expr})"
+    if rng.random() >= error_fraction:
+        return [good]
+    bad = rng.choice([f"print({p.expr}", "print(result)", f"print({p.expr}))"])
+    return [bad, good]
+
+
+def answer_turn(answer: str) -> str:
+    return f"<answer>\\boxed{{{answer}}}</answer>{template.IM_END}"
+
+
+def trace_segments(
+    p: Problem, codes: Sequence[str], responses: Sequence[str], style: str = "compact"
+) -> list[tuple[str, int]]:
+    """(text, trainable) segments of one trace in rollout layout: prompt, turns, tool responses."""
+    segs: list[tuple[str, int]] = [(template.render_prompt(p.question, style), 0)]
+    for code, resp in zip(codes, responses, strict=True):
+        segs.append((template.render_tool_call(code) + template.IM_END, 1))
+        segs.append((template.render_tool_responses([resp]), 0))
+    segs.append((answer_turn(p.answer), 1))
+    return segs
+
+
+def tokenize_segments(tokenizer, segs: Sequence[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Token ids and loss mask (1 on assistant tokens), each segment encoded on its own."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trainable in segs:
+        t = tokenizer.encode(text)
+        ids += t
+        mask += [trainable] * len(t)
+    return ids, mask
+
+
+async def build_sft_traces(
+    problems: Sequence[Problem], executor, *, seed: int, error_fraction: float, style: str = "compact"
+) -> list[list[tuple[str, int]]]:
+    """Segments of one SFT trace per problem; tool responses come from ``executor`` (the sandbox)."""
+    rng = random.Random(seed)
+    plans = [trace_plan(p, rng, error_fraction) for p in problems]
+    if any(not p.expr for p in problems):
+        raise ValueError("SFT traces need problems with a solving expression (builtin:arith)")
+    codes = sorted({c for plan in plans for c in plan})
+    if hasattr(executor, "execute_batch"):
+        results = await executor.execute_batch([(c, "") for c in codes])
+    else:
+        results = await asyncio.gather(*(executor.execute(c, "") for c in codes))
+    text = {c: r.to_tool_response() for c, r in zip(codes, results, strict=True)}
+    return [
+        trace_segments(p, plan, [text[c] for c in plan], style)
+        for p, plan in zip(problems, plans, strict=True)
+    ]
+
+
+def tokenizer_corpus(n: int, seed: int) -> list[str]:
+    """Representative text for training the BPE: prompts, tool calls, outputs, tracebacks, answers."""
+    rng = random.Random(seed)
+    out = []
+    for p in arith_problems(n, seed):
+        plan = trace_plan(p, rng, 0.3)
+        resp = [
+            f"{p.answer}\n"
+            if c == f"print({p.expr})"
+            else 'Traceback (most recent call last):\n  File "<stdin>", line 1\nSyntaxError: invalid syntax\n'
+            "NameError: name 'result' is not defined\n"
+            for c in plan
+        ]
+        out.append("".join(t for t, _ in trace_segments(p, plan, resp)))
+    return out

@@ -1,0 +1,288 @@
+"""One GRPO-RoC step: rollouts (2G per prompt) -> reward -> RoC (2G -> G) -> advantages ->
+clipped loss -> optimizer step. The rollout side (engine + sandbox) lives in
+:class:`RolloutWorker`, which ``kuberl.trainer.local`` runs as a Ray actor (or in-process with
+``--no-ray``); the update side (:func:`rl_update`) runs where the trainable model is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kuberl.rollout.loop import Trajectory
+from kuberl.trainer.advantage import filter_groups, group_advantages
+from kuberl.trainer.loss import LossConfig, policy_loss, token_logprobs
+from kuberl.trainer.roc import RocCandidate, select
+from kuberl.trainer.sft import pad_batch
+
+
+@dataclass
+class Scored:
+    """A rollout with its binary reward (truncated rollouts keep reward 0)."""
+
+    traj: Trajectory
+    reward: float
+
+    @property
+    def candidate(self) -> RocCandidate:
+        t = self.traj
+        return RocCandidate(
+            reward=self.reward,
+            tool_calls=t.tool_calls,
+            tool_errors=min(t.tool_errors, t.tool_calls),
+            answer_tags=t.response_text.count("<answer>"),
+            turns=t.turns,
+            format_errors=t.format_errors,
+        )
+
+
+class RolloutWorker:
+    """Owns the LocalEngine, Scheduler and sandbox client; one persistent event loop.
+
+    ``executor_factory`` returns an async context manager yielding a ToolExecutor with
+    ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
+    """
+
+    def __init__(
+        self,
+        model_config: dict,
+        tokenizer_json: str,
+        sandbox_url: str | None,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        max_total_tokens: int = 65536,
+        max_batch: int = 256,
+        executor_factory: Callable[[], Any] | None = None,
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        from kuberl.rollout.local_engine import LocalEngine
+        from kuberl.rollout.scheduler import Scheduler
+        from kuberl.trainer.model import GPT, GPTConfig
+        from kuberl.trainer.tokenizer import BPETokenizer
+
+        self.tokenizer = BPETokenizer.from_str(tokenizer_json)
+        self.model = GPT(GPTConfig.from_dict(model_config))
+        self.device = device
+        self.engine = LocalEngine(
+            self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
+        )
+        self.scheduler = Scheduler([self.engine])
+        if executor_factory is None:
+            if sandbox_url is None:
+                raise ValueError("RolloutWorker needs a sandbox_url or an executor_factory")
+            from kuberl.sandbox.client import SandboxClient
+
+            def executor_factory():
+                return SandboxClient(sandbox_url)
+
+        self.loop = asyncio.new_event_loop()
+        self._cm = executor_factory()
+        self.executor = self.loop.run_until_complete(self._cm.__aenter__())
+
+    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
+
+    def reseed(self, seed: int) -> None:
+        self.engine._generator.manual_seed(seed)
+
+    def rollouts(
+        self,
+        prompts: Sequence[str],
+        golds: Sequence[str],
+        n: int,
+        *,
+        max_turns: int,
+        max_response_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[Scored]]:
+        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)."""
+        if seed is not None:
+            self.reseed(seed)
+        return self.loop.run_until_complete(
+            self._rollouts(list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p)
+        )
+
+    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p):
+        from kuberl.rollout.loop import rollout_group
+
+        groups = await rollout_group(
+            self.scheduler,
+            self.tokenizer,
+            self.executor,
+            prompts,
+            n,
+            max_turns=max_turns,
+            max_response_tokens=max_response_tokens,
+            temperature=temperature,
+            top_p=top_p,
+        )
+        pairs, where = [], []
+        for i, group in enumerate(groups):
+            for j, t in enumerate(group):
+                if t.answer is not None and not t.truncated:
+                    pairs.append((t.answer, golds[i]))
+                    where.append((i, j))
+        ok = await self.executor.verify_batch(pairs) if pairs else []
+        rewards = [[0.0] * len(g) for g in groups]
+        for (i, j), good in zip(where, ok, strict=True):
+            rewards[i][j] = 1.0 if good else 0.0
+        return [
+            [Scored(t, r) for t, r in zip(g, rw, strict=True)] for g, rw in zip(groups, rewards, strict=True)
+        ]
+
+    def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
+        from kuberl.trainer.data import build_sft_traces
+
+        return self.loop.run_until_complete(
+            build_sft_traces(problems, self.executor, seed=seed, error_fraction=error_fraction, style=style)
+        )
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.close())
+        self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
+        self.loop.close()
+
+
+@dataclass
+class StepBatch:
+    """The kept rollouts of one RL step, with their advantages, and the step's statistics."""
+
+    seqs: list[list[int]] = field(default_factory=list)
+    masks: list[list[int]] = field(default_factory=list)
+    old_logprobs: list[list[float]] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
+    """Tool errors / tool calls over correct rollouts (paper fig. 4); NaN when none called a tool."""
+    calls = sum(s.traj.tool_calls for g in groups for s in g if s.reward > 0)
+    errors = sum(s.traj.tool_errors for g in groups for s in g if s.reward > 0)
+    return errors / calls if calls else math.nan
+
+
+def prepare_batch(
+    groups: Sequence[Sequence[Scored]], group_size: int, *, roc: bool, seed: int, filter_zero: bool = True
+) -> StepBatch:
+    """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats."""
+    out = StepBatch()
+    all_scored = [s for g in groups for s in g]
+    kept_groups: list[list[Scored]] = []
+    advs: list[list[float]] = []
+    for gi, g in enumerate(groups):
+        idx = select([s.candidate for s in g], group_size, seed=seed * 100_003 + gi, roc=roc)
+        kg = [g[i] for i in idx]
+        kept_groups.append(kg)
+        advs.append(group_advantages([s.reward for s in kg]))
+    keep, dropped = filter_groups(advs) if filter_zero else (list(range(len(advs))), 0)
+    for gi in keep:
+        for s, a in zip(kept_groups[gi], advs[gi], strict=True):
+            t = s.traj
+            out.seqs.append(t.prompt_ids + t.response_ids)
+            out.masks.append([0] * len(t.prompt_ids) + t.loss_mask)
+            out.old_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
+            out.advantages.append(a)
+    n = max(1, len(all_scored))
+    kept_flat = [s for g in kept_groups for s in g]
+    out.stats = {
+        "reward_mean": sum(s.reward for s in all_scored) / n,
+        "reward_kept_mean": sum(s.reward for s in kept_flat) / max(1, len(kept_flat)),
+        "tool_error_ratio_positive": tool_error_ratio_positive(groups),
+        "tool_error_ratio_positive_kept": tool_error_ratio_positive(kept_groups),
+        "response_clip_ratio": sum(s.traj.truncated for s in all_scored) / n,
+        "response_length": sum(len(s.traj.response_ids) for s in all_scored) / n,
+        "tool_calls_mean": sum(s.traj.tool_calls for s in all_scored) / n,
+        "turns_mean": sum(s.traj.turns for s in all_scored) / n,
+        "groups": float(len(groups)),
+        "groups_dropped_zero_adv": float(dropped),
+        "rollouts": float(len(all_scored)),
+        "rollouts_kept": float(len(out.seqs)),
+    }
+    return out
+
+
+def rl_update(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    cfg: LossConfig,
+    *,
+    grad_clip: float,
+    mini_batches: int = 1,
+    ppo_epochs: int = 1,
+    micro_batch: int = 64,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch."""
+    if not batch.seqs:
+        return {"skipped": 1.0}
+    model.train()
+    n = len(batch.seqs)
+    order = list(range(n))
+    totals: dict[str, float] = {}
+    count = 0
+    for _ in range(ppo_epochs):
+        for mb in range(mini_batches):
+            idx = order[mb * n // mini_batches : (mb + 1) * n // mini_batches]
+            if not idx:
+                continue
+            tokens = float(sum(sum(batch.masks[i][1:]) for i in idx))
+            optimizer.zero_grad(set_to_none=True)
+            for start in range(0, len(idx), micro_batch):
+                part = idx[start : start + micro_batch]
+                inp, att, tgt, tm = pad_batch(
+                    [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
+                )
+                old = torch.zeros_like(tm)
+                for row, i in enumerate(part):
+                    o = batch.old_logprobs[i][1:]
+                    old[row, : len(o)] = torch.tensor(o, dtype=old.dtype)
+                adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
+                logits, _ = model(inp, attention_mask=att)
+                lp, ent = token_logprobs(logits, tgt)
+                loss, st = policy_loss(
+                    lp,
+                    old,
+                    adv,
+                    tm,
+                    cfg,
+                    entropy=ent if cfg.entropy_coef > 0 else None,
+                    num_tokens=max(1.0, tokens),
+                )
+                if cfg.aggregation != "token-mean":
+                    loss = loss * len(part) / len(idx)
+                loss.backward()
+                w = st["tokens"]
+                for k, v in st.items():
+                    if k != "tokens":
+                        totals[k] = totals.get(k, 0.0) + v * w
+                totals["tokens"] = totals.get("tokens", 0.0) + w
+                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(gn)
+            optimizer.step()
+            count += 1
+    tok = max(1.0, totals.get("tokens", 0.0))
+    out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
+    out["loss"] = totals.get("loss", 0.0) / max(1, count)
+    out["grad_norm"] = totals.get("grad_norm", 0.0) / max(1, count)
+    out["tokens"] = tok / max(1, ppo_epochs)
+    out["opt_steps"] = float(count)
+    return out
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    r = fn(*args, **kwargs)
+    return r, time.perf_counter() - t

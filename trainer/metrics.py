@@ -1,0 +1,90 @@
+"""Training metrics: prometheus-client gauges (DESIGN.md names), metrics.jsonl and events.jsonl.
+
+The gauges live in the default registry (created once per process, labelled by ``job``), and
+are served over HTTP when ``KUBERL_METRICS_PORT`` is set (0 picks a free port, which is
+printed and logged as an event). ``metrics.jsonl`` has one JSON object per step;
+``events.jsonl`` has stage changes, checkpoints and the end of the run, for Grafana annotations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Gauge, start_http_server
+
+_GAUGES: dict[str, Gauge] = {}
+
+
+def _gauges() -> dict[str, Gauge]:
+    if not _GAUGES:
+        _GAUGES.update(
+            reward=Gauge("kuberl_train_reward_mean", "Mean binary reward of the step's rollouts", ["job"]),
+            clip=Gauge("kuberl_train_clip_ratio", "Token-level pg clip fraction", ["job", "side"]),
+            resp_clip=Gauge(
+                "kuberl_train_response_clip_ratio", "Fraction of rollouts truncated at max length", ["job"]
+            ),
+            tool_err=Gauge(
+                "kuberl_train_tool_error_ratio_positive",
+                "Tool errors / tool calls in correct rollouts",
+                ["job"],
+            ),
+            length=Gauge("kuberl_train_response_length_tokens", "Mean response length (tokens)", ["job"]),
+            step=Gauge("kuberl_train_step", "Current training step", ["job", "stage"]),
+            step_s=Gauge("kuberl_train_step_seconds", "Wall time of the last step", ["job"]),
+        )
+    return _GAUGES
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsSink:
+    def __init__(self, job: str, out_dir: str | Path):
+        self.job = job
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.port: int | None = None
+        port = os.environ.get("KUBERL_METRICS_PORT")
+        if port is not None and port != "":
+            server, _ = start_http_server(int(port), addr="127.0.0.1")
+            self.port = server.server_port
+            print(f"metrics: http://127.0.0.1:{self.port}/metrics")
+            self.event("metrics", f"prometheus metrics on port {self.port}")
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Append one step record and update the gauges it has values for."""
+        rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        g = _gauges()
+        if "stage" in record and "step" in record:
+            g["step"].labels(self.job, record["stage"]).set(record["step"])
+        if record.get("step_seconds") is not None:
+            g["step_s"].labels(self.job).set(record["step_seconds"])
+        if record.get("type") != "rl":
+            return
+        setters = [
+            ("reward", "reward_mean", ()),
+            ("resp_clip", "response_clip_ratio", ()),
+            ("tool_err", "tool_error_ratio_positive", ()),
+            ("length", "response_length", ()),
+            ("clip", "clip_low", ("low",)),
+            ("clip", "clip_high", ("high",)),
+        ]
+        for gauge, key, extra in setters:
+            v = record.get(key)
+            if v is not None and math.isfinite(v):
+                g[gauge].labels(self.job, *extra).set(v)
+
+    def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
+        rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
+        with open(self.out / "events.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,392 @@
+"""The multi-stage recipe (paper section 4): an SFT stage, then RL stages with their own
+response length / turn limits, the stage-3 offline difficulty filter and optimizer resets.
+
+:class:`Pipeline` is the trainer driver. It owns the trainable model and optimizer and talks
+to a rollout worker (a Ray actor, or the same object in-process) through ``call(name, ...)``.
+Every step is seeded from (seed, global step), so a resumed run continues exactly where the
+checkpoint left off (SFT and the update are bit-for-bit; rollouts are reproducible as far as
+concurrent batching on the engine allows).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kuberl.api.job import AgenticRLJob, StageSpec
+from kuberl.rollout import template
+from kuberl.trainer import data as data_mod
+from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
+from kuberl.trainer.grpo import prepare_batch, rl_update
+from kuberl.trainer.loss import LossConfig
+from kuberl.trainer.metrics import MetricsSink
+from kuberl.trainer.model import GPT
+from kuberl.trainer.sft import sft_loss
+
+SFT_ERROR_FRACTION = 0.3  # SFT traces that make a tool error and then fix it
+SFT_POOL_MAX = 2048  # distinct SFT traces (cycled); each one's tool outputs come from the sandbox
+EVAL_SIZE = 256  # held-out problems in the builtin eval set
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+@dataclass
+class RunResult:
+    history: list[dict[str, Any]] = field(default_factory=list)
+    evals: dict[str, float] = field(default_factory=dict)  # "<stage>": sampled accuracy after it
+    stopped_early: bool = False
+
+
+class Pipeline:
+    def __init__(
+        self,
+        job: AgenticRLJob,
+        model: GPT,
+        tokenizer,
+        call: Callable[..., Any],
+        store: CheckpointStore,
+        sink: MetricsSink,
+        *,
+        algorithm: str,
+        device: torch.device,
+        deadline: float | None = None,
+        on_progress: Callable[[str, int, int, dict], None] | None = None,
+    ):
+        self.job = job
+        self.spec = job.spec
+        self.model = model
+        self.tok = tokenizer
+        self.call = call
+        self.store = store
+        self.sink = sink
+        self.algorithm = algorithm
+        self.device = device
+        self.deadline = deadline
+        self.on_progress = on_progress or (lambda *a: None)
+        self.state = TrainState()
+        self.optimizer = self._new_optimizer(self._stage_lr(self.spec.stages[0]))
+        self.result = RunResult()
+        a = self.spec.algorithm
+        self.loss_cfg = LossConfig(
+            clip_low=a.clip.low,
+            clip_high=a.clip.high,
+            negative_ratio_cap=a.clip.negative_ratio_cap,
+            kl_coef=a.kl_coef,
+            entropy_coef=a.entropy_coef,
+            aggregation=a.loss_aggregation,
+        )
+        if a.kl_coef > 0:
+            raise ValueError(
+                "algorithm.klCoef > 0 is not supported by the local trainer (no reference model)"
+            )
+        self._pools: dict[str, list[data_mod.Problem]] = {}
+        self._sft_cache: tuple[list[list[int]], list[list[int]]] | None = None
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _stage_lr(self, stage: StageSpec) -> float:
+        return stage.learning_rate or self.spec.algorithm.learning_rate
+
+    def _new_optimizer(self, lr: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+    def _set_lr(self, stage: StageSpec, step: int) -> float:
+        warm = self.spec.algorithm.warmup_steps
+        lr = self._stage_lr(stage) * (min(1.0, (step + 1) / warm) if warm > 0 else 1.0)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        return lr
+
+    def _out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
+    def _sync_weights(self) -> None:
+        self.call("set_weights", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+
+    def _pool(self, source: str, n: int, seed: int) -> list[data_mod.Problem]:
+        key = f"{source}|{n}|{seed}"
+        if key not in self._pools:
+            self._pools[key] = data_mod.load_problems(source, n, seed)
+        return self._pools[key]
+
+    def eval_problems(self) -> list[data_mod.Problem]:
+        d = self.spec.data
+        sources = d.eval or (["builtin:arith"] if d.train == "builtin:arith" else [])
+        out: list[data_mod.Problem] = []
+        for s in sources:
+            out += self._pool(s, EVAL_SIZE, d.seed + data_mod.EVAL_SEED_OFFSET)
+        return out
+
+    def _rl_limits(self, stage: StageSpec) -> dict[str, int]:
+        return {
+            "max_turns": self.spec.stage_max_turns(stage),
+            "max_response_tokens": self.spec.stage_max_response_tokens(stage),
+        }
+
+    def _prompt(self, p: data_mod.Problem) -> str:
+        return template.render_prompt(p.question, self.spec.rollout.prompt_template)
+
+    def checkpoint(self, stage: StageSpec) -> str:
+        self.state.extra["history"] = self.result.history
+        self.state.extra["evals"] = self.result.evals
+        payload = make_payload(
+            self.model, self.optimizer, self.state, self.tok.to_str(), self.model.config.to_dict()
+        )
+        where = self.store.save(payload, self.state.global_step)
+        self.sink.event("checkpoint", f"checkpoint {where}", stage.name, self.state.global_step)
+        return where
+
+    def resume(self) -> bool:
+        payload = self.store.load()
+        if payload is None:
+            return False
+        st = payload["state"]
+        stage = self.spec.stages[min(st["stage_index"], len(self.spec.stages) - 1)]
+        self.optimizer = self._new_optimizer(self._stage_lr(stage))
+        self.state = apply_payload(payload, self.model, self.optimizer)
+        self.result.history = list(self.state.extra.get("history", []))
+        self.result.evals = dict(self.state.extra.get("evals", {}))
+        self.sink.event(
+            "resume", f"resumed at global step {self.state.global_step}", stage.name, self.state.global_step
+        )
+        return True
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, stage: StageSpec, label: str) -> float:
+        """Sampled (temperature 1.0, one sample) accuracy on the held-out eval set."""
+        probs = self.eval_problems()
+        if not probs:
+            return math.nan
+        self._sync_weights()
+        groups = self.call(
+            "rollouts",
+            [self._prompt(p) for p in probs],
+            [p.answer for p in probs],
+            1,
+            temperature=self.spec.rollout.temperature,
+            seed=self.spec.seed * 7919 + 17,
+            **self._rl_limits(stage),
+        )
+        acc = sum(g[0].reward for g in groups) / len(groups)
+        pos = [g[0] for g in groups if g[0].reward > 0]
+        calls = sum(s.traj.tool_calls for s in pos)
+        terr = sum(s.traj.tool_errors for s in pos) / calls if calls else math.nan
+        self.result.evals[label] = acc
+        self.result.evals[label + ":tool_error_ratio_positive"] = terr
+        self.sink.step(
+            {
+                "type": "eval",
+                "stage": stage.name,
+                "step": self.state.global_step,
+                "label": label,
+                "accuracy": acc,
+                "tool_error_ratio_positive": terr,
+            }
+        )
+        return acc
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        stages = self.spec.stages
+        while self.state.stage_index < len(stages):
+            stage = stages[self.state.stage_index]
+            if self.state.stage_step == 0:
+                self.sink.event(
+                    "stage", f"stage {stage.name} ({stage.type}) starts", stage.name, self.state.global_step
+                )
+            if stage.type == "sft":
+                self._run_sft(stage)
+            else:
+                self._run_rl(stage)
+            if self.result.stopped_early:
+                break
+            self.state.stage_index += 1
+            self.state.stage_step = 0
+            self.state.cursor = 0
+            nxt = stages[self.state.stage_index] if self.state.stage_index < len(stages) else None
+            if nxt is not None and (nxt.reset_optimizer or nxt.type != stage.type):
+                self.optimizer = self._new_optimizer(self._stage_lr(nxt))
+                self.sink.event(
+                    "stage", f"optimizer reset before {nxt.name}", nxt.name, self.state.global_step
+                )
+        self.sink.event(
+            "done",
+            "run finished" if not self.result.stopped_early else "stopped at the time limit",
+            None,
+            self.state.global_step,
+        )
+        return self.result
+
+    def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
+        if self._sft_cache is None:
+            batch = stage.batch_size or 32
+            n = min(stage.steps * batch, SFT_POOL_MAX)
+            probs = self._pool(stage.data or self.spec.data.train, n, self.spec.data.seed + 11)
+            traces = self.call(
+                "build_sft",
+                probs,
+                seed=self.spec.data.seed,
+                error_fraction=SFT_ERROR_FRACTION,
+                style=self.spec.rollout.prompt_template,
+            )
+            pairs = [data_mod.tokenize_segments(self.tok, segs) for segs in traces]
+            self._sft_cache = ([p[0] for p in pairs], [p[1] for p in pairs])
+        return self._sft_cache
+
+    def _run_sft(self, stage: StageSpec) -> None:
+        seqs, masks = self._sft_data(stage)
+        batch = stage.batch_size or 32
+        self.model.train()
+        while self.state.stage_step < stage.steps:
+            if self._out_of_time():
+                self.result.stopped_early = True
+                return
+            t0 = time.perf_counter()
+            seed_everything(self.spec.seed * 1_000_003 + self.state.global_step)
+            lr = self._set_lr(stage, self.state.stage_step)
+            idx = [(self.state.cursor + i) % len(seqs) for i in range(batch)]
+            loss, acc = sft_loss(self.model, [seqs[i] for i in idx], [masks[i] for i in idx], self.device)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.grad_clip)
+            self.optimizer.step()
+            self.state.cursor = (self.state.cursor + batch) % len(seqs)
+            self._after_step(
+                stage,
+                {
+                    "type": "sft",
+                    "loss": float(loss.detach()),
+                    "token_acc": acc,
+                    "lr": lr,
+                    "grad_norm": float(gn),
+                    "step_seconds": time.perf_counter() - t0,
+                },
+            )
+        self.model.eval()
+        self.evaluate(stage, stage.name)
+
+    def _rl_pool(self, stage: StageSpec) -> list[data_mod.Problem]:
+        batch = stage.batch_size or self.spec.algorithm.batch_prompts
+        source = stage.data or self.spec.data.train
+        idx = self.spec.stages.index(stage)
+        probs = self._pool(source, stage.steps * batch, self.spec.data.seed + 1000 * (idx + 1))
+        keep = self.state.extra.get(f"filter:{stage.name}")
+        if stage.difficulty_filter is not None and keep is None:
+            keep = self._difficulty_filter(stage, probs)
+            self.state.extra[f"filter:{stage.name}"] = keep
+        return [probs[i] for i in keep] if keep is not None else probs
+
+    def _difficulty_filter(self, stage: StageSpec, probs: list[data_mod.Problem]) -> list[int]:
+        """Indices of problems the current policy does NOT solve k/k (paper stage 3)."""
+        f = stage.difficulty_filter
+        assert f is not None
+        self._sync_weights()
+        groups = self.call(
+            "rollouts",
+            [self._prompt(p) for p in probs],
+            [p.answer for p in probs],
+            f.rollouts,
+            temperature=self.spec.rollout.temperature,
+            seed=self.spec.seed * 31 + 5,
+            **self._rl_limits(stage),
+        )
+        keep = [
+            i for i, g in enumerate(groups) if not (f.drop_if_all_correct and all(s.reward > 0 for s in g))
+        ]
+        if not keep:
+            keep = list(range(len(probs)))  # everything solved: keep the pool rather than train on nothing
+        self.sink.event(
+            "filter",
+            f"difficulty filter kept {len(keep)}/{len(probs)} problems",
+            stage.name,
+            self.state.global_step,
+        )
+        return keep
+
+    def _run_rl(self, stage: StageSpec) -> None:
+        a = self.spec.algorithm
+        batch = stage.batch_size or a.batch_prompts
+        pool = self._rl_pool(stage)
+        n = a.rollouts_per_prompt if self.algorithm == "grpo-roc" else a.group_size
+        self.model.eval()
+        while self.state.stage_step < stage.steps:
+            if self._out_of_time():
+                self.result.stopped_early = True
+                break
+            t0 = time.perf_counter()
+            gstep = self.state.global_step
+            seed_everything(self.spec.seed * 1_000_003 + gstep)
+            lr = self._set_lr(stage, self.state.stage_step)
+            probs = [pool[(self.state.cursor + i) % len(pool)] for i in range(batch)]
+            self._sync_weights()
+            t1 = time.perf_counter()
+            groups = self.call(
+                "rollouts",
+                [self._prompt(p) for p in probs],
+                [p.answer for p in probs],
+                n,
+                temperature=self.spec.rollout.temperature,
+                top_p=self.spec.rollout.top_p,
+                seed=self.spec.seed * 1_000_003 + gstep,
+                **self._rl_limits(stage),
+            )
+            t_roll = time.perf_counter() - t1
+            sb = prepare_batch(
+                groups,
+                a.group_size,
+                roc=self.algorithm == "grpo-roc",
+                seed=self.spec.seed + gstep,
+                filter_zero=a.filter_zero_advantage,
+            )
+            upd = rl_update(
+                self.model,
+                self.optimizer,
+                sb,
+                self.loss_cfg,
+                grad_clip=a.grad_clip,
+                mini_batches=min(a.mini_batches, max(1, len(sb.seqs))),
+                ppo_epochs=a.ppo_epochs,
+                device=self.device,
+            )
+            self.model.eval()
+            self.state.cursor = (self.state.cursor + batch) % len(pool)
+            rec = {
+                "type": "rl",
+                "algorithm": self.algorithm,
+                "lr": lr,
+                **sb.stats,
+                **upd,
+                "rollout_seconds": t_roll,
+                "step_seconds": time.perf_counter() - t0,
+            }
+            self._after_step(stage, rec)
+        self.evaluate(stage, stage.name)
+
+    def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
+        self.state.stage_step += 1
+        self.state.global_step += 1
+        rec = {
+            "stage": stage.name,
+            "step": self.state.global_step,
+            "stage_step": self.state.stage_step,
+            **rec,
+        }
+        self.result.history.append(rec)
+        self.sink.step(rec)
+        self.on_progress(stage.name, self.state.stage_step, stage.steps, rec)
+        last = self.state.stage_step == stage.steps
+        if self.state.global_step % self.spec.checkpoint.every_steps == 0 or last:
+            self.checkpoint(stage)
