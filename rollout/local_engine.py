@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kuberl.rollout.engine import Engine, EngineLoad, GenerateOutput, GenerateRequest
@@ -40,6 +41,7 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
     finish: str | None = None
+    reported: bool = False  # handed back to the caller; the row may still sit in the batch
 
     @property
     def reserved(self) -> int:
@@ -94,6 +96,60 @@ def _pad_left(past: KV, mask: torch.Tensor, width: int) -> tuple[KV, torch.Tenso
     return padded, torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
 
 
+_HEADROOM = 32  # KV columns allocated ahead, so most decode steps write in place
+
+
+def _with_headroom(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy a compact (K, V) into buffers with ``capacity`` columns (extra columns unused)."""
+    B, H, T, D = k.shape
+    kb, vb = k.new_empty(B, H, capacity, D), v.new_empty(B, H, capacity, D)
+    kb[:, :, :T], vb[:, :, :T] = k, v
+    return kb, vb
+
+
+def _gpt_decode_step(model: nn.Module, tokens: torch.Tensor, past: KV, used: int, mask: torch.Tensor):
+    """One decode step of ``kuberl.trainer.model.GPT`` writing K/V into preallocated buffers.
+
+    The model's own forward concatenates the whole cache on every step (most of a decode
+    step's time at batch 256); this computes the same thing with in-place writes. Only used
+    after :func:`_fast_decode_ok` has checked it against the model's forward.
+    """
+    B = tokens.shape[0]
+    positions = (mask.sum(dim=1) - 1).clamp(min=0)  # as GPT.forward: cumsum(mask) - 1
+    x = model.wte(tokens[:, None]) + model.wpe(positions[:, None])
+    attn_mask = mask.bool()[:, None, None, :]
+    C = x.shape[-1]
+    for block, (kb, vb) in zip(model.blocks, past, strict=True):
+        attn = block.attn
+        H = attn.n_head
+        q, k, v = attn.qkv(block.ln1(x)).split(C, dim=2)
+        q = q.view(B, 1, H, C // H).transpose(1, 2)
+        kb[:, :, used] = k.view(B, H, C // H)
+        vb[:, :, used] = v.view(B, H, C // H)
+        y = F.scaled_dot_product_attention(q, kb[:, :, : used + 1], vb[:, :, : used + 1], attn_mask=attn_mask)
+        x = x + attn.proj(y.transpose(1, 2).reshape(B, 1, C))
+        x = x + block.mlp(block.ln2(x))
+    return model.lm_head(model.ln_f(x))[:, -1]
+
+
+@torch.inference_mode()
+def _fast_decode_ok(model: nn.Module) -> bool:
+    """True when ``model`` is GPT-shaped and the fast decode step reproduces its forward."""
+    try:
+        vocab = model.wte.num_embeddings
+        ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(model.wte.weight.device)
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0  # a left-padded row
+        ref = model(ids, attention_mask=mask)[0][:, -1]
+        _, past = model(ids[:, :-1], attention_mask=mask[:, :-1])
+        bufs = [_with_headroom(k, v, 8) for k, v in past]
+        got = _gpt_decode_step(model, ids[:, -1], bufs, 5, mask)
+        return bool(torch.allclose(got, ref, atol=1e-4, rtol=1e-4))
+    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
+        return False
+
+
 class LocalEngine(Engine):
     """Continuous-batching engine over an in-process causal LM (see module docstring).
 
@@ -135,12 +191,14 @@ class LocalEngine(Engine):
         self._lock = threading.Lock()  # serializes forward passes and weight updates
         self._pending: deque[_Seq] = deque()
         self._running: list[_Seq] = []
-        self._past: KV | None = None
+        self._past: KV | None = None  # per layer (K, V) [B, H, capacity, D]; columns < _used are live
+        self._used = 0
         self._mask: torch.Tensor | None = None
         self._next: torch.Tensor | None = None  # last sampled token per row, not yet in the cache
         self._driver: asyncio.Task | None = None
         self.steps = 0  # decode steps run (batched forwards), for tests and benchmarks
         self.prefills = 0
+        self.fast_decode = _fast_decode_ok(self.model)
 
     # -- Engine interface ---------------------------------------------------------------------
 
@@ -163,8 +221,9 @@ class LocalEngine(Engine):
         return self._driver is None or not self._driver.done() or self._driver.exception() is None
 
     async def load_metrics(self) -> EngineLoad:
-        used = sum(s.used for s in self._running)
-        return EngineLoad(used / self._max_total_tokens, len(self._running), len(self._pending))
+        live = [s for s in self._running if s.finish is None]
+        used = sum(s.used for s in live)
+        return EngineLoad(used / self._max_total_tokens, len(live), len(self._pending))
 
     async def close(self) -> None:
         if self._driver is not None and not self._driver.done():
@@ -218,14 +277,15 @@ class LocalEngine(Engine):
             raise
 
     def _admit(self) -> list[_Seq]:
-        reserved = sum(s.reserved for s in self._running)
+        live = [s for s in self._running if s.finish is None]
+        reserved = sum(s.reserved for s in live)
         admit: list[_Seq] = []
-        while self._pending and len(self._running) + len(admit) < self.max_batch:
+        while self._pending and len(live) + len(admit) < self.max_batch:
             seq = self._pending[0]
             if seq.future.done():
                 self._pending.popleft()
                 continue
-            if (self._running or admit) and reserved + seq.reserved > self._max_total_tokens:
+            if (live or admit) and reserved + seq.reserved > self._max_total_tokens:
                 break
             reserved += seq.reserved
             admit.append(self._pending.popleft())
@@ -258,29 +318,53 @@ class LocalEngine(Engine):
         self._merge(admit, past, mask, tokens)
         return self._evict()
 
+    def _live(self) -> KV:
+        assert self._past is not None
+        return [(k[:, :, : self._used], v[:, :, : self._used]) for k, v in self._past]
+
+    def _set_past(self, past: KV) -> None:
+        """Store a compact cache; the fast decoder gets headroom to write new columns in place."""
+        self._used = past[0][0].shape[2]
+        if self.fast_decode:
+            past = [_with_headroom(k, v, self._used + _HEADROOM) for k, v in past]
+        self._past = past
+
     def _merge(self, seqs: list[_Seq], past: KV, mask: torch.Tensor, tokens: torch.Tensor) -> None:
         if not self._running:
-            self._running, self._past, self._mask, self._next = list(seqs), past, mask, tokens
+            self._running, self._mask, self._next = list(seqs), mask, tokens
+            self._set_past(past)
             return
         assert self._past is not None and self._mask is not None and self._next is not None
         width = max(mask.shape[1], self._mask.shape[1])
-        old_past, old_mask = _pad_left(self._past, self._mask, width)
+        old_past, old_mask = _pad_left(self._live(), self._mask, width)
         new_past, new_mask = _pad_left(past, mask, width)
-        self._past = [
-            (torch.cat([k0, k1], dim=0), torch.cat([v0, v1], dim=0))
-            for (k0, v0), (k1, v1) in zip(old_past, new_past, strict=True)
-        ]
+        self._set_past(
+            [
+                (torch.cat([k0, k1], dim=0), torch.cat([v0, v1], dim=0))
+                for (k0, v0), (k1, v1) in zip(old_past, new_past, strict=True)
+            ]
+        )
         self._mask = torch.cat([old_mask, new_mask], dim=0)
         self._next = torch.cat([self._next, tokens], dim=0)
         self._running.extend(seqs)
 
     def _decode(self) -> None:
         assert self._past is not None and self._mask is not None and self._next is not None
-        mask = torch.cat([self._mask, self._mask.new_ones(self._mask.shape[0], 1)], dim=1)
-        logits, self._past = self.model(self._next[:, None], past=self._past, attention_mask=mask)
+        # Finished rows still in the batch get a masked-out column: they stop advancing.
+        live = torch.tensor([s.finish is None for s in self._running], dtype=self._mask.dtype)
+        mask = torch.cat([self._mask, live.to(self._mask.device)[:, None]], dim=1)
+        if self.fast_decode:
+            if self._used == self._past[0][0].shape[2]:
+                self._past = [_with_headroom(k, v, self._used + _HEADROOM) for k, v in self._past]
+            last = _gpt_decode_step(self.model, self._next, self._past, self._used, mask)
+            self._used += 1
+        else:
+            logits, past = self.model(self._next[:, None], past=self._past, attention_mask=mask)
+            self._past, self._used = past, past[0][0].shape[2]
+            last = logits[:, -1]
         self._mask = mask
         self.steps += 1
-        self._next = self._sample(self._running, logits[:, -1])
+        self._next = self._sample(self._running, last)
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32, device=logits.device)
@@ -298,23 +382,33 @@ class LocalEngine(Engine):
         return tokens
 
     def _evict(self) -> list[_Seq]:
-        """Remove finished (or aborted) rows from the batch and trim all-padding columns."""
-        done = [s for s in self._running if s.finish is not None]
-        if not done:
-            return []
+        """Return newly finished rows; compact the batch once a quarter of its rows are finished.
+
+        Compaction (dropping rows, trimming all-padding columns) copies the whole cache, so it
+        is batched: finished rows ride along masked out until enough of them accumulate.
+        """
+        done = [s for s in self._running if s.finish is not None and not s.reported]
+        for s in done:
+            s.reported = True
+        dead = sum(s.finish is not None for s in self._running)
+        if not dead or dead * 4 < len(self._running):
+            return done
         keep = [i for i, s in enumerate(self._running) if s.finish is None]
         if not keep:
             self._running, self._past, self._mask, self._next = [], None, None, None
+            self._used = 0
             return done
         assert self._past is not None and self._mask is not None and self._next is not None
         index = torch.tensor(keep, dtype=torch.long, device=self._mask.device)
         mask = self._mask.index_select(0, index)
         first = int(mask.any(dim=0).long().argmax())  # first column holding a real token
         self._mask = mask[:, first:]
-        self._past = [
-            (k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
-            for k, v in self._past
-        ]
+        self._set_past(
+            [
+                (k.index_select(0, index)[:, :, first:], v.index_select(0, index)[:, :, first:])
+                for k, v in self._live()
+            ]
+        )
         self._next = self._next.index_select(0, index)
         self._running = [self._running[i] for i in keep]
         return done

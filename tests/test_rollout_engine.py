@@ -93,6 +93,20 @@ async def test_context_limit_and_max_total_tokens_admission(model):
     assert load.running == 0 and load.queued == 0 and load.kv_cache_utilization == 0.0
 
 
+async def test_rows_finished_at_the_context_limit_ride_along_safely(model):
+    # One row stops at block_size=48 while four keep decoding for 30 more steps next to it.
+    reqs = [GenerateRequest(list(range(1, 41)), max_new_tokens=100, temperature=0.0)]
+    reqs += [GenerateRequest([i + 1, i + 2], max_new_tokens=40, temperature=0.0) for i in range(4)]
+    for fast in (True, False):
+        engine = LocalEngine(model, seed=0)
+        assert engine.fast_decode, "GPT must get the in-place decode path"
+        engine.fast_decode = fast
+        outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        assert [len(o.output_ids) for o in outs] == [8, 40, 40, 40, 40]
+        for req, out in zip(reqs, outs, strict=True):
+            assert out.output_ids == _greedy_reference(model, req, 48)
+
+
 async def test_sampling_is_seeded_and_set_weights_changes_outputs(model):
     req = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=20, temperature=1.0, top_p=0.9)
     a = await LocalEngine(model, seed=7).generate(req)
