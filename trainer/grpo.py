@@ -225,8 +225,9 @@ def rl_update(
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch."""
-    if not batch.seqs:
-        return {"skipped": 1.0}
+    if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
+        zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
+        return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
     model.train()
     n = len(batch.seqs)
     order = list(range(n))
