@@ -133,3 +133,79 @@ def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
     assert len(rl) == 2 and all(s["algorithm"] == "grpo" and s["rollouts"] == 4 for s in rl)
     assert (out / "checkpoints").is_dir() and (out / "tokenizer.json").is_file()
     assert [s["label"] for s in steps if s.get("type") == "eval"] == ["sft", "rl"]
+
+
+def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
+    """Problems solved k/k by the current policy are dropped; the optimizer is reset before stage 3."""
+    from kuberl.rollout.loop import Trajectory
+    from kuberl.trainer.checkpoint import CheckpointStore
+    from kuberl.trainer.metrics import MetricsSink
+    from kuberl.trainer.model import GPT, GPTConfig
+    from kuberl.trainer.stages import Pipeline
+    from kuberl.trainer.tokenizer import load_tokenizer
+
+    doc = json.loads(json.dumps(TINY))
+    doc["spec"]["stages"] = [
+        {"name": "stage-2", "type": "rl", "steps": 1},
+        {
+            "name": "stage-3",
+            "type": "rl",
+            "steps": 2,
+            "batchSize": 4,
+            "resetOptimizer": True,
+            "difficultyFilter": {"rollouts": 3, "dropIfAllCorrect": True},
+        },
+    ]
+    job = find_one(load_manifests(_write(tmp_path, doc)), AgenticRLJob)
+    tok = load_tokenizer("builtin:arith-bpe", tmp_path)
+    calls = []
+
+    def call(name, *args, **kwargs):
+        calls.append((name, args, kwargs))
+        if name != "rollouts":
+            return None
+        prompts, golds, n = args
+        # problem i is solved by rollout j iff j < i % 4: i % 4 == 3 -> 3/3 solved -> dropped
+        return [
+            [
+                Scored(
+                    Trajectory([1], [2], [1], [0.0], 1, 1, 0, 0, "x", False, "answer", text="<answer>"),
+                    1.0 if j < i % 4 else 0.0,
+                )
+                for j in range(n)
+            ]
+            for i in range(len(prompts))
+        ]
+
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=2))
+    pipe = Pipeline(
+        job,
+        model,
+        tok,
+        call,
+        CheckpointStore(str(tmp_path / "ck")),
+        MetricsSink("t", tmp_path),
+        algorithm="grpo-roc",
+        device="cpu",
+    )
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    opt_before = None
+
+    def spy(stage, rec):
+        nonlocal opt_before
+        if stage.name == "stage-2":
+            opt_before = pipe.optimizer
+        return orig(stage, rec)
+
+    orig = pipe._after_step
+    pipe._after_step = spy
+    pipe.run()
+    kept = pipe.state.extra["filter:stage-3"]
+    pool_size = 2 * 4  # steps x batchSize
+    assert kept == [0, 1, 2, 4, 5, 6]
+    filt = [c for c in calls if c[0] == "rollouts" and c[1][2] == 3]
+    assert len(filt) == 1 and len(filt[0][1][0]) == pool_size
+    assert pipe.optimizer is not opt_before
+    events = [e["text"] for e in _lines(tmp_path / "events.jsonl")]
+    assert any("difficulty filter kept" in t for t in events)
+    assert any("optimizer reset before stage-3" in t for t in events)

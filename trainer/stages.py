@@ -247,6 +247,8 @@ class Pipeline:
         return self._sft_cache
 
     def _run_sft(self, stage: StageSpec) -> None:
+        if self.state.stage_step >= stage.steps and stage.name in self.result.evals:
+            return  # resumed from this stage's final checkpoint: nothing left to do
         seqs, masks = self._sft_data(stage)
         batch = stage.batch_size or 32
         self.model.train()
