@@ -109,3 +109,14 @@ class FakeExecutor:
         if "raise" in code:
             return FakeResult("Traceback (most recent call last):\nValueError: boom", True)
         return FakeResult(f"len={len(code)}")
+
+
+def single_torch_thread():
+    """Generator body for a fixture: tiny models gain nothing from intra-op threads, and on a
+    busy shared CPU OpenMP's spinning threads make each forward ~100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,12 +20,15 @@ from kuberl.rollout import template
 from kuberl.rollout.local_engine import LocalEngine
 from kuberl.rollout.loop import rollout_group
 from kuberl.rollout.scheduler import Scheduler
-from tests.rollout_helpers import ByteTokenizer, FakeExecutor
+from tests.rollout_helpers import ByteTokenizer, FakeExecutor, single_torch_thread
 
 TOK = ByteTokenizer()
 START = TOK.special[template.IM_START]
 ASSISTANT = TOK.encode("assistant\n")
 QUESTIONS = {"6*7": "42", "2**10": "1024", "sum(range(5))": "10"}
+
+
+_one_thread = pytest.fixture(autouse=True, scope="module")(single_torch_thread)
 
 
 class ToolUsingLM(nn.Module):

@@ -8,6 +8,9 @@ import torch
 from kuberl.rollout.engine import GenerateOutput, GenerateRequest
 from kuberl.rollout.local_engine import LocalEngine, sample_tokens
 from kuberl.trainer.model import GPT, GPTConfig
+from tests.rollout_helpers import single_torch_thread
+
+_one_thread = pytest.fixture(autouse=True, scope="module")(single_torch_thread)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,14 @@ from kuberl.rollout.local_engine import LocalEngine
 from kuberl.rollout.loop import Tokenizer, ToolExecutor, Trajectory, rollout_group, rollout_one
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.trainer.model import GPT, GPTConfig
-from tests.rollout_helpers import ByteTokenizer, FakeExecutor, ScriptedEngine
+from tests.rollout_helpers import ByteTokenizer, FakeExecutor, ScriptedEngine, single_torch_thread
 
 TOK = ByteTokenizer()
 END = template.IM_END
 PROMPT = template.render_prompt("What is 6*7?", style="compact")
+
+
+_one_thread = pytest.fixture(autouse=True, scope="module")(single_torch_thread)
 
 
 def _check_alignment(traj: Trajectory) -> None:
