@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kuberl.rollout.scheduler import Scheduler
 from kuberl.rollout.sglang_engine import SGLangEngine
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -94,3 +95,28 @@ def discover_fleet_urls(fleet: str, namespace: str, *, port_name: str = "http", 
 def engines_from_urls(urls: str | Sequence[str], **kwargs: Any) -> list[SGLangEngine]:
     """One SGLangEngine per URL; ``kwargs`` go to every engine (timeouts, retries)."""
     return [SGLangEngine(u, **kwargs) for u in parse_url_list(urls)]
+
+
+async def sync_engines(
+    scheduler: Scheduler, urls: str | Sequence[str], **engine_kwargs: Any
+) -> tuple[list[str], list[str]]:
+    """Make the scheduler's SGLang engines match ``urls`` (e.g. a fresh EndpointSlice listing).
+
+    New URLs become engines at once (waiting rollouts may start on them); engines whose URL
+    disappeared are drained (their running rollouts finish) and closed once idle; a draining
+    engine whose URL comes back is put back into service. Returns (added, drained) URLs.
+    """
+    wanted = parse_url_list(urls) if (urls if isinstance(urls, str) else list(urls)) else []
+    current = {st.engine.base_url: st for st in scheduler.stats if isinstance(st.engine, SGLangEngine)}
+    added = [u for u in wanted if u not in current]
+    for u in added:
+        await scheduler.add_engine(SGLangEngine(u, **engine_kwargs))
+    for u in wanted:
+        if u in current:
+            current[u].draining = False
+    drained = [u for u, st in current.items() if u not in wanted and not st.draining]
+    for u in drained:
+        scheduler.drain_engine(current[u].name)
+    for engine in scheduler.remove_drained():
+        await engine.close()
+    return added, drained

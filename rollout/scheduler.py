@@ -33,7 +33,7 @@ import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import Gauge
 
@@ -62,6 +62,8 @@ class EngineStats:
     sessions_total: int = 0
     peak_reserved: int = 0
     overflow_events: int = 0  # admissions that pushed reserved above capacity
+    draining: bool = False  # gets no new rollouts; removed once its in-flight ones finish
+    engine: Engine | None = field(default=None, repr=False, compare=False)
 
     @property
     def free(self) -> int:
@@ -103,7 +105,7 @@ class Scheduler:
         self.policy = policy
         self.max_response_tokens_default = max_response_tokens_default
         self.max_inflight_per_engine = max_inflight_per_engine
-        self.stats = [EngineStats(e.name) for e in self.engines]
+        self.stats = [EngineStats(e.name, engine=e) for e in self.engines]
         self._refresh_lock = asyncio.Lock()
         self._capacities_known = False
         self._queue: deque[_Waiter] = deque()
@@ -142,13 +144,45 @@ class Scheduler:
                 f"prompt_tokens and max_response_tokens must be >= 0, got {prompt_tokens}, {max_response_tokens}"
             )
         need = prompt_tokens + max_response_tokens
-        index = await self._acquire(need)
+        st = await self._acquire(need)
         try:
-            yield self.engines[index]
+            assert st.engine is not None
+            yield st.engine
         finally:
-            self._release(index, need)
+            self._release(st, need)
 
-    async def _acquire(self, need: int) -> int:
+    async def add_engine(self, engine: Engine) -> None:
+        """Add an engine (a new RolloutFleet replica); waiting rollouts may start on it at once."""
+        if any(st.name == engine.name for st in self.stats):
+            raise ValueError(f"engine {engine.name!r} is already scheduled")
+        cap = await engine.max_total_tokens()
+        if cap < 1:
+            raise ValueError(f"engine {engine.name} reports max_total_tokens={cap}")
+        st = EngineStats(engine.name, capacity=int(cap), engine=engine)
+        self.engines.append(engine)
+        self.stats.append(st)
+        self._export(st)
+        self._dispatch()
+
+    def drain_engine(self, name: str) -> None:
+        """Stop assigning rollouts to ``name`` (scale-down, failed health checks)."""
+        for st in self.stats:
+            if st.name == name:
+                st.draining = True
+                return
+        raise KeyError(f"no engine named {name!r}")
+
+    def remove_drained(self) -> list[Engine]:
+        """Forget drained engines with nothing in flight; returns them for the caller to close."""
+        gone = [st for st in self.stats if st.draining and st.inflight == 0]
+        for st in gone:
+            self.stats.remove(st)
+            self.engines.remove(st.engine)
+            KV_UTILIZATION.remove(st.name)
+            REQUESTS_INFLIGHT.remove(st.name)
+        return [st.engine for st in gone if st.engine is not None]
+
+    async def _acquire(self, need: int) -> EngineStats:
         # Join the FIFO before the first await, so arrival order is admission order.
         waiter = _Waiter(need, next(self._counter), asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
@@ -158,7 +192,7 @@ class Scheduler:
                     if not self._capacities_known:
                         await self.refresh_capacities()
             if self.policy == "kv-aware":
-                biggest = max(st.capacity for st in self.stats)
+                biggest = max((st.capacity for st in self.stats if not st.draining), default=need)
                 if need > biggest:
                     raise ValueError(
                         f"a rollout needs {need} KV tokens but the largest engine holds {biggest}; "
@@ -195,6 +229,7 @@ class Scheduler:
                 return
             self._queue.popleft()
             st = self.stats[index]
+            assert not st.draining
             st.reserved += head.need
             st.inflight += 1
             st.sessions_total += 1
@@ -202,10 +237,9 @@ class Scheduler:
             if st.reserved > st.capacity:
                 st.overflow_events += 1
             self._export(st)
-            head.future.set_result(index)
+            head.future.set_result(st)
 
-    def _release(self, index: int, need: int) -> None:
-        st = self.stats[index]
+    def _release(self, st: EngineStats, need: int) -> None:
         st.reserved -= need
         st.inflight -= 1
         self._export(st)
@@ -218,24 +252,27 @@ class Scheduler:
 
     def _pick(self, need: int, seq: int) -> int | None:
         """The engine for the next rollout, or None to wait. Pure function of the stats."""
-        n = len(self.stats)
+        active = [i for i, st in enumerate(self.stats) if not st.draining]
+        n = len(active)
+        if not n:
+            return None  # every engine is draining: wait for add_engine
         cap = self.max_inflight_per_engine
         if self.policy == "kv-aware":
-            fits = [i for i, st in enumerate(self.stats) if st.free >= need]
+            fits = [i for i in active if self.stats[i].free >= need]
             if not fits:
                 return None
             return max(fits, key=lambda i: (self.stats[i].free, -self.stats[i].inflight, -i))
-        open_ = [i for i, st in enumerate(self.stats) if cap is None or st.inflight < cap]
+        open_ = [i for i in active if cap is None or self.stats[i].inflight < cap]
         if not open_:
             return None
         if self.policy == "least-requests":
             return min(open_, key=lambda i: (self.stats[i].inflight, i))
         if self.policy == "round-robin":
-            want = seq % n
+            want = active[seq % n]
         else:  # static: equal contiguous chunks of the announced batch
             k = seq - self._batch_start
             total = self._batch_total
-            want = (k * n // total) % n if total and k < total else seq % n
+            want = active[(k * n // total) % n if total and k < total else seq % n]
         return want if want in open_ else None
 
     def _export(self, st: EngineStats) -> None:

@@ -146,3 +146,37 @@ async def test_cancelled_waiters_leave_the_queue_and_keep_nothing_reserved():
     with pytest.raises(asyncio.CancelledError):
         await blocked
     assert sched.snapshot()[0]["reserved"] == 0 and sched.snapshot()[0]["inflight"] == 0
+
+
+async def test_engines_join_and_drain_while_rollouts_run():
+    sched = Scheduler(_engines(100), policy="kv-aware")
+    hold = asyncio.Event()
+    placed = []
+
+    async def rollout(need: int):
+        async with sched.session(0, need) as engine:
+            placed.append(engine.name)
+            await hold.wait()
+
+    tasks = [asyncio.create_task(rollout(60)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert placed == ["e0"] and sched.waiting == 2
+    new = ScriptedEngine(TOK, ["x"], name="new", capacity=120)
+    await sched.add_engine(new)  # a scale-up: the waiting rollouts start on it right away
+    await asyncio.sleep(0.01)
+    assert placed == ["e0", "new", "new"] and sched.waiting == 0
+    sched.drain_engine("e0")
+    assert sched.remove_drained() == []  # still busy
+    late = asyncio.create_task(rollout(60))
+    await asyncio.sleep(0.01)
+    assert sched.waiting == 1, "a draining engine gets no new rollouts, and 'new' is full"
+    hold.set()
+    await asyncio.gather(*tasks, late)
+    assert placed[-1] == "new"
+    assert [e.name for e in sched.remove_drained()] == ["e0"]
+    assert [s["engine"] for s in sched.snapshot()] == ["new"]
+    assert REGISTRY.get_sample_value("kuberl_rollout_requests_inflight", {"engine": "e0"}) is None
+    with pytest.raises(ValueError, match="already scheduled"):
+        await sched.add_engine(new)
+    with pytest.raises(KeyError):
+        sched.drain_engine("e0")

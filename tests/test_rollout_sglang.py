@@ -3,6 +3,7 @@
 import pytest
 from aiohttp import web
 
+from kuberl.rollout.discovery import engines_from_urls, sync_engines
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.rollout.sglang_engine import (
@@ -199,3 +200,20 @@ def test_pure_parsers_reject_contract_violations():
         parse_max_total_tokens({"internal_states": []})
     with pytest.raises(SGLangError, match="enable-metrics"):
         parse_metrics("# nothing\n")
+
+
+async def test_sync_engines_follows_the_discovered_urls(serve):
+    a, b = await serve(FakeSGLang()), await serve(FakeSGLang())
+    sched = Scheduler(engines_from_urls([a]), policy="kv-aware")
+    assert await sync_engines(sched, [a, b], retries=0) == ([b], [])
+    assert [e.base_url for e in sched.engines] == [a, b]
+    async with sched.session(10, 100) as engine:
+        assert engine.base_url == a  # equal free capacity: the first engine
+        assert await sync_engines(sched, [b]) == ([], [a])
+        assert len(sched.engines) == 2, "a busy engine is drained, not dropped"
+    assert await sync_engines(sched, [b]) == ([], [])
+    assert [e.base_url for e in sched.engines] == [b]
+    async with sched.session(10, 100) as engine:
+        assert engine.base_url == b
+    for e in sched.engines:
+        await e.close()
