@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,9 +85,16 @@ class RolloutWorker:
             def executor_factory():
                 return SandboxClient(sandbox_url)
 
+        # A private event loop on its own thread: Ray actors (and Jupyter) already run a loop on
+        # the calling thread, so run_until_complete() there is not an option.
         self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
+        self._thread.start()
         self._cm = executor_factory()
-        self.executor = self.loop.run_until_complete(self._cm.__aenter__())
+        self.executor = self._run(self._cm.__aenter__())
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
@@ -109,7 +117,7 @@ class RolloutWorker:
         """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)."""
         if seed is not None:
             self.reseed(seed)
-        return self.loop.run_until_complete(
+        return self._run(
             self._rollouts(list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p)
         )
 
@@ -144,14 +152,20 @@ class RolloutWorker:
     def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
         from kuberl.trainer.data import build_sft_traces
 
-        return self.loop.run_until_complete(
+        return self._run(
             build_sft_traces(problems, self.executor, seed=seed, error_fraction=error_fraction, style=style)
         )
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.engine.close())
-        self.loop.run_until_complete(self._cm.__aexit__(None, None, None))
-        self.loop.close()
+        if self.loop.is_closed():
+            return
+        try:
+            self._run(self.engine.close())
+            self._run(self._cm.__aexit__(None, None, None))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
 
 
 @dataclass
