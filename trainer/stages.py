@@ -247,11 +247,10 @@ class Pipeline:
         return self._sft_cache
 
     def _run_sft(self, stage: StageSpec) -> None:
-        if self.state.stage_step >= stage.steps and stage.name in self.result.evals:
-            return  # resumed from this stage's final checkpoint: nothing left to do
-        seqs, masks = self._sft_data(stage)
         batch = stage.batch_size or 32
-        self.model.train()
+        if self.state.stage_step < stage.steps:
+            seqs, masks = self._sft_data(stage)
+            self.model.train()
         while self.state.stage_step < stage.steps:
             if self._out_of_time():
                 self.result.stopped_early = True
@@ -266,19 +265,18 @@ class Pipeline:
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.grad_clip)
             self.optimizer.step()
             self.state.cursor = (self.state.cursor + batch) % len(seqs)
-            self._after_step(
-                stage,
-                {
-                    "type": "sft",
-                    "loss": float(loss.detach()),
-                    "token_acc": acc,
-                    "lr": lr,
-                    "grad_norm": float(gn),
-                    "step_seconds": time.perf_counter() - t0,
-                },
-            )
+            rec = {
+                "type": "sft",
+                "loss": float(loss.detach()),
+                "token_acc": acc,
+                "lr": lr,
+                "grad_norm": float(gn),
+                "step_seconds": time.perf_counter() - t0,
+            }
+            self._after_step(stage, rec)
         self.model.eval()
-        self.evaluate(stage, stage.name)
+        if stage.name not in self.result.evals:  # a run resumed at the stage's end has it already
+            self.evaluate(stage, stage.name)
 
     def _rl_pool(self, stage: StageSpec) -> list[data_mod.Problem]:
         batch = stage.batch_size or self.spec.algorithm.batch_prompts
