@@ -106,7 +106,12 @@ def _sandbox(job: AgenticRLJob):
     if url:
         yield url
         return
-    from kuberl.sandbox.local import running_sandbox
+    try:
+        from kuberl.sandbox.local import running_sandbox
+    except ImportError as err:
+        raise ManifestError(
+            f"the local sandbox service is not available ({err}); start one and set KUBERL_SANDBOX_URL"
+        ) from err
 
     pool = job.spec.sandbox.pool
     workers = pool.workers_per_pod if pool is not None else 2
