@@ -1,1 +1,9 @@
+"""kuberl.trainer: GRPO-RoC (rStar2-Agent sections 2.2 and 4) and the local runner.
 
+Pure parts: ``roc`` (Resample-on-Correct, eqs. 4-5), ``advantage`` (eq. 7 and the online
+zero-advantage filter), ``loss`` (clip-higher PPO loss, INTELLECT-2 cap, token-mean).
+Data and model side: ``tokenizer`` (builtin:arith-bpe), ``data`` (builtin:arith, jsonl, SFT
+traces in rollout layout), ``model`` (tiny GPT), ``sft``, ``checkpoint`` (local/s3).
+Driver: ``grpo`` (rollout worker + update), ``stages`` (SFT -> RL stages, difficulty filter,
+optimizer resets, eval), ``metrics`` (prometheus + jsonl), ``local`` (``kuberl run``, Ray).
+"""

@@ -243,7 +243,18 @@ class Pipeline:
                 style=self.spec.rollout.prompt_template,
             )
             pairs = [data_mod.tokenize_segments(self.tok, segs) for segs in traces]
-            self._sft_cache = ([p[0] for p in pairs], [p[1] for p in pairs])
+            limit = self.model.config.block_size
+            fit = [p for p in pairs if len(p[0]) <= limit]
+            if not fit:
+                raise ValueError(f"no SFT trace fits the model's block_size ({limit} tokens)")
+            if len(fit) < len(pairs):
+                self.sink.event(
+                    "sft",
+                    f"dropped {len(pairs) - len(fit)} SFT traces longer than {limit} tokens",
+                    stage.name,
+                    self.state.global_step,
+                )
+            self._sft_cache = ([p[0] for p in fit], [p[1] for p in fit])
         return self._sft_cache
 
     def _run_sft(self, stage: StageSpec) -> None:
