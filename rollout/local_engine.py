@@ -199,6 +199,7 @@ class LocalEngine(Engine):
         self.steps = 0  # decode steps run (batched forwards), for tests and benchmarks
         self.prefills = 0
         self.fast_decode = _fast_decode_ok(self.model)
+        self.last_error: BaseException | None = None
 
     # -- Engine interface ---------------------------------------------------------------------
 
@@ -218,7 +219,9 @@ class LocalEngine(Engine):
         return self._max_total_tokens
 
     async def health(self) -> bool:
-        return self._driver is None or not self._driver.done() or self._driver.exception() is None
+        """False after a batch step failed (the error went to every request in it) until the
+        next step succeeds."""
+        return self.last_error is None
 
     async def load_metrics(self) -> EngineLoad:
         live = [s for s in self._running if s.finish is None]
@@ -255,6 +258,7 @@ class LocalEngine(Engine):
 
     async def _drive(self) -> None:
         await asyncio.sleep(0)  # let the other generate() calls of this tick enqueue first
+        admit: list[_Seq] = []
         try:
             while self._pending or self._running:
                 for seq in self._running:
@@ -262,11 +266,14 @@ class LocalEngine(Engine):
                         seq.finish = "abort"
                 admit = self._admit()
                 finished = await asyncio.to_thread(self._step, admit)
+                admit = []
+                self.last_error = None
                 for seq in finished:
                     if not seq.future.done():
                         seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, seq.finish))
         except BaseException as err:
-            for seq in [*self._running, *self._pending]:
+            # A failed step poisons the shared batch: fail every request in it and start clean.
+            for seq in [*admit, *self._running, *self._pending]:
                 if not seq.future.done():
                     if isinstance(err, asyncio.CancelledError):
                         seq.future.cancel()
@@ -274,7 +281,10 @@ class LocalEngine(Engine):
                         seq.future.set_exception(err)
             self._running, self._pending = [], deque()
             self._past = self._mask = self._next = None
-            raise
+            self._used = 0
+            if isinstance(err, asyncio.CancelledError):
+                raise
+            self.last_error = err
 
     def _admit(self) -> list[_Seq]:
         live = [s for s in self._running if s.finish is None]
