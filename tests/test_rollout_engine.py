@@ -170,7 +170,9 @@ async def test_a_failing_forward_fails_the_batch_and_the_engine_recovers(model):
     engine = LocalEngine(model, seed=0)
     good = GenerateRequest([1, 2], max_new_tokens=3, temperature=0.0)
     with pytest.raises(IndexError):
-        await asyncio.gather(engine.generate(good), engine.generate(GenerateRequest([1000], max_new_tokens=3)))
+        await asyncio.gather(
+            engine.generate(good), engine.generate(GenerateRequest([1000], max_new_tokens=3))
+        )
     await asyncio.sleep(0)
     assert not await engine.health()
     out = await engine.generate(good)
