@@ -16,6 +16,13 @@ from typing import Any
 from kuberl.dashboards.definitions import DASHBOARDS
 
 GENERATED = Path(__file__).resolve().parent / "generated"
+# The Helm chart ships the same JSON as ConfigMaps (Helm can only read files inside the chart).
+CHART_DASHBOARDS = Path(__file__).resolve().parent.parent / "charts" / "kuberl" / "dashboards"
+
+
+def _targets() -> list[Path]:
+    """Folders that hold generated JSON: the package's, plus the chart's in a source checkout."""
+    return [GENERATED] + ([CHART_DASHBOARDS] if CHART_DASHBOARDS.parent.is_dir() else [])
 
 
 def rendered() -> dict[str, str]:
@@ -122,17 +129,19 @@ def run(args: argparse.Namespace) -> int:
     """Entry point wired to `kuberl dashboards ...`."""
     if args.dashboards_command == "generate":
         if args.check:
-            stale = stale_files()
-            if stale:
+            bad = {str(folder): stale for folder in _targets() if (stale := stale_files(folder))}
+            for folder, stale in bad.items():
                 print(
-                    f"stale dashboards in {GENERATED}: {', '.join(stale)}; run `kuberl dashboards generate`",
+                    f"stale dashboards in {folder}: {', '.join(stale)}; run `kuberl dashboards generate`",
                     file=sys.stderr,
                 )
+            if bad:
                 return 1
-            print(f"dashboards in {GENERATED} are up to date")
+            print(f"dashboards in {', '.join(map(str, _targets()))} are up to date")
             return 0
-        for p in write_generated():
-            print(f"wrote {p}")
+        for folder in _targets():
+            for p in write_generated(folder):
+                print(f"wrote {p}")
         return 0
     if args.dashboards_command == "upload":
         from grafana_client.client import GrafanaException
