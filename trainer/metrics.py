@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import Gauge, start_http_server
 
 _GAUGES: dict[str, Gauge] = {}
+_SERVER_PORT: int | None = None
 
 
 def _gauges() -> dict[str, Gauge]:
@@ -54,9 +55,12 @@ class MetricsSink:
         self.port: int | None = None
         port = os.environ.get("KUBERL_METRICS_PORT")
         if port is not None and port != "":
-            server, _ = start_http_server(int(port), addr="127.0.0.1")
-            self.port = server.server_port
-            print(f"metrics: http://127.0.0.1:{self.port}/metrics")
+            global _SERVER_PORT
+            if _SERVER_PORT is None:  # one exporter per process, shared by successive runs
+                server, _ = start_http_server(int(port), addr="127.0.0.1")
+                _SERVER_PORT = server.server_port
+                print(f"metrics: http://127.0.0.1:{_SERVER_PORT}/metrics")
+            self.port = _SERVER_PORT
             self.event("metrics", f"prometheus metrics on port {self.port}")
 
     def step(self, record: dict[str, Any]) -> None:
