@@ -87,7 +87,8 @@ spec:
   algorithm: {groupSize: 2, learningRate: 0.001, warmupSteps: 1, batchPrompts: 2}
   rollout: {engine: local, maxTurns: 3, maxResponseTokens: 48, promptTemplate: compact}
   stages:
-    - {name: sft, type: sft, steps: 6, learningRate: 0.003, batchSize: 4}
+    - {name: sft, type: sft, steps: 4, learningRate: 0.003, batchSize: 4}
+    - {name: rl, type: rl, steps: 2}
   trainer: {device: cpu, threads: 1}
   checkpoint: {uri: ck, everySteps: 3, keep: 5}
 """
@@ -105,15 +106,17 @@ def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
     full = tmp_path / "full"
     run_job(job, full, use_ray=False, executor_factory=FakeSandbox, quiet=True)
     names = CheckpointStore(str(full / "checkpoints")).names()
-    assert names == ["ckpt-00000003.pt", "ckpt-00000006.pt"]
+    assert names == ["ckpt-00000003.pt", "ckpt-00000004.pt", "ckpt-00000006.pt"]  # every 3 + stage ends
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copy(full / "checkpoints" / names[0], resumed / "checkpoints" / names[0])
     shutil.copy(full / "tokenizer.json", resumed / "tokenizer.json")
     res = run_job(job, resumed, use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert [h["step"] for h in res.history] == [1, 2, 3, 4, 5, 6]  # history restored, then 4..6 run
-    a = CheckpointStore(str(full / "checkpoints")).load(names[1])
-    b = CheckpointStore(str(resumed / "checkpoints")).load(names[1])
+    # SFT step 4, then two RL steps (seeded rollouts; this barely trained model mostly gets all-zero
+    # groups, which the online filter drops, so the bit-for-bit claim is mainly about SFT + state)
+    a = CheckpointStore(str(full / "checkpoints")).load(names[-1])
+    b = CheckpointStore(str(resumed / "checkpoints")).load(names[-1])
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert a["state"]["cursor"] == b["state"]["cursor"] and b["state"]["global_step"] == 6
