@@ -192,7 +192,7 @@ ROLLOUT: tuple[PanelSpec, ...] = (
         "training job; multiply by rollouts per step for the fleet's generation rate.",
         (
             Query(
-                "kuberl_train_response_length_tokens / on (job) kuberl_train_step_seconds",
+                "max by (job) (kuberl_train_response_length_tokens) / max by (job) (kuberl_train_step_seconds)",
                 "{{job}}",
             ),
         ),
