@@ -252,6 +252,16 @@ def _dashboard(uid: str, title: str, description: str, var: tuple[str, str], pan
         .with_variable(_datasource_var())
         .with_variable(_label_var(*var))
     )
+    if uid == "kuberl-training":
+        # Run events posted by `kuberl dashboards upload --annotations` (stage changes, checkpoints).
+        d = d.annotation(
+            db.AnnotationQuery()
+            .name("kuberl run events")
+            .datasource(dm.DataSourceRef(type_val="grafana", uid="-- Grafana --"))
+            .enable(True)
+            .icon_color("purple")
+            .target(db.AnnotationTarget().type("tags").tags(["kuberl"]).match_any(True).limit(500))
+        )
     for spec in panels:
         d = d.with_panel(_panel(spec))
     return d

@@ -85,6 +85,10 @@ def test_generated_json_is_grafana_11_and_has_variables():
     job = training["templating"]["list"][1]
     assert job["query"] == "label_values(kuberl_train_step, job)"
     assert all('job=~"$job"' in t["expr"] for p in training["panels"] for t in p["targets"])
+    # the tags that `upload --annotations` puts on run events are what the dashboard shows
+    ann = training["annotations"]["list"][0]
+    assert ann["target"]["tags"] == ["kuberl"] and ann["enable"] is True
+    assert dcli.annotation_payloads([{"time": 1, "kind": "stage"}])[0]["tags"][0] == "kuberl"
 
 
 def test_committed_json_is_fresh():
