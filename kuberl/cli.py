@@ -66,9 +66,25 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
+    from kuberl.api.sandbox_pool import SandboxLimits
     from kuberl.sandbox.server import serve
 
-    return serve(host=args.host, port=args.port, workers=args.workers, pool=args.pool)
+    limits = SandboxLimits(
+        timeout_seconds=args.timeout_seconds,
+        memoryMB=args.memory_mb,
+        max_output_bytes=args.max_output_bytes,
+        max_processes=args.max_processes,
+    )
+    return serve(
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        pool=args.pool,
+        limits=limits,
+        batch_size=args.batch_size,
+        flush_ms=args.flush_ms,
+        queue_limit=args.queue_limit,
+    )
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
@@ -127,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=int, default=None, help="fork-server workers (default: one per core)"
     )
     serve.add_argument("--pool", default="local", help="pool name used as the metrics label")
+    serve.add_argument("--timeout-seconds", type=float, default=10.0, help="wall deadline of one call")
+    serve.add_argument("--memory-mb", type=int, default=1024, help="memory limit of one call")
+    serve.add_argument("--max-output-bytes", type=int, default=16384, help="stdout beyond this is truncated")
+    serve.add_argument("--max-processes", type=int, default=32, help="pids limit of one call")
+    serve.add_argument("--batch-size", type=int, default=4, help="calls dispatched to a worker at once")
+    serve.add_argument("--flush-ms", type=float, default=0.0, help="wait this long to fill a batch")
+    serve.add_argument("--queue-limit", type=int, default=4096, help="queued calls before 429 backpressure")
     serve.set_defaults(func=_cmd_sandbox_serve)
 
     o = sub.add_parser("operator", help="run the kopf operator that reconciles kuberl resources")

@@ -1,0 +1,106 @@
+"""Async client of the sandbox service; retries with idempotency ids (never drops/duplicates)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import aiohttp
+
+from kuberl.sandbox.types import ExecResult
+
+_RETRY_STATUS = {429, 502, 503, 504}
+CHUNK = 256
+
+
+class SandboxError(RuntimeError):
+    """The service could not answer a call within the client's retry budget."""
+
+
+class SandboxClient:
+    """``execute``/``verify`` against one service; each call carries a fresh id reused on retry.
+
+    Backpressure answers (429/503) are retried without consuming ``retries`` until
+    ``request_timeout`` has passed; transport errors consume ``retries``. Because the server
+    remembers results by id, a retry after a lost response gets the original result instead
+    of running the code twice.
+    """
+
+    def __init__(self, base_url: str, *, retries: int = 5, request_timeout: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.request_timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SandboxClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _post(self, path: str, body: dict[str, Any], budget: float) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        failures = 0
+        delay = 0.05
+        while True:
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(1.0, deadline - loop.time()))
+                async with self._sess().post(self.base_url + path, json=body, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return await resp.json()
+                    text = await resp.text()
+                    if resp.status not in _RETRY_STATUS:
+                        raise SandboxError(f"sandbox {path} answered {resp.status}: {text}")
+                    wait = float(resp.headers.get("Retry-After", delay))
+            except (TimeoutError, aiohttp.ClientError) as err:
+                failures += 1
+                if failures > self.retries:
+                    raise SandboxError(f"sandbox {path} failed after {failures} attempts: {err}") from err
+                wait = delay
+            if loop.time() + wait > deadline:
+                raise SandboxError(f"sandbox {path}: no answer within {budget:.0f} s")
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, 1.0)
+
+    async def execute(self, code: str, stdin: str = "") -> ExecResult:
+        body = {"id": uuid.uuid4().hex, "code": code, "stdin": stdin}
+        return ExecResult.from_json(await self._post("/v1/execute", body, self.request_timeout))
+
+    async def execute_batch(self, calls: list[tuple[str, str]]) -> list[ExecResult]:
+        """Results in call order; sent in chunks so large batches fit the server's queue."""
+        items = [{"id": uuid.uuid4().hex, "code": c, "stdin": s} for c, s in calls]
+        budget = self.request_timeout * max(1, len(items) // CHUNK + 1)
+
+        async def chunk(part: list[dict[str, Any]]) -> list[ExecResult]:
+            data = await self._post("/v1/execute_batch", {"calls": part}, budget)
+            return [ExecResult.from_json(r) for r in data["results"]]
+
+        parts = await asyncio.gather(*(chunk(items[i : i + CHUNK]) for i in range(0, len(items), CHUNK)))
+        return [r for part in parts for r in part]
+
+    async def verify(self, prediction: str, gold: str) -> bool:
+        body = {"id": uuid.uuid4().hex, "prediction": prediction, "gold": gold}
+        return bool((await self._post("/v1/verify", body, self.request_timeout))["correct"])
+
+    async def verify_batch(self, pairs: list[tuple[str, str]]) -> list[bool]:
+        items = [{"id": uuid.uuid4().hex, "prediction": p, "gold": g} for p, g in pairs]
+        budget = self.request_timeout * max(1, len(items) // CHUNK + 1)
+
+        async def chunk(part: list[dict[str, Any]]) -> list[bool]:
+            data = await self._post("/v1/verify_batch", {"pairs": part}, budget)
+            return [bool(x) for x in data["correct"]]
+
+        parts = await asyncio.gather(*(chunk(items[i : i + CHUNK]) for i in range(0, len(items), CHUNK)))
+        return [r for part in parts for r in part]

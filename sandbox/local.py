@@ -1,0 +1,66 @@
+"""Start the sandbox service as a local subprocess (the embedded default and tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+from kuberl.api.sandbox_pool import SandboxLimits
+
+
+@contextlib.contextmanager
+def running_sandbox(
+    workers: int = 2,
+    limits: SandboxLimits | None = None,
+    pool: str = "local",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    startup_timeout: float = 120.0,
+) -> Iterator[str]:
+    """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200."""
+    lim = limits or SandboxLimits()
+    cmd = [
+        sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
+        "--workers", str(workers), "--pool", pool,
+        "--timeout-seconds", str(lim.timeout_seconds), "--memory-mb", str(lim.memory_mb),
+        "--max-output-bytes", str(lim.max_output_bytes), "--max-processes", str(lim.max_processes),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if "listening on " not in line:
+            raise RuntimeError(f"sandbox service failed to start (exit {proc.poll()}): {line.strip()}")
+        base_url = line.split("listening on ", 1)[1].strip()
+        # keep draining stdout so the server never blocks on a full pipe
+        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sandbox service exited with code {proc.returncode} during startup")
+            try:
+                with urllib.request.urlopen(base_url + "/readyz", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sandbox service not ready after {startup_timeout:.0f} s")
+            time.sleep(0.1)
+        yield base_url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

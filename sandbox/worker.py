@@ -1,0 +1,457 @@
+"""Warm fork-server: one per core, forks one contained child per tool call.
+
+Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
+``unshare --net --pid --fork --mount-proc --kill-child`` when available), it preloads and
+warms numpy, sympy, scipy and math-verify, calls ``gc.freeze()`` and then answers one JSON
+line per request on its protocol pipe. Per call the cost is one ``fork``: the child does
+setsid, joins the slot's cgroup (memory, pids), sets rlimits (AS, CPU, FSIZE, NOFILE, CORE,
+NPROC), drops to the slot's non-root uid, installs a seccomp filter and runs the code. The
+parent enforces the wall deadline and afterwards kills everything left in the slot (cgroup
+members, the process group and every process of the slot uid), so daemons cannot outlive a call.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import errno
+import gc
+import json
+import math
+import os
+import resource
+import select
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+SLOT_UID_BASE = 61000
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs; passed as one JSON argument by the server."""
+
+    slot: int
+    pool: str = "local"
+    timeout_seconds: float = 10.0
+    memory_mb: int = 1024
+    max_output_bytes: int = 16384
+    max_processes: int = 32
+    max_file_mb: int = 64
+    verify_timeout_seconds: float = 5.0
+    protections: dict[str, bool] = field(default_factory=dict)
+
+
+def _preload() -> None:
+    """Import and exercise the heavy libraries once so each fork inherits them warm."""
+    import numpy  # noqa: F401
+    import scipy  # noqa: F401
+    import scipy.special  # noqa: F401
+    import sympy
+    from math_verify import parse, verify
+
+    x = sympy.Symbol("x")
+    sympy.simplify((x**2 - 1) / (x - 1))
+    verify(parse("$\\frac{1}{2}$"), parse("0.5"))
+
+
+class Slot:
+    """The cgroup, uid and scratch directory one worker's calls run in."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.uid = SLOT_UID_BASE + cfg.slot if os.geteuid() == 0 else None
+        self.dir = f"/tmp/kuberl-sbx-{cfg.pool}-{cfg.slot}-{os.getpid()}"
+        os.makedirs(self.dir, exist_ok=True)
+        if self.uid is not None:
+            os.chown(self.dir, self.uid, self.uid)
+        os.chmod(self.dir, 0o700)
+        self.cgroups: dict[str, str] = {}
+        name = f"kuberl/{cfg.pool}-{cfg.slot}-{os.getpid()}-{int(time.time())}"
+        limits = {
+            "memory": {"memory.limit_in_bytes": str(cfg.memory_mb * 2**20 + 64 * 2**20)},
+            "pids": {"pids.max": str(cfg.max_processes)},
+        }
+        for ctrl, files in limits.items():
+            path = os.path.join(CGROUP_ROOT, ctrl, name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                for fname, value in files.items():
+                    with open(os.path.join(path, fname), "w") as fh:
+                        fh.write(value)
+                self.cgroups[ctrl] = path
+            except OSError:
+                continue
+        self.protections = {
+            "cgroup_memory": "memory" in self.cgroups,
+            "cgroup_pids": "pids" in self.cgroups,
+            "uid": self.uid is not None,
+            "seccomp": _seccomp_available(),
+            "rlimits": True,
+            "setsid": True,
+        }
+
+    def join(self) -> None:
+        for path in self.cgroups.values():
+            with open(os.path.join(path, "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+
+    def memory_failcnt(self) -> int:
+        path = self.cgroups.get("memory")
+        if path is None:
+            return 0
+        try:
+            with open(os.path.join(path, "memory.failcnt")) as fh:
+                return int(fh.read().strip() or 0)
+        except OSError:
+            return 0
+
+    def reset_failcnt(self) -> None:
+        path = self.cgroups.get("memory")
+        if path is not None:
+            with contextlib.suppress(OSError), open(os.path.join(path, "memory.failcnt"), "w") as fh:
+                fh.write("0")
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the slot: cgroup members and all processes of its uid."""
+        for _ in range(50):
+            pids = self._cgroup_pids()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if not pids:
+                break
+            time.sleep(0.002)
+        if self.uid is not None:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                try:
+                    os.setgid(self.uid)
+                    os.setuid(self.uid)
+                    for _ in range(3):
+                        with contextlib.suppress(OSError):
+                            os.kill(-1, signal.SIGKILL)
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+        _reap_zombies()
+
+    def _cgroup_pids(self) -> list[int]:
+        pids: set[int] = set()
+        for path in self.cgroups.values():
+            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as fh:
+                pids.update(int(p) for p in fh.read().split())
+        pids.discard(os.getpid())
+        return sorted(pids)
+
+    def clean_dir(self) -> None:
+        for name in os.listdir(self.dir):
+            p = os.path.join(self.dir, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for path in self.cgroups.values():
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+
+def _reap_zombies() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _seccomp_available() -> bool:
+    try:
+        import pyseccomp  # noqa: F401
+    except Exception:  # noqa: BLE001 - libseccomp missing: degrade and report
+        return False
+    return True
+
+
+def _install_seccomp() -> None:
+    """Deny network sockets, ptrace, mounts, namespaces and kernel-level calls with EPERM."""
+    import socket
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    deny = sc.ERRNO(errno.EPERM)
+    for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
+        f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
+    for name in (
+        "ptrace",
+        "mount",
+        "umount2",
+        "unshare",
+        "setns",
+        "reboot",
+        "kexec_load",
+        "init_module",
+        "finit_module",
+        "delete_module",
+        "swapon",
+        "swapoff",
+        "pivot_root",
+        "chroot",
+        "bpf",
+        "perf_event_open",
+        "process_vm_readv",
+        "process_vm_writev",
+        "keyctl",
+        "add_key",
+        "request_key",
+    ):
+        with contextlib.suppress(Exception):
+            f.add_rule(deny, name)
+    f.load()
+
+
+def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
+    """Runs in the forked child, as root, right before the untrusted code."""
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    slot.join()
+    os.chdir(slot.dir)
+    with open("/proc/self/statm") as fh:
+        vsize = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    mem = cfg.memory_mb * 2**20
+    cpu = max(1, math.ceil(timeout)) + 1
+    for res, value in (
+        (resource.RLIMIT_AS, vsize + mem),
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_FSIZE, cfg.max_file_mb * 2**20),
+        (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(res, (value, value))
+    if slot.uid is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
+        os.setgroups([])
+        os.setgid(slot.uid)
+        os.setuid(slot.uid)
+    os.environ["HOME"] = slot.dir
+    if slot.protections["seccomp"]:
+        _install_seccomp()
+
+
+def _run_user_code(code: str) -> dict[str, Any]:
+    """Execute ``code`` as __main__; IPython-style value of a trailing expression."""
+    try:
+        tree = ast.parse(code, filename="<string>", mode="exec")
+    except SyntaxError:
+        return {"status": "error", "traceback": traceback.format_exc(limit=0)}
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(tree, "<string>", "exec"), env)  # noqa: S102 - this is the sandbox
+        value = eval(compile(last, "<string>", "eval"), env) if last is not None else None  # noqa: S307
+        sys.stdout.flush()
+        if value is None:
+            return {"status": "ok", "repr": None}
+        return {"status": "ok", "repr": repr(value)}
+    except MemoryError:
+        return {"status": "memory"}
+    except BaseException as exc:  # noqa: BLE001 - SystemExit etc. are the program's result too
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            return {"status": "ok", "repr": None}
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        return {"status": "error", "traceback": text}
+
+
+def _child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int) -> None:
+    stdin_path = os.path.join(slot.dir, ".stdin")
+    with open(stdin_path, "w") as fh:
+        fh.write(req.get("stdin", ""))
+    fd_in = os.open(stdin_path, os.O_RDONLY)
+    fd_out = os.open(os.path.join(slot.dir, ".stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd_err = os.open(os.path.join(slot.dir, ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.closerange(3, meta_w)
+    os.closerange(meta_w + 1, 1 << 16)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    _enter_sandbox(slot, cfg, float(req["timeout"]))
+    meta = _run_user_code(req["code"])
+    _write_meta(meta_w, meta, cfg.max_output_bytes)
+
+
+def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:
+    for key in ("repr", "traceback"):
+        if isinstance(meta.get(key), str) and len(meta[key]) > limit:
+            meta[key] = meta[key][:limit]
+            meta["truncated"] = True
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    data = json.dumps(meta).encode()
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(devnull, target)
+    os.closerange(3, meta_w)
+    os.closerange(meta_w + 1, 1 << 16)
+    _enter_sandbox(slot, cfg, float(req["timeout"]))
+    from math_verify import parse, verify
+
+    try:
+        ok = bool(verify(parse(req["gold"]), parse(req["prediction"])))
+    except Exception:  # noqa: BLE001 - unparsable answers are simply wrong
+        ok = False
+    _write_meta(meta_w, {"status": "ok", "correct": ok}, 1024)
+
+
+def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, Any]:
+    """Fork one contained child for ``req``, enforce the deadline, clean the slot, report."""
+    timeout = float(req["timeout"])
+    slot.reset_failcnt()
+    meta_r, meta_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child; coverage cannot follow the fork
+        code = 0
+        try:
+            os.close(meta_r)
+            if req["op"] == "verify":
+                _child_verify(slot, cfg, req, meta_w)
+            else:
+                _child_exec(slot, cfg, req, meta_w)
+        except BaseException:  # noqa: BLE001
+            code = 70
+        finally:
+            os._exit(code)
+    os.close(meta_w)
+    pidfd = os.pidfd_open(pid)
+    chunks: list[bytes] = []
+    deadline = start + timeout
+    timed_out = False
+    meta_open = True
+    status = None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            watch = [pidfd, meta_r] if meta_open else [pidfd]
+            ready, _, _ = select.select(watch, [], [], left)
+            if meta_r in ready:
+                data = os.read(meta_r, 65536)
+                if data:
+                    chunks.append(data)
+                else:
+                    meta_open = False
+            if pidfd in ready:
+                break
+        if timed_out:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        while meta_open:
+            r, _, _ = select.select([meta_r], [], [], 0.05)
+            if not r:
+                break
+            data = os.read(meta_r, 65536)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(pidfd)
+        os.close(meta_r)
+        duration = time.monotonic() - start
+        slot.kill_all()
+    oom = slot.memory_failcnt() > 0
+    meta: dict[str, Any] = {}
+    if chunks:
+        with contextlib.suppress(ValueError):
+            meta = json.loads(b"".join(chunks))
+    out = {"duration_s": duration, "timed_out": timed_out, "meta": meta, "oom": oom}
+    if status is not None:
+        out["signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        out["exit_code"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    if req["op"] == "exec":
+        out.update(_read_outputs(slot, cfg.max_output_bytes))
+    slot.clean_dir()
+    return out
+
+
+def _read_outputs(slot: Slot, limit: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name in ("stdout", "stderr"):
+        try:
+            with open(os.path.join(slot.dir, f".{name}"), "rb") as fh:
+                data = fh.read(limit + 1)
+        except OSError:
+            data = b""
+        res[name] = data[:limit].decode("utf-8", "replace")
+        res[f"{name}_truncated"] = len(data) > limit
+    return res
+
+
+def main(argv: list[str]) -> int:
+    cfg = WorkerConfig(**json.loads(argv[0]))
+    # the protocol lives on private fds; 0/1 become /dev/null so children cannot touch it
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _preload()
+    slot = Slot(cfg)
+    gc.collect()
+    gc.freeze()
+    hello = {"ready": True, "slot": cfg.slot, "pid": os.getpid(), "protections": slot.protections}
+    proto_out.write(json.dumps(hello).encode() + b"\n")
+    proto_out.flush()
+    try:
+        for line in proto_in:
+            req = json.loads(line)
+            results = [run_forked(slot, cfg, r) for r in req["calls"]]
+            proto_out.write(json.dumps({"results": results}).encode() + b"\n")
+            proto_out.flush()
+    finally:
+        slot.kill_all()
+        slot.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+    sys.exit(main(sys.argv[1:]))
