@@ -15,6 +15,7 @@ import contextlib
 import copy
 import importlib.util
 import json
+import math
 import shutil
 import socket
 import subprocess
@@ -229,6 +230,10 @@ def test_every_panel_query_has_data(scraped, uid, title, expr):
         if rl and all(r.get("reward_mean") == 0 and r.get("tool_error_ratio_positive") is None for r in rl):
             pytest.skip("the tiny run produced no correct rollout, so the ratio is undefined (no series)")
     assert result, f"{uid} / {title}: empty result for {concrete(expr)}"
+    values = [float(r["value"][1]) for r in result]
+    assert any(math.isfinite(v) for v in values), f"{uid} / {title}: only NaN/Inf for {concrete(expr)}"
+    if "rate(" in expr or "histogram_quantile" in expr:
+        assert any(v > 0 for v in values if math.isfinite(v)), f"{uid} / {title}: no traffic seen: {values}"
 
 
 def test_scraped_series_are_catalogued_with_their_labels(scraped):
@@ -253,10 +258,9 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
     for m in CATALOG.values():
         if m.component == "sandbox" and not HAVE_SANDBOX:
             continue
-        exposed = m.name.removesuffix("_total") if m.type == "counter" else m.name
-        assert declared.get(exposed) == m.type, (
-            f"{m.name}: declared {declared.get(exposed)!r}, catalog {m.type}"
-        )
+        # prometheus-client declares counters with or without `_total` depending on its version
+        typ = declared.get(m.name) or declared.get(m.name.removesuffix("_total"))
+        assert typ == m.type, f"{m.name}: declared {typ!r}, catalog {m.type}"
 
 
 def test_promtool_check_metrics_is_clean(scraped):
