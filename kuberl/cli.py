@@ -84,6 +84,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         flush_ms=args.flush_ms,
         queue_limit=args.queue_limit,
+        verify_timeout_seconds=args.verify_timeout_seconds,
     )
 
 
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-size", type=int, default=4, help="calls dispatched to a worker at once")
     serve.add_argument("--flush-ms", type=float, default=0.0, help="wait this long to fill a batch")
     serve.add_argument("--queue-limit", type=int, default=4096, help="queued calls before 429 backpressure")
+    serve.add_argument("--verify-timeout-seconds", type=float, default=5.0, help="math-verify deadline")
     serve.set_defaults(func=_cmd_sandbox_serve)
 
     o = sub.add_parser("operator", help="run the kopf operator that reconciles kuberl resources")

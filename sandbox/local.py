@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from kuberl.api.sandbox_pool import SandboxLimits
 
@@ -23,14 +23,19 @@ def running_sandbox(
     host: str = "127.0.0.1",
     port: int = 0,
     startup_timeout: float = 120.0,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
-    """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200."""
+    """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200.
+
+    ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``).
+    """
     lim = limits or SandboxLimits()
     cmd = [
         sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
         "--workers", str(workers), "--pool", pool,
         "--timeout-seconds", str(lim.timeout_seconds), "--memory-mb", str(lim.memory_mb),
         "--max-output-bytes", str(lim.max_output_bytes), "--max-processes", str(lim.max_processes),
+        *extra_args,
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
     try:

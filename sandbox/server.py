@@ -14,11 +14,12 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -52,6 +53,8 @@ class ServiceConfig:
     queue_limit: int = 4096
     remember: int = 200_000
     verify_timeout_seconds: float = 5.0
+    # per-service block of slot uids (RLIMIT_NPROC and kill(-1) are per uid host-wide)
+    uid_base: int = field(default_factory=lambda: 100_000 + secrets.randbelow(1_000_000) * 256)
 
     @property
     def lim(self) -> SandboxLimits:
@@ -121,8 +124,10 @@ class WorkerProc:
             "max_output_bytes": lim.max_output_bytes,
             "max_processes": lim.max_processes,
         }
-        cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
         ns = _namespace_prefix()
+        wcfg["in_namespace"] = bool(ns)
+        wcfg["uid_base"] = self.cfg.uid_base
+        cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = await asyncio.create_subprocess_exec(
             *(ns + cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
@@ -395,8 +400,10 @@ def make_app(svc: SandboxService) -> web.Application:
 
     async def readyz(_: web.Request) -> web.StreamResponse:
         status = 200 if svc.ready else 503
+        uids = [svc.cfg.uid_base + w.slot for w in svc.workers] if svc.protections().get("uid") else []
         info = {
             "ready": svc.ready,
+            "uids": uids,
             "workers": len(svc.workers),
             "pool": svc.cfg.pool,
             "protections": svc.protections(),
@@ -449,6 +456,7 @@ def serve(
     batch_size: int = 4,
     flush_ms: float = 0.0,
     queue_limit: int = 4096,
+    verify_timeout_seconds: float = 5.0,
 ) -> int:
     """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
     import signal
@@ -462,6 +470,7 @@ def serve(
         batch_size=max(1, batch_size),
         flush_ms=max(0.0, flush_ms),
         queue_limit=max(1, queue_limit),
+        verify_timeout_seconds=verify_timeout_seconds,
     )
     loop = asyncio.new_event_loop()
     main = loop.create_task(_serve(host, port, cfg))

@@ -24,14 +24,17 @@ import resource
 import select
 import shutil
 import signal
+import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 CGROUP_ROOT = "/sys/fs/cgroup"
-SLOT_UID_BASE = 61000
+DEFAULT_UID_BASE = 61000
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -47,11 +50,58 @@ class WorkerConfig:
     max_processes: int = 32
     max_file_mb: int = 64
     verify_timeout_seconds: float = 5.0
+    in_namespace: bool = False
+    uid_base: int = DEFAULT_UID_BASE  # the server draws a random block so services never share uids
     protections: dict[str, bool] = field(default_factory=dict)
+
+
+# Preloaded so that no call pays for these imports (and so the slot uid needs no access to them).
+PRELOAD_STDLIB = (
+    "bisect", "cmath", "collections", "copy", "dataclasses", "datetime", "decimal", "fractions",
+    "functools", "heapq", "itertools", "json", "math", "numbers", "operator", "random", "re",
+    "statistics", "string", "sys", "textwrap", "time", "typing", "uuid", "threading", "hashlib",
+    "array", "struct", "io", "os", "signal", "socket", "ctypes",
+)  # fmt: skip
+
+
+def _hide_home_keep_python() -> bool:
+    """Inside our private mount namespace: replace a 0700 home that holds the interpreter
+    (e.g. /root/.pyenv) with an empty tmpfs that only re-exposes the interpreter read-only.
+
+    The slot uid can then import any installed module while the rest of the home (dotfiles,
+    credentials) is simply not there. Returns whether the interpreter is usable by other uids.
+    """
+    prefix = os.path.realpath(sys.base_prefix)
+    parts = prefix.split(os.sep)
+    if len(parts) < 3:
+        return True
+    home = os.sep.join(parts[:2])
+    if os.stat(home).st_mode & 0o005 == 0o005:
+        return True
+    keep = sorted({os.sep.join(os.path.realpath(p).split(os.sep)[:3]) for p in (*sys.path, prefix)
+                   if p and os.path.realpath(p).startswith(home + os.sep)})  # fmt: skip
+    stash = tempfile.mkdtemp(prefix="kuberl-keep-")
+
+    def mount(*args: str) -> None:
+        subprocess.run(["mount", *args], check=True, capture_output=True)
+
+    for i, k in enumerate(keep):
+        os.makedirs(f"{stash}/{i}")
+        mount("--bind", k, f"{stash}/{i}")
+    mount("-t", "tmpfs", "-o", "mode=0755,size=1m", "tmpfs", home)
+    for i, k in enumerate(keep):
+        os.makedirs(k, exist_ok=True)
+        mount("--bind", f"{stash}/{i}", k)
+        mount("-o", "remount,bind,ro", k)
+    return True
 
 
 def _preload() -> None:
     """Import and exercise the heavy libraries once so each fork inherits them warm."""
+    import importlib
+
+    for name in PRELOAD_STDLIB:
+        importlib.import_module(name)
     import numpy  # noqa: F401
     import scipy  # noqa: F401
     import scipy.special  # noqa: F401
@@ -66,16 +116,17 @@ def _preload() -> None:
 class Slot:
     """The cgroup, uid and scratch directory one worker's calls run in."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, python_readable: bool) -> None:
         self.cfg = cfg
-        self.uid = SLOT_UID_BASE + cfg.slot if os.geteuid() == 0 else None
-        self.dir = f"/tmp/kuberl-sbx-{cfg.pool}-{cfg.slot}-{os.getpid()}"
-        os.makedirs(self.dir, exist_ok=True)
+        uid_ok = os.geteuid() == 0 and python_readable
+        self.uid = cfg.uid_base + cfg.slot if uid_ok else None
+        # unique even across services: in a PID namespace every worker is pid 1
+        self.dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{cfg.pool}-{cfg.slot}-")
         if self.uid is not None:
             os.chown(self.dir, self.uid, self.uid)
         os.chmod(self.dir, 0o700)
         self.cgroups: dict[str, str] = {}
-        name = f"kuberl/{cfg.pool}-{cfg.slot}-{os.getpid()}-{int(time.time())}"
+        name = f"kuberl/{os.path.basename(self.dir)}"
         limits = {
             "memory": {"memory.limit_in_bytes": str(cfg.memory_mb * 2**20 + 64 * 2**20)},
             "pids": {"pids.max": str(cfg.max_processes)},
@@ -97,6 +148,7 @@ class Slot:
             "seccomp": _seccomp_available(),
             "rlimits": True,
             "setsid": True,
+            "home_hidden": python_readable and cfg.in_namespace,
         }
 
     def join(self) -> None:
@@ -168,14 +220,35 @@ class Slot:
                 os.rmdir(path)
 
 
-def _reap_zombies() -> None:
+def _readable_by_others(path: str) -> bool:
+    """Could a non-root uid open ``path`` (every directory on the way world-searchable)?"""
+    cur = os.path.realpath(path)
+    try:
+        if os.stat(cur).st_mode & 0o004 == 0:
+            return False
+        while cur != os.sep:
+            cur = os.path.dirname(cur)
+            if os.stat(cur).st_mode & 0o001 == 0:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _reap_zombies(patience: float = 1.0) -> None:
+    """Reap every child (orphans of a call are ours: subreaper / PID-namespace init).
+
+    Called right after SIGKILLing the slot, so it waits briefly for those deaths to land."""
+    deadline = time.monotonic() + patience
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
-            return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
 
 
 def _seccomp_available() -> bool:
@@ -324,8 +397,15 @@ def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: in
     _enter_sandbox(slot, cfg, float(req["timeout"]))
     from math_verify import parse, verify
 
+    def parse_any(text: str) -> list[Any]:
+        # answers arrive extracted from \boxed{} (rollout.template.extract_answer); re-box bare
+        # ones so the LaTeX extractor sees the whole expression ("1+x" alone parses as 1)
+        if "$" in text or "\\boxed" in text:
+            return parse(text)
+        return parse(f"\\boxed{{{text}}}") or parse(text)
+
     try:
-        ok = bool(verify(parse(req["gold"]), parse(req["prediction"])))
+        ok = bool(verify(parse_any(req["gold"]), parse_any(req["prediction"])))
     except Exception:  # noqa: BLE001 - unparsable answers are simply wrong
         ok = False
     _write_meta(meta_w, {"status": "ok", "correct": ok}, 1024)
@@ -431,8 +511,16 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    readable = False
+    if cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0:
+        try:
+            readable = _hide_home_keep_python()
+        except (OSError, subprocess.CalledProcessError) as err:
+            print(f"kuberl sandbox worker: cannot hide home ({err}); no uid drop", file=sys.stderr)
+    else:
+        readable = _readable_by_others(os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
     _preload()
-    slot = Slot(cfg)
+    slot = Slot(cfg, readable)
     gc.collect()
     gc.freeze()
     hello = {"ready": True, "slot": cfg.slot, "pid": os.getpid(), "protections": slot.protections}
