@@ -7,11 +7,17 @@ Subcommands import their component lazily, so `kuberl validate` works without to
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kuberl import __version__
+
+if TYPE_CHECKING:
+    from kuberl.api.sandbox_pool import SandboxLimits
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Handler = Callable[[argparse.Namespace], int]
@@ -33,18 +39,31 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _crd_targets(out: list[str] | None) -> list[Path]:
+    """crds/ and the Helm chart's copy are written together, so the chart can never lag."""
+    if out:
+        return [Path(o) for o in out]
+    chart = REPO_ROOT / "charts" / "kuberl" / "crds"
+    return [REPO_ROOT / "crds"] + ([chart] if chart.parent.is_dir() else [])
+
+
 def _cmd_crds(args: argparse.Namespace) -> int:
     from kuberl.api.crdgen import stale_crds, write_crds
 
+    targets = _crd_targets(args.out)
     if args.check:
-        stale = stale_crds(args.out)
-        if stale:
-            print(f"stale CRDs in {args.out}: {', '.join(stale)}; run `kuberl crds`", file=sys.stderr)
-            return 1
-        print(f"CRDs in {args.out} are up to date")
-        return 0
-    for path in write_crds(args.out):
-        print(f"wrote {path}")
+        rc = 0
+        for target in targets:
+            stale = stale_crds(target)
+            if stale:
+                print(f"stale CRDs in {target}: {', '.join(stale)}; run `kuberl crds`", file=sys.stderr)
+                rc = 1
+            else:
+                print(f"CRDs in {target} are up to date")
+        return rc
+    for target in targets:
+        for path in write_crds(target):
+            print(f"wrote {path}")
     return 0
 
 
@@ -65,15 +84,39 @@ def _cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
+def sandbox_limits(env_json: str | None, overrides: dict[str, float | int | None]) -> SandboxLimits:
+    """Limits of one tool call: a SandboxPool pod gets them as ``KUBERL_SANDBOX_LIMITS`` (the
+    pool's ``spec.limits`` as JSON, written by the operator); explicit flags win over it."""
+    from pydantic import ValidationError
+
     from kuberl.api.sandbox_pool import SandboxLimits
+
+    base: dict[str, object] = {}
+    if env_json:
+        try:
+            base = json.loads(env_json)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"KUBERL_SANDBOX_LIMITS is not valid JSON: {e}") from None
+        if not isinstance(base, dict):
+            raise SystemExit("KUBERL_SANDBOX_LIMITS must be a JSON object like the pool's spec.limits")
+    merged = {**base, **{k: v for k, v in overrides.items() if v is not None}}
+    try:
+        return SandboxLimits.model_validate(merged)
+    except ValidationError as e:
+        raise SystemExit(f"invalid sandbox limits: {e}") from None
+
+
+def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
     from kuberl.sandbox.server import serve
 
-    limits = SandboxLimits(
-        timeout_seconds=args.timeout_seconds,
-        memoryMB=args.memory_mb,
-        max_output_bytes=args.max_output_bytes,
-        max_processes=args.max_processes,
+    limits = sandbox_limits(
+        os.environ.get("KUBERL_SANDBOX_LIMITS"),
+        {
+            "timeoutSeconds": args.timeout_seconds,
+            "memoryMB": args.memory_mb,
+            "maxOutputBytes": args.max_output_bytes,
+            "maxProcesses": args.max_processes,
+        },
     )
     return serve(
         host=args.host,
@@ -117,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=_cmd_validate)
 
     c = sub.add_parser("crds", help="generate CustomResourceDefinitions from the API models")
-    c.add_argument("--out", default=str(REPO_ROOT / "crds"), help="output folder (default: crds/)")
+    c.add_argument(
+        "--out",
+        action="append",
+        help="output folder, repeatable (default: crds/ and charts/kuberl/crds/)",
+    )
     c.add_argument("--check", action="store_true", help="exit 1 if the folder is stale instead of writing")
     c.set_defaults(func=_cmd_crds)
 
@@ -137,17 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sandbox", help="the Python tool execution service")
     ssub = s.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND", required=True)
-    serve = ssub.add_parser("serve", help="serve the HTTP/JSON execution API")
+    serve = ssub.add_parser(
+        "serve",
+        help="serve the HTTP/JSON execution API",
+        description="Serve the sandbox API. Per-call limits come from $KUBERL_SANDBOX_LIMITS "
+        "(the SandboxPool's spec.limits as JSON, set by the operator); flags override it.",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument(
         "--workers", type=int, default=None, help="fork-server workers (default: one per core)"
     )
     serve.add_argument("--pool", default="local", help="pool name used as the metrics label")
-    serve.add_argument("--timeout-seconds", type=float, default=10.0, help="wall deadline of one call")
-    serve.add_argument("--memory-mb", type=int, default=1024, help="memory limit of one call")
-    serve.add_argument("--max-output-bytes", type=int, default=16384, help="stdout beyond this is truncated")
-    serve.add_argument("--max-processes", type=int, default=32, help="pids limit of one call")
+    serve.add_argument(
+        "--timeout-seconds",
+        type=float,
+        default=None,
+        help="wall deadline of one call (default: env, else 10.0)",
+    )
+    serve.add_argument(
+        "--memory-mb", type=int, default=None, help="memory limit of one call (default: env, else 1024)"
+    )
+    serve.add_argument(
+        "--max-output-bytes",
+        type=int,
+        default=None,
+        help="stdout beyond this is truncated (default: env, else 16384)",
+    )
+    serve.add_argument(
+        "--max-processes", type=int, default=None, help="pids limit of one call (default: env, else 32)"
+    )
     serve.add_argument("--batch-size", type=int, default=4, help="calls dispatched to a worker at once")
     serve.add_argument("--flush-ms", type=float, default=0.0, help="wait this long to fill a batch")
     serve.add_argument("--queue-limit", type=int, default=4096, help="queued calls before 429 backpressure")

@@ -206,7 +206,7 @@ def test_chart_crds_equal_generated_crds():
     chart_crds = {p.name: p.read_text() for p in (CHART / "crds").glob("*.yaml")}
     repo_crds = {p.name: p.read_text() for p in (ROOT / "crds").glob("*.yaml")}
     assert chart_crds == repo_crds, (
-        "copy crds/*.yaml to charts/kuberl/crds/ (`cp crds/*.yaml charts/kuberl/crds/`)"
+        "charts/kuberl/crds/ is stale: run `kuberl crds` (writes crds/ and the chart copy)"
     )
     loaded = helm.Chart.load(str(CHART)).crds
     assert len(loaded) == 3

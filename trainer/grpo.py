@@ -100,7 +100,7 @@ class RolloutWorker:
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
 
     def reseed(self, seed: int) -> None:
-        self.engine._generator.manual_seed(seed)
+        self.engine.reseed(seed)
 
     def rollouts(
         self,
