@@ -40,6 +40,11 @@ TOOL_CALLS = Counter("kuberl_tool_calls", "Tool calls answered", ["pool", "outco
 QUEUE_DEPTH = Gauge("kuberl_sandbox_queue_depth", "Calls waiting for a worker", ["pool"])
 WORKERS_BUSY = Gauge("kuberl_sandbox_workers_busy", "Workers executing a call", ["pool"])
 
+# Every call forks the ~100 MB preloaded worker; fork and exit cost scales with the number of
+# anonymous pages mapped. glibc malloc on transparent huge pages (instead of pymalloc's 4 KiB
+# pages) halves that cost where THP is "madvise" or "always" (bench/sandbox_throughput.py).
+FORK_FRIENDLY_MALLOC = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+
 _INT_RE = re.compile(r"^[+-]?\d+$")
 
 
@@ -129,6 +134,8 @@ class WorkerProc:
         wcfg["uid_base"] = self.cfg.uid_base
         cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for key, value in FORK_FRIENDLY_MALLOC.items():
+            env.setdefault(key, value)
         self.proc = await asyncio.create_subprocess_exec(
             *(ns + cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
         )

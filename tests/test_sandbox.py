@@ -208,6 +208,27 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     _alive(url)
 
 
+def test_seccomp_filter_denies_sockets_and_namespaces(url):
+    """The precompiled BPF filter is really installed in every call (not only reported)."""
+    with urllib.request.urlopen(url + "/readyz") as resp:
+        if not json.loads(resp.read())["protections"]["seccomp"]:
+            pytest.skip("libseccomp is not available on this machine")
+    code = (
+        "import ctypes, os, socket\n"
+        "try:\n    socket.socket(socket.AF_INET, socket.SOCK_STREAM)\n    print('inet created')\n"
+        "except PermissionError as e:\n    print('inet', e.errno)\n"
+        "a, b = socket.socketpair()\nprint('unix ok')\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('unshare', libc.unshare(0x40000000), ctypes.get_errno())\n"  # CLONE_NEWNET
+        "print('nnp', open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0])\n"
+        "print('mode', open('/proc/self/status').read().split('Seccomp:')[1].split()[0])"
+    )
+    for _ in range(3):  # every call, not only the first one of a worker
+        r = run(_exec(url, code))
+        assert r.outcome == "stdout", r
+        assert r.output.splitlines() == ["inet 1", "unix ok", "unshare -1 1", "nnp 1", "mode 2"], r.output
+
+
 def test_no_network_even_to_loopback(url):
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
