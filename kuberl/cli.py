@@ -128,6 +128,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
         flush_ms=args.flush_ms,
         queue_limit=args.queue_limit,
         verify_timeout_seconds=args.verify_timeout_seconds,
+        isolation=args.isolation,
     )
 
 
@@ -218,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--flush-ms", type=float, default=0.0, help="wait this long to fill a batch")
     serve.add_argument("--queue-limit", type=int, default=4096, help="queued calls before 429 backpressure")
     serve.add_argument("--verify-timeout-seconds", type=float, default=5.0, help="math-verify deadline")
+    serve.add_argument(
+        "--isolation",
+        choices=["full", "basic"],
+        default="full",
+        help="full: per-call namespaces, uids and cgroups where permitted (root); basic: only what "
+        "an unprivileged container allows (rlimits, setsid, seccomp, orphan sweep)",
+    )
     serve.set_defaults(func=_cmd_sandbox_serve)
 
     o = sub.add_parser("operator", help="run the kopf operator that reconciles kuberl resources")

@@ -58,6 +58,10 @@ class ServiceConfig:
     queue_limit: int = 4096
     remember: int = 200_000
     verify_timeout_seconds: float = 5.0
+    # "full": namespaces, slot uids and cgroups where this process may create them (root);
+    # "basic": only what an unprivileged container allows (rlimits, setsid, seccomp, the
+    # subreaper sweep) - what a SandboxPool pod running as non-root gets anyway.
+    isolation: str = "full"
     # per-service block of slot uids (RLIMIT_NPROC and kill(-1) are per uid host-wide)
     uid_base: int = field(default_factory=lambda: 100_000 + secrets.randbelow(1_000_000) * 256)
 
@@ -129,8 +133,9 @@ class WorkerProc:
             "max_output_bytes": lim.max_output_bytes,
             "max_processes": lim.max_processes,
         }
-        ns = _namespace_prefix()
+        ns = _namespace_prefix() if self.cfg.isolation == "full" else []
         wcfg["in_namespace"] = bool(ns)
+        wcfg["isolation"] = self.cfg.isolation
         wcfg["uid_base"] = self.cfg.uid_base
         cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -412,6 +417,8 @@ def make_app(svc: SandboxService) -> web.Application:
             "ready": svc.ready,
             "uids": uids,
             "workers": len(svc.workers),
+            "worker_pids": [w.proc.pid for w in svc.workers if w.proc is not None],
+            "isolation": svc.cfg.isolation,
             "pool": svc.cfg.pool,
             "protections": svc.protections(),
             "queue_depth": len(svc.queue),
@@ -464,6 +471,7 @@ def serve(
     flush_ms: float = 0.0,
     queue_limit: int = 4096,
     verify_timeout_seconds: float = 5.0,
+    isolation: str = "full",
 ) -> int:
     """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
     import signal
@@ -478,6 +486,7 @@ def serve(
         flush_ms=max(0.0, flush_ms),
         queue_limit=max(1, queue_limit),
         verify_timeout_seconds=verify_timeout_seconds,
+        isolation=isolation,
     )
     loop = asyncio.new_event_loop()
     main = loop.create_task(_serve(host, port, cfg))

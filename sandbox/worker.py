@@ -51,6 +51,7 @@ class WorkerConfig:
     max_file_mb: int = 64
     verify_timeout_seconds: float = 5.0
     in_namespace: bool = False
+    isolation: str = "full"  # "basic": no slot uid, no cgroups (see ServiceConfig.isolation)
     uid_base: int = DEFAULT_UID_BASE  # the server draws a random block so services never share uids
     protections: dict[str, bool] = field(default_factory=dict)
 
@@ -118,7 +119,8 @@ class Slot:
 
     def __init__(self, cfg: WorkerConfig, python_readable: bool) -> None:
         self.cfg = cfg
-        uid_ok = os.geteuid() == 0 and python_readable
+        full = cfg.isolation == "full"
+        uid_ok = full and os.geteuid() == 0 and python_readable
         self.uid = cfg.uid_base + cfg.slot if uid_ok else None
         # unique even across services: in a PID namespace every worker is pid 1
         self.dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{cfg.pool}-{cfg.slot}-")
@@ -131,7 +133,7 @@ class Slot:
             "memory": {"memory.limit_in_bytes": str(cfg.memory_mb * 2**20 + 64 * 2**20)},
             "pids": {"pids.max": str(cfg.max_processes)},
         }
-        for ctrl, files in limits.items():
+        for ctrl, files in limits.items() if full else ():
             path = os.path.join(CGROUP_ROOT, ctrl, name)
             try:
                 os.makedirs(path, exist_ok=True)
@@ -191,6 +193,8 @@ class Slot:
                 break
             time.sleep(0.002)
         tracked = emptied and "pids" in self.cgroups
+        if not tracked:
+            _kill_descendants()
         if self.uid is not None and (not tracked or _uid_has_processes(self.uid)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -227,6 +231,48 @@ class Slot:
         for path in self.cgroups.values():
             with contextlib.suppress(OSError):
                 os.rmdir(path)
+
+
+def _children_of(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(b")") + 2 :].split()  # comm may contain spaces and ")"
+            if int(fields[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def _kill_descendants(rounds: int = 100) -> None:
+    """Kill whatever a call left behind when no cgroup tracks it.
+
+    The worker is a child subreaper (or PID-namespace init), so a call's orphans, however many
+    times they setsid and double-fork, are reparented to it: kill its children until none is
+    left (grandchildren of a killed process show up as children in the next round)."""
+    me = os.getpid()
+    for _ in range(rounds):
+        kids = _children_of(me)
+        if not kids:
+            return
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _reap_zombies(patience=0.05)
+
+
+def _uid_process_count(uid: int) -> int:
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{name}/task"))  # RLIMIT_NPROC counts threads
+    return count
 
 
 def _uid_has_processes(uid: int) -> bool:
@@ -352,6 +398,10 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         resource.setrlimit(res, (value, value))
     if slot.uid is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
+    elif os.geteuid() != 0:  # shared uid (unprivileged pod): cap what this call may add to it
+        nproc = _uid_process_count(os.geteuid()) + cfg.max_processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if slot.uid is not None:
         os.setgroups([])
         os.setgid(slot.uid)
         os.setuid(slot.uid)

@@ -317,3 +317,55 @@ def test_backpressure_and_exactly_once_under_overload():
     assert any(st == 429 and ra for st, ra in statuses) and any(st == 200 for st, _ in statuses)
     assert [r.output for r in single] == [f"{i}\n" for i in range(60)]
     assert [r.output for r in batch] == [f"{i}\n" for i in range(120)]
+
+
+# ---- basic isolation: what an unprivileged SandboxPool pod gets ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def basic_url():
+    with running_sandbox(workers=1, limits=LIMITS, pool="basic", extra_args=["--isolation", "basic"]) as u:
+        yield u
+
+
+def _descendants(roots: list[int]) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    rows = [ln.split(None, 2) for ln in out.splitlines()]
+    found, frontier = [], set(roots)
+    while frontier:
+        kids = [r for r in rows if int(r[1]) in frontier]
+        found += [" ".join(r) for r in kids]
+        frontier = {int(r[0]) for r in kids}
+    return found
+
+
+BASIC_CORPUS = {
+    "infinite_loop": {"timeout"},
+    "alloc_10gb": {"memory_limit"},
+    "alloc_gradual": {"memory_limit"},
+    "write_10gb": {"error"},
+    "signal_ignoring_threads": {"timeout"},
+    "setsid_double_fork_daemon": {"stdout"},
+}
+
+
+def test_basic_isolation_reports_what_is_active(basic_url):
+    with urllib.request.urlopen(basic_url + "/readyz") as resp:
+        info = json.loads(resp.read())
+    assert info["isolation"] == "basic" and info["uids"] == []
+    prot = info["protections"]
+    assert not (prot["uid"] or prot["cgroup_memory"] or prot["cgroup_pids"] or prot["namespaces"])
+    assert prot["rlimits"] and prot["setsid"]
+
+
+@pytest.mark.parametrize("name", sorted(BASIC_CORPUS))
+def test_basic_isolation_contains_the_corpus_without_cgroups_or_uids(basic_url, name):
+    """No cgroup and no slot uid: rlimits bound the call and the subreaper sweep kills what it
+    leaves behind (here the daemon that setsid + double-forked away from the call)."""
+    with urllib.request.urlopen(basic_url + "/readyz") as resp:
+        workers = json.loads(resp.read())["worker_pids"]
+    r = run(_exec(basic_url, ADVERSARIAL[name]))
+    assert r.outcome in BASIC_CORPUS[name], r
+    assert r.duration_s < LIMITS.timeout_seconds + 1.5
+    assert _descendants(workers) == []
+    _alive(basic_url)
