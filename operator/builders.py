@@ -473,44 +473,30 @@ def uses_fleet(job: AgenticRLJob) -> bool:
     return job.spec.rollout.engine != "local"
 
 
+def _inline_child(
+    job: AgenticRLJob, namespace: str, kind: str, name: str, component: str, wire: dict[str, Any]
+) -> Manifest:
+    if job.spec.suspend:  # a suspended job holds no accelerators and no sandbox pods
+        wire["replicas"] = 0
+        wire.pop("autoscaling", None)
+    labels = object_labels(job.metadata.name, component, "AgenticRLJob")
+    return {"apiVersion": API_VERSION, "kind": kind, "metadata": _meta(name, namespace, labels), "spec": wire}
+
+
 def _inline_children(job: AgenticRLJob, namespace: str) -> list[Manifest]:
     name = job.metadata.name
     out: list[Manifest] = []
-    suspended = job.spec.suspend
     fleet = job.spec.rollout.fleet
     if fleet is not None and uses_fleet(job):
         fspec = fleet.model_copy(deep=True)
         if fspec.model is None:
             fspec.model = ModelRef(uri=job.spec.model.base, served_name="policy")
         wire = RolloutFleetSpec.model_validate(fspec.wire()).wire()
-        if suspended:  # a suspended job holds no accelerators
-            wire["replicas"] = 0
-            wire.pop("autoscaling", None)
-        out.append(
-            {
-                "apiVersion": API_VERSION,
-                "kind": "RolloutFleet",
-                "metadata": _meta(
-                    inline_fleet_name(name), namespace, object_labels(name, "rollout", "AgenticRLJob")
-                ),
-                "spec": wire,
-            }
-        )
+        out.append(_inline_child(job, namespace, "RolloutFleet", inline_fleet_name(name), "rollout", wire))
     pool = job.spec.sandbox.pool
     if pool is not None:
-        wire = pool.wire()
-        if suspended:
-            wire["replicas"] = 0
-            wire.pop("autoscaling", None)
         out.append(
-            {
-                "apiVersion": API_VERSION,
-                "kind": "SandboxPool",
-                "metadata": _meta(
-                    inline_pool_name(name), namespace, object_labels(name, "sandbox", "AgenticRLJob")
-                ),
-                "spec": wire,
-            }
+            _inline_child(job, namespace, "SandboxPool", inline_pool_name(name), "sandbox", pool.wire())
         )
     return out
 
