@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model.num_params() / 1e6:.2f}M params, {args.requests} requests, threads={args.threads}")
     cases = [("batched, in-place KV", True, True), ("batched, model forward", False, True)]
     cases.append(("one at a time (first 16)", True, False))
+    rates = {}
     for name, fast, concurrent in cases:
         best = None
         for _ in range(args.repeats):
@@ -60,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             batch = reqs if concurrent else reqs[:16]
             dt, n = asyncio.run(_run(engine, batch, concurrent))
             best = n / dt if best is None else max(best, n / dt)
+        rates[name] = best
         print(f"{name:<28}{best:>10.0f} tok/s")
+    fast, plain, one = rates.values()
+    print(f"ratio: in-place KV vs model forward {fast / plain:.2f}x, vs one at a time {fast / one:.1f}x")
     return 0
 
 
