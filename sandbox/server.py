@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from kuberl.api.sandbox_pool import SandboxLimits
+from kuberl.sandbox.cgroups import remove_cgroup_dirs
 from kuberl.sandbox.types import ExecResult
 
 log = logging.getLogger("kuberl.sandbox")
@@ -122,6 +123,7 @@ class WorkerProc:
         self.cfg = cfg
         self.proc: asyncio.subprocess.Process | None = None
         self.protections: dict[str, bool] = {}
+        self.leftovers: dict[str, Any] = {}
 
     async def start(self) -> None:
         lim = self.cfg.lim
@@ -150,6 +152,7 @@ class WorkerProc:
             raise RuntimeError(f"sandbox worker {self.slot} failed to start")
         hello = json.loads(line)
         self.protections = dict(hello.get("protections", {}), namespaces=bool(ns))
+        self.leftovers = hello.get("leftovers", {})
 
     async def run(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
@@ -160,12 +163,31 @@ class WorkerProc:
             raise RuntimeError("sandbox worker died")
         return json.loads(line)["results"]
 
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.proc.wait(), 5)
+    async def stop(self, grace: float = 3.0) -> None:
+        """Let the worker clean up (EOF on its protocol pipe), kill it after ``grace`` seconds,
+        then remove what a killed worker could not: its slot cgroups and scratch directory."""
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            if proc.stdin is not None:
+                with contextlib.suppress(Exception):
+                    proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 5)
+        if self.leftovers:
+            await asyncio.to_thread(_remove_leftovers, self.leftovers)
+            self.leftovers = {}
+
+
+def _remove_leftovers(leftovers: dict[str, Any]) -> None:
+    remove_cgroup_dirs(list(leftovers.get("cgroups", [])))
+    path = leftovers.get("dir")
+    if isinstance(path, str) and os.path.basename(path).startswith("kuberl-sbx-"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 _NS_CACHE: list[list[str]] = []

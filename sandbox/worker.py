@@ -33,7 +33,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-CGROUP_ROOT = "/sys/fs/cgroup"
+from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
+
 DEFAULT_UID_BASE = 61000
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -127,26 +128,13 @@ class Slot:
         if self.uid is not None:
             os.chown(self.dir, self.uid, self.uid)
         os.chmod(self.dir, 0o700)
-        self.cgroups: dict[str, str] = {}
-        name = f"kuberl/{os.path.basename(self.dir)}"
-        limits = {
-            "memory": {"memory.limit_in_bytes": str(cfg.memory_mb * 2**20 + 64 * 2**20)},
-            "pids": {"pids.max": str(cfg.max_processes)},
-        }
-        for ctrl, files in limits.items() if full else ():
-            path = os.path.join(CGROUP_ROOT, ctrl, name)
-            try:
-                os.makedirs(path, exist_ok=True)
-                for fname, value in files.items():
-                    with open(os.path.join(path, fname), "w") as fh:
-                        fh.write(value)
-                self.cgroups[ctrl] = path
-            except OSError:
-                continue
+        memory = cfg.memory_mb * 2**20 + 64 * 2**20  # the interpreter's own pages on top
+        name = os.path.basename(self.dir)
+        self.cgroup = slot_cgroup(name, memory, cfg.max_processes) if full else SlotCgroup()
         self.seccomp = SeccompProgram.compile()
         self.protections = {
-            "cgroup_memory": "memory" in self.cgroups,
-            "cgroup_pids": "pids" in self.cgroups,
+            "cgroup_memory": self.cgroup.memory,
+            "cgroup_pids": self.cgroup.pids,
             "uid": self.uid is not None,
             "seccomp": self.seccomp is not None,
             "rlimits": True,
@@ -155,25 +143,7 @@ class Slot:
         }
 
     def join(self) -> None:
-        for path in self.cgroups.values():
-            with open(os.path.join(path, "cgroup.procs"), "w") as fh:
-                fh.write(str(os.getpid()))
-
-    def memory_failcnt(self) -> int:
-        path = self.cgroups.get("memory")
-        if path is None:
-            return 0
-        try:
-            with open(os.path.join(path, "memory.failcnt")) as fh:
-                return int(fh.read().strip() or 0)
-        except OSError:
-            return 0
-
-    def reset_failcnt(self) -> None:
-        path = self.cgroups.get("memory")
-        if path is not None:
-            with contextlib.suppress(OSError), open(os.path.join(path, "memory.failcnt"), "w") as fh:
-                fh.write("0")
+        self.cgroup.join(os.getpid())
 
     def kill_all(self) -> None:
         """SIGKILL every process of the slot: cgroup members, then all processes of its uid.
@@ -183,6 +153,7 @@ class Slot:
         cgroup, a cgroup that would not empty, or a process of the slot uid still in /proc.
         """
         emptied = False
+        self.cgroup.kill()
         for _ in range(50):
             pids = self._cgroup_pids()
             for pid in pids:
@@ -192,7 +163,7 @@ class Slot:
                 emptied = True
                 break
             time.sleep(0.002)
-        tracked = emptied and "pids" in self.cgroups
+        tracked = emptied and self.cgroup.pids
         if not tracked:
             _kill_descendants()
         if self.uid is not None and (not tracked or _uid_has_processes(self.uid)):
@@ -210,12 +181,7 @@ class Slot:
         _reap_zombies()
 
     def _cgroup_pids(self) -> list[int]:
-        pids: set[int] = set()
-        for path in self.cgroups.values():
-            with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as fh:
-                pids.update(int(p) for p in fh.read().split())
-        pids.discard(os.getpid())
-        return sorted(pids)
+        return sorted(self.cgroup.members() - {os.getpid()})
 
     def clean_dir(self) -> None:
         for name in os.listdir(self.dir):
@@ -228,9 +194,7 @@ class Slot:
 
     def remove(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
-        for path in self.cgroups.values():
-            with contextlib.suppress(OSError):
-                os.rmdir(path)
+        self.cgroup.remove()
 
 
 def _children_of(pid: int) -> list[int]:
@@ -497,7 +461,7 @@ def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: in
 def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, Any]:
     """Fork one contained child for ``req``, enforce the deadline, clean the slot, report."""
     timeout = float(req["timeout"])
-    slot.reset_failcnt()
+    slot.cgroup.mark()
     meta_r, meta_w = os.pipe()
     start = time.monotonic()
     pid = os.fork()
@@ -555,7 +519,7 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
         os.close(meta_r)
         duration = time.monotonic() - start
         slot.kill_all()
-    oom = slot.memory_failcnt() > 0
+    oom = slot.cgroup.hit_memory_limit()
     meta: dict[str, Any] = {}
     if chunks:
         with contextlib.suppress(ValueError):
@@ -606,7 +570,13 @@ def main(argv: list[str]) -> int:
     slot = Slot(cfg, readable)
     gc.collect()
     gc.freeze()
-    hello = {"ready": True, "slot": cfg.slot, "pid": os.getpid(), "protections": slot.protections}
+    hello = {
+        "ready": True,
+        "slot": cfg.slot,
+        "pid": os.getpid(),
+        "protections": slot.protections,
+        "leftovers": {"dir": slot.dir, "cgroups": slot.cgroup.dirs()},  # if we die uncleanly
+    }
     proto_out.write(json.dumps(hello).encode() + b"\n")
     proto_out.flush()
     try:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import os
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -369,3 +372,23 @@ def test_basic_isolation_contains_the_corpus_without_cgroups_or_uids(basic_url, 
     assert r.duration_s < LIMITS.timeout_seconds + 1.5
     assert _descendants(workers) == []
     _alive(basic_url)
+
+
+def _leftovers(pool: str) -> list[str]:
+    pattern = f"kuberl-sbx-{pool}-*"
+    found = glob.glob(os.path.join(tempfile.gettempdir(), pattern))
+    found += glob.glob(f"/sys/fs/cgroup/*/kuberl/{pattern}") + glob.glob(
+        f"/sys/fs/cgroup/kuberl-sandbox/{pattern}"
+    )
+    return found
+
+
+def test_stopping_the_service_leaves_no_slot_cgroups_or_directories():
+    pool = f"leak{os.getpid()}"
+    with running_sandbox(workers=2, limits=LIMITS, pool=pool) as u:
+        _alive(u)
+        assert _leftovers(pool), "the slots' scratch directories exist while serving"
+    deadline = time.monotonic() + 10
+    while _leftovers(pool) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _leftovers(pool) == []

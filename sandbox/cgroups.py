@@ -1,0 +1,238 @@
+"""Per-slot memory + pids cgroups, on cgroup v1 or the unified v2 hierarchy.
+
+A slot's cgroup bounds what one tool call may use (memory, processes) and lists every
+process the call made, however it detached itself, so the worker can kill them all. Where
+no cgroup can be created (not root, a read-only /sys/fs/cgroup in a container, v2 without
+delegation) the slot runs without one and says so in its protections; the worker then
+falls back to its subreaper sweep and rlimits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+V2_PARENT = "kuberl-sandbox"  # one parent for every slot on the host (no processes of its own)
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(value)
+
+
+def _read_pids(path: str) -> set[int]:
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as fh:
+        return {int(p) for p in fh.read().split()}
+    return set()
+
+
+class SlotCgroup:
+    """No cgroup: nothing bounded, nothing listed (the worker reports and compensates)."""
+
+    version = 0
+    memory = False
+    pids = False
+
+    def join(self, pid: int) -> None:
+        """Move ``pid`` (the forked call, before it runs user code) into the slot's cgroup."""
+
+    def members(self) -> set[int]:
+        return set()
+
+    def kill(self) -> None:
+        """SIGKILL every member at once where the kernel offers it (v2 ``cgroup.kill``)."""
+
+    def mark(self) -> None:
+        """Remember the memory-limit counter before a call."""
+
+    def hit_memory_limit(self) -> bool:
+        """Did the call run into the memory limit since :meth:`mark`?"""
+        return False
+
+    def remove(self) -> None:
+        """Delete the cgroup (it must be empty)."""
+
+    def dirs(self) -> list[str]:
+        """The cgroup directories, for whoever cleans up after a worker that was killed."""
+        return []
+
+
+class CgroupV1(SlotCgroup):
+    """Separate ``memory`` and ``pids`` hierarchies: ``<root>/<controller>/kuberl/<name>``."""
+
+    version = 1
+
+    def __init__(self, root: str, name: str, memory_bytes: int, pids_max: int) -> None:
+        self.paths: dict[str, str] = {}
+        limits = {
+            "memory": {"memory.limit_in_bytes": str(memory_bytes)},
+            "pids": {"pids.max": str(pids_max)},
+        }
+        for ctrl, files in limits.items():
+            path = os.path.join(root, ctrl, "kuberl", name)
+            try:
+                os.makedirs(path, exist_ok=True)
+                for fname, value in files.items():
+                    _write(os.path.join(path, fname), value)
+                self.paths[ctrl] = path
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        self.memory = "memory" in self.paths
+        self.pids = "pids" in self.paths
+
+    def join(self, pid: int) -> None:
+        for path in self.paths.values():
+            _write(os.path.join(path, "cgroup.procs"), str(pid))
+
+    def members(self) -> set[int]:
+        out: set[int] = set()
+        for path in self.paths.values():
+            out |= _read_pids(path)
+        return out
+
+    def mark(self) -> None:
+        if self.memory:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.paths["memory"], "memory.failcnt"), "0")
+
+    def hit_memory_limit(self) -> bool:
+        if not self.memory:
+            return False
+        try:
+            with open(os.path.join(self.paths["memory"], "memory.failcnt")) as fh:
+                return int(fh.read().strip() or 0) > 0
+        except (OSError, ValueError):
+            return False
+
+    def remove(self) -> None:
+        for path in self.paths.values():
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+
+    def dirs(self) -> list[str]:
+        return list(self.paths.values())
+
+
+class CgroupV2(SlotCgroup):
+    """Unified hierarchy: ``<root>/kuberl-sandbox/<name>`` with memory and pids enabled.
+
+    The parent holds no processes (v2's no-internal-processes rule), so enabling controllers
+    for its children works wherever the parent of ``kuberl-sandbox`` delegates them: the host
+    root, or a delegated subtree. v2 counters cannot be reset, so :meth:`mark` remembers the
+    ``oom_kill`` count and :meth:`hit_memory_limit` compares with it.
+    """
+
+    version = 2
+
+    def __init__(self, root: str, name: str, memory_bytes: int, pids_max: int) -> None:
+        parent = os.path.join(root, V2_PARENT)
+        self.path = os.path.join(parent, name)
+        self._oom_mark = 0
+        try:
+            self._enable(root, parent)
+            os.makedirs(self.path, exist_ok=True)
+        except OSError:
+            self.path = ""
+            return
+        self.memory = self._try(("memory.max", str(memory_bytes)), ("memory.swap.max", "0"))
+        self.pids = self._try(("pids.max", str(pids_max)))
+        if not (self.memory or self.pids):
+            self.remove()
+            self.path = ""
+
+    @staticmethod
+    def _enable(root: str, parent: str) -> None:
+        """Enable memory + pids for the parent's children (and for the parent at the root)."""
+        need = {"memory", "pids"}
+        os.makedirs(parent, exist_ok=True)
+        for path in (root, parent):
+            control = os.path.join(path, "cgroup.subtree_control")
+            try:
+                with open(control) as fh:
+                    enabled = set(fh.read().split())
+            except FileNotFoundError:
+                enabled = set()
+            if not need <= enabled:
+                _write(control, " ".join(f"+{c}" for c in sorted(need)))
+
+    def _try(self, *files: tuple[str, str]) -> bool:
+        """Write the first (required) limit file and any optional ones that exist."""
+        first, *rest = files
+        try:
+            _write(os.path.join(self.path, first[0]), first[1])
+        except OSError:
+            return False
+        for fname, value in rest:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.path, fname), value)
+        return True
+
+    def join(self, pid: int) -> None:
+        if self.path:
+            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+
+    def members(self) -> set[int]:
+        return _read_pids(self.path) if self.path else set()
+
+    def kill(self) -> None:
+        if self.path:
+            with contextlib.suppress(OSError):
+                _write(os.path.join(self.path, "cgroup.kill"), "1")
+
+    def _oom_kills(self) -> int:
+        try:
+            with open(os.path.join(self.path, "memory.events")) as fh:
+                fields = dict(line.split() for line in fh if line.strip())
+            return int(fields.get("oom_kill", 0)) + int(fields.get("oom", 0))
+        except (OSError, ValueError):
+            return 0
+
+    def mark(self) -> None:
+        if self.memory:
+            self._oom_mark = self._oom_kills()
+
+    def hit_memory_limit(self) -> bool:
+        return self.memory and self._oom_kills() > self._oom_mark
+
+    def remove(self) -> None:
+        if self.path:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path)
+
+    def dirs(self) -> list[str]:
+        return [self.path] if self.path else []
+
+
+def remove_cgroup_dirs(dirs: list[str], patience: float = 2.0) -> None:
+    """Kill what is left in ``dirs`` and delete them (a worker died without cleaning up)."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + patience
+    for path in dirs:
+        while True:
+            for pid in _read_pids(path):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+
+
+def slot_cgroup(name: str, memory_bytes: int, pids_max: int, root: str = CGROUP_ROOT) -> SlotCgroup:
+    """The best cgroup this host lets us create for one slot (a :class:`SlotCgroup` if none)."""
+    if os.path.exists(os.path.join(root, "cgroup.controllers")):
+        cg: SlotCgroup = CgroupV2(root, name, memory_bytes, pids_max)
+    elif os.path.isdir(os.path.join(root, "memory")) or os.path.isdir(os.path.join(root, "pids")):
+        cg = CgroupV1(root, name, memory_bytes, pids_max)
+    else:
+        return SlotCgroup()
+    return cg if (cg.memory or cg.pids) else SlotCgroup()

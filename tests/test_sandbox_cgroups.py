@@ -1,0 +1,121 @@
+"""Slot cgroups: the v1/v2 file protocol on a scratch tree, and the real hierarchy of this host."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kuberl.sandbox.cgroups import CGROUP_ROOT, V2_PARENT, SlotCgroup, slot_cgroup
+
+MB = 2**20
+
+
+def _v2_tree(tmp_path: Path, root_controllers: str = "cpu io") -> Path:
+    (tmp_path / "cgroup.controllers").write_text("cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text(root_controllers + "\n")
+    return tmp_path
+
+
+def test_v2_enables_controllers_and_writes_limits(tmp_path):
+    root = _v2_tree(tmp_path)
+    cg = slot_cgroup("slot-a", 512 * MB, 32, root=str(root))
+    assert (cg.version, cg.memory, cg.pids) == (2, True, True)
+    assert (root / "cgroup.subtree_control").read_text() == "+memory +pids"
+    parent = root / V2_PARENT
+    assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids"
+    slot = parent / "slot-a"
+    assert (slot / "memory.max").read_text() == str(512 * MB)
+    assert (slot / "memory.swap.max").read_text() == "0"
+    assert (slot / "pids.max").read_text() == "32"
+    cg.join(4242)
+    (slot / "cgroup.procs").write_text("4242\n4243\n")
+    assert cg.members() == {4242, 4243}
+    cg.kill()
+    assert (slot / "cgroup.kill").read_text() == "1"
+
+
+def test_v2_memory_limit_is_counted_from_the_mark(tmp_path):
+    root = _v2_tree(tmp_path, "memory pids")
+    cg = slot_cgroup("slot-b", 64 * MB, 8, root=str(root))
+    events = root / V2_PARENT / "slot-b" / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 1\n")
+    cg.mark()  # an earlier call's OOM must not be blamed on the next one
+    assert not cg.hit_memory_limit()
+    events.write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
+    assert cg.hit_memory_limit()
+    assert (root / "cgroup.subtree_control").read_text() == "memory pids\n"  # left alone
+
+
+def test_v2_without_delegation_degrades_to_no_cgroup(tmp_path):
+    root = _v2_tree(tmp_path)
+    (root / "cgroup.subtree_control").unlink()
+    (root / "cgroup.subtree_control").mkdir()  # unwritable: like EBUSY/EACCES in a container
+    cg = slot_cgroup("slot-c", 64 * MB, 8, root=str(root))
+    assert type(cg) is SlotCgroup and not (cg.memory or cg.pids)
+
+
+def test_v1_writes_both_hierarchies_and_removes_them(tmp_path):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "pids").mkdir()
+    cg = slot_cgroup("slot-d", 128 * MB, 16, root=str(tmp_path))
+    assert (cg.version, cg.memory, cg.pids) == (1, True, True)
+    mem, pids = tmp_path / "memory" / "kuberl" / "slot-d", tmp_path / "pids" / "kuberl" / "slot-d"
+    assert (mem / "memory.limit_in_bytes").read_text() == str(128 * MB)
+    assert (pids / "pids.max").read_text() == "16"
+    (mem / "memory.failcnt").write_text("3")
+    cg.mark()
+    assert (mem / "memory.failcnt").read_text() == "0" and not cg.hit_memory_limit()
+    for p in (mem, pids):  # a real cgroupfs has no regular files to delete
+        for f in p.iterdir():
+            f.unlink()
+    cg.remove()
+    assert not mem.exists() and not pids.exists()
+
+
+def test_no_cgroup_filesystem(tmp_path):
+    cg = slot_cgroup("slot-e", 64 * MB, 8, root=str(tmp_path))
+    assert type(cg) is SlotCgroup and cg.members() == set() and not cg.hit_memory_limit()
+
+
+def test_real_hierarchy_tracks_and_kills_a_detached_process():
+    """On this host's own cgroup filesystem (v1 or v2), where we may create cgroups."""
+    if os.geteuid() != 0:
+        pytest.skip("creating cgroups needs root")
+    cg = slot_cgroup(f"pytest-{os.getpid()}", 64 * MB, 8)
+    if not cg.pids:
+        pytest.skip(f"no writable pids cgroup under {CGROUP_ROOT} here")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: join, then leave a setsid grandchild behind
+        try:
+            cg.join(os.getpid())
+            if os.fork() == 0:
+                os.setsid()
+                os.write(w, b"x")
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"x"
+        os.waitpid(pid, 0)
+        members = cg.members()
+        assert len(members) == 1, members  # the detached grandchild is still listed
+        cg.kill()
+        for m in members:
+            os.kill(m, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while cg.members() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cg.members() == set()
+        for m in members:  # gone, or a zombie waiting for whoever inherited it
+            ps = subprocess.run(["ps", "-o", "stat=", "-p", str(m)], capture_output=True, text=True)
+            assert ps.stdout.strip()[:1] in ("", "Z"), ps.stdout
+    finally:
+        os.close(r)
+        cg.remove()
