@@ -1,10 +1,11 @@
 """Sandbox throughput and latency vs a spawn-a-python-per-call baseline (code-judge style).
 
-    python bench/sandbox_throughput.py [--calls 600] [--workers 2] [--burst 10000]
+    python bench/sandbox_throughput.py [--calls 600] [--workers 2] [--rate 180] [--burst 10000]
 
 Prints calls/s and p50/p99 latency for trivial and sympy snippets through the service, the
-same for the baseline (one ``python -c`` per call, ``workers`` at a time), their ratio, and
-optionally a burst of N calls checked to be answered exactly once (order and content).
+same for the baseline (one ``python -c`` per call, ``workers`` at a time), their ratio, the
+latency of trivial calls arriving open-loop at ``--rate`` calls/s, and optionally a burst of
+N calls checked to be answered exactly once (order and content).
 """
 
 from __future__ import annotations
@@ -65,6 +66,32 @@ async def _baseline(code: str, calls: int, concurrency: int) -> tuple[float, lis
     return calls / (time.perf_counter() - t0), lat
 
 
+async def _open_loop(url: str, code: str, rate: float, seconds: float) -> tuple[float, list[float]]:
+    """Poisson arrivals at ``rate`` calls/s (open loop, like rollouts emitting tool calls):
+    the latency a call sees at that load, queueing included."""
+    import random
+
+    rng = random.Random(0)
+    lat: list[float] = []
+    async with SandboxClient(url) as c:
+
+        async def one() -> None:
+            t = time.perf_counter()
+            r = await c.execute(code)
+            lat.append(time.perf_counter() - t)
+            assert r.outcome == "stdout", r
+
+        tasks = []
+        t0 = time.perf_counter()
+        next_at = t0
+        while next_at - t0 < seconds:
+            next_at += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+        return len(tasks) / (time.perf_counter() - t0), lat
+
+
 async def _burst(url: str, n: int) -> tuple[float, bool]:
     async with SandboxClient(url, request_timeout=600) as c:
         t0 = time.perf_counter()
@@ -80,6 +107,9 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16, help="in-flight calls through the service")
     ap.add_argument("--burst", type=int, default=0, help="also send N calls at once (e.g. 10000)")
+    ap.add_argument(
+        "--rate", type=float, default=180.0, help="open-loop trivial calls/s for the latency-at-load line"
+    )
     args = ap.parse_args()
     with running_sandbox(workers=args.workers) as url:
         for name, code in SNIPPETS.items():
@@ -95,6 +125,10 @@ def main() -> int:
             _, solo = asyncio.run(_ours(url, code, min(200, args.calls), 1))
             print(f"{name:8s} unloaded latency p50 {statistics.median(solo) * 1e3:6.1f} ms "
                   f"p99 {_pct(solo, 0.99) * 1e3:6.1f} ms")  # fmt: skip
+        if args.rate > 0:
+            got, olat = asyncio.run(_open_loop(url, SNIPPETS["trivial"], args.rate, 10.0))
+            print(f"trivial  open loop at {args.rate:.0f} calls/s offered: {got:.1f} calls/s served, "
+                  f"p50 {statistics.median(olat) * 1e3:6.1f} ms p99 {_pct(olat, 0.99) * 1e3:6.1f} ms")  # fmt: skip
         if args.burst:
             took, exact = asyncio.run(_burst(url, args.burst))
             print(f"burst    {args.burst} calls in {took:.1f} s ({args.burst / took:.0f} calls/s); "

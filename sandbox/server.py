@@ -285,7 +285,12 @@ class SandboxService:
             await self.nonempty.wait()
         batch = [self.queue.popleft()]
         deadline = time.monotonic() + self.cfg.flush_ms / 1000
-        while len(batch) < self.cfg.batch_size:
+        limit = self.cfg.batch_size
+        if self.cfg.flush_ms <= 0:
+            # without a flush window, take a fair share: a worker that grabbed the only three
+            # queued calls would run them one after another while another worker sits idle
+            limit = min(limit, -(-(len(self.queue) + 1) // max(1, len(self.workers))))
+        while len(batch) < limit:
             if self.queue:
                 batch.append(self.queue.popleft())
                 continue
