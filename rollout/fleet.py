@@ -1,0 +1,173 @@
+"""The SGLang engines of a run's RolloutFleet, kept in step with the fleet while the run goes on.
+
+Where the engines are (:class:`FleetSource`, read from the environment the operator gives
+trainer pods, or from ``kuberl run --engines``):
+
+* ``KUBERL_ROLLOUT_URLS``: a fixed comma-separated list of engine URLs;
+* ``KUBERL_ROLLOUT_FLEET`` (+ ``KUBERL_NAMESPACE``, else the pod's own namespace): the ready
+  endpoints of the fleet's headless Service, listed from its EndpointSlices.
+
+:class:`FleetWatcher` re-lists the fleet every ``interval`` seconds so that replicas the
+autoscaler adds start taking rollouts and removed ones drain. A joining engine first runs the
+``prepare`` hook, which loads the policy's current weights: a new SGLang pod starts from the
+base model, and rollouts sampled from stale weights would silently be off-policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list
+from kuberl.rollout.scheduler import Scheduler
+from kuberl.rollout.sglang_engine import SGLangEngine
+
+log = logging.getLogger("kuberl.rollout.fleet")
+
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+Prepare = Callable[[SGLangEngine], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class FleetSource:
+    urls: tuple[str, ...] = ()
+    fleet: str | None = None
+    namespace: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> FleetSource | None:
+        """The source the environment names, or None when it names none (local engine)."""
+        env = os.environ if env is None else env
+        if env.get("KUBERL_ROLLOUT_URLS", "").strip():
+            return cls(urls=tuple(parse_url_list(env["KUBERL_ROLLOUT_URLS"])))
+        fleet = env.get("KUBERL_ROLLOUT_FLEET", "").strip()
+        if not fleet:
+            return None
+        ns = env.get("KUBERL_NAMESPACE", "").strip()
+        if not ns and SA_NAMESPACE_FILE.is_file():
+            ns = SA_NAMESPACE_FILE.read_text().strip()
+        return cls(fleet=fleet, namespace=ns or "default")
+
+    def describe(self) -> str:
+        return f"fleet {self.namespace}/{self.fleet}" if self.fleet else f"engines {', '.join(self.urls)}"
+
+    def list_urls(self, api: Any = None) -> list[str]:
+        if self.fleet is None:
+            return list(self.urls)
+        return discover_fleet_urls(self.fleet, self.namespace or "default", api=api)
+
+
+class FleetWatcher:
+    """Owns the scheduler's SGLang engines: initial discovery, joins (prepared), drains."""
+
+    def __init__(
+        self,
+        source: FleetSource,
+        *,
+        policy: str = "kv-aware",
+        prepare: Prepare | None = None,
+        interval: float = 15.0,
+        api: Any = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        self.source = source
+        self.policy = policy
+        self.prepare = prepare
+        self.interval = interval
+        self.api = api
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.scheduler: Scheduler | None = None
+        self._task: asyncio.Task | None = None
+
+    async def _list(self) -> list[str]:
+        return await asyncio.to_thread(self.source.list_urls, self.api)
+
+    async def _ready_engine(self, url: str) -> SGLangEngine | None:
+        """An engine for ``url`` that is healthy and prepared, or None (tried again next round)."""
+        engine = SGLangEngine(url, **self.engine_kwargs)
+        try:
+            if not await engine.health():
+                raise RuntimeError("not healthy yet")
+            if self.prepare is not None:
+                await self.prepare(engine)
+            return engine
+        except Exception as err:  # a pod that is still loading its model: next round
+            log.warning("engine %s not added: %s", url, err)
+            await engine.close()
+            return None
+
+    async def start(self, timeout: float = 900.0) -> Scheduler:
+        """Wait (up to ``timeout`` s) for at least one ready engine; returns the scheduler."""
+        deadline = time.monotonic() + timeout
+        while True:
+            urls = await self._list()
+            engines = [e for e in await asyncio.gather(*(self._ready_engine(u) for u in urls)) if e]
+            if engines:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no ready SGLang engine in {self.source.describe()} after {timeout:.0f} s "
+                    f"(listed: {', '.join(urls) or 'none'})"
+                )
+            await asyncio.sleep(min(self.interval, 5.0))
+        self.scheduler = Scheduler(engines, policy=self.policy)
+        await self.scheduler.refresh_capacities()
+        if self.source.fleet is not None and self.interval > 0:
+            self._task = asyncio.get_running_loop().create_task(self._watch(), name="fleet-watch")
+        return self.scheduler
+
+    @property
+    def engines(self) -> Sequence[SGLangEngine]:
+        if self.scheduler is None:
+            return []
+        return [st.engine for st in self.scheduler.stats if isinstance(st.engine, SGLangEngine)]
+
+    async def sync_once(self) -> tuple[list[str], list[str]]:
+        """Make the scheduler's engines match the fleet's ready endpoints; (added, drained)."""
+        assert self.scheduler is not None, "start() first"
+        wanted = await self._list()
+        current = {
+            st.engine.base_url: st for st in self.scheduler.stats if isinstance(st.engine, SGLangEngine)
+        }
+        added: list[str] = []
+        for url in wanted:
+            if url in current:
+                current[url].draining = False
+                continue
+            engine = await self._ready_engine(url)
+            if engine is not None:
+                await self.scheduler.add_engine(engine)
+                added.append(url)
+        drained = [u for u, st in current.items() if u not in wanted and not st.draining]
+        for url in drained:
+            self.scheduler.drain_engine(current[url].name)
+        for engine in self.scheduler.remove_drained():
+            await engine.close()
+        if added or drained:
+            log.info("fleet %s: added %s, draining %s", self.source.describe(), added, drained)
+        return added, drained
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.sync_once()
+            except Exception as err:  # the API server blinking must not end the run
+                log.warning("fleet discovery failed: %s", err)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for engine in self.engines:
+            await engine.close()

@@ -1,0 +1,286 @@
+"""The cluster path of a run: HF policies, weight sync through disk, the fleet's SGLang engines.
+
+The SGLang servers here are tests/sglang_compat.py processes: SGLang's HTTP API over kuberl's
+LocalEngine, generating with the tiny HF model and reloading weights from disk for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from kuberl.rollout.engine import GenerateRequest
+from kuberl.rollout.fleet import FleetSource, FleetWatcher
+from kuberl.rollout.local_engine import LocalEngine
+from kuberl.trainer.hf import HFPolicy, load_hf_policy, policy_from_config, resolve_model_dir
+from kuberl.trainer.weight_sync import DiskWeightSync, stale_versions, versions
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from hf_fixtures import make_tiny_hf_model  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "tiny")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Servers:
+    """SGLang-compatible servers in subprocesses."""
+
+    def __init__(self, model: Path, n: int, tmp: Path):
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        ready = []
+        for i in range(n):
+            port = _free_port()
+            flag = tmp / f"ready-{port}"
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(HERE / "sglang_compat.py"),
+                        "--model",
+                        str(model),
+                        "--port",
+                        str(port),
+                        "--seed",
+                        str(i),
+                        "--ready-file",
+                        str(flag),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
+            self.urls.append(f"http://127.0.0.1:{port}")
+            ready.append(flag)
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in ready):
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"compat server died: {p.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("compat servers did not start")
+            time.sleep(0.2)
+
+    async def loads(self, url: str) -> dict:
+        async with aiohttp.ClientSession() as s, s.get(url + "/test/loads") as r:
+            return await r.json()
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=20)
+
+
+@pytest.fixture
+def servers(tiny_model, tmp_path):
+    made: list[Servers] = []
+
+    def start(n: int) -> Servers:
+        s = Servers(tiny_model, n, tmp_path)
+        made.append(s)
+        return s
+
+    yield start
+    for s in made:
+        s.close()
+
+
+# -- HFPolicy -----------------------------------------------------------------------------------
+
+
+def test_hf_policy_follows_the_gpt_forward_contract(tiny_model):
+    """Left padding and a (k, v) cache give the same logits as the plain HF forward."""
+    policy = load_hf_policy(tiny_model).eval()
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = policy.hf(input_ids=ids[1:, 3:]).logits[0]  # row 1 without its first 3 tokens
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        full, _ = policy(ids, attention_mask=mask)
+        head, past = policy(ids[:, :-1], attention_mask=mask[:, :-1])
+        last, _ = policy(ids[:, -1:], past=past, attention_mask=mask)
+    assert torch.allclose(full[1, 3:], ref, atol=1e-5)
+    assert torch.allclose(last[:, -1], full[:, -1], atol=1e-5)
+    with pytest.raises(ValueError, match="attention_mask must be"):
+        policy(ids, attention_mask=mask[:, :-1])
+
+
+def test_policy_from_config_rebuilds_hf_and_builtin(tiny_model):
+    hf = load_hf_policy(tiny_model)
+    again = policy_from_config(hf.config.to_dict())
+    assert isinstance(again, HFPolicy)
+    for (k, a), (_, b) in zip(hf.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    gpt = policy_from_config({"vocab_size": 50, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 32})
+    assert gpt.config.block_size == 32
+
+
+def test_resolve_model_dir_errors_are_clear(tmp_path, tiny_model):
+    assert resolve_model_dir(str(tiny_model), tmp_path) == tiny_model
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_dir(str(tmp_path / "empty"), tmp_path)
+    with pytest.raises(ValueError, match="no such directory"):
+        resolve_model_dir("/nonexistent/model", tmp_path)
+
+
+async def test_local_engine_serves_an_hf_policy(tiny_model):
+    policy = load_hf_policy(tiny_model)
+    engine = LocalEngine(policy, max_total_tokens=4096, max_batch=8, seed=0)
+    try:
+        outs = await asyncio.gather(
+            *(
+                engine.generate(GenerateRequest(input_ids=[5, 6, 7][: i + 1], max_new_tokens=6))
+                for i in range(3)
+            )
+        )
+        alone = await engine.generate(GenerateRequest(input_ids=[5, 6, 7], max_new_tokens=6, temperature=0))
+        batched = await asyncio.gather(
+            engine.generate(GenerateRequest(input_ids=[5, 6, 7], max_new_tokens=6, temperature=0)),
+            engine.generate(GenerateRequest(input_ids=[9], max_new_tokens=3, temperature=0)),
+        )
+    finally:
+        await engine.close()
+    assert [len(o.output_ids) for o in outs] == [6, 6, 6]
+    assert batched[0].output_ids == alone.output_ids  # padding does not change greedy output
+    assert batched[0].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-4)
+
+
+# -- weight sync --------------------------------------------------------------------------------
+
+
+class _Saver:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def save_pretrained(self, directory):
+        Path(directory).mkdir(parents=True)
+        (Path(directory) / "model.safetensors").write_text("w")
+        if self.fail:
+            raise OSError("disk full")
+
+
+def test_publish_is_atomic_and_keeps_the_newest(tmp_path):
+    sync = DiskWeightSync(tmp_path / "w", keep=2)
+    for v in (1, 2, 3):
+        assert sync.publish(_Saver(), v).endswith(f"v{v:08d}")
+    assert versions(tmp_path / "w") == [2, 3]
+    with pytest.raises(OSError, match="disk full"):
+        sync.publish(_Saver(fail=True), 4)
+    assert versions(tmp_path / "w") == [2, 3]  # the half-written v4 never became a version
+    assert sync.current.endswith("v00000003")
+    assert stale_versions([5, 1, 3], 1) == [1, 3]
+    with pytest.raises(ValueError, match="at least one"):
+        DiskWeightSync(tmp_path, keep=0)
+
+
+async def test_push_names_every_failing_engine(tmp_path):
+    class Target:
+        def __init__(self, name, ok):
+            self.name, self.ok, self.paths = name, ok, []
+
+        async def update_weights_from_disk(self, path):
+            self.paths.append(path)
+            if not self.ok:
+                raise RuntimeError("HTTP 400")
+
+    sync = DiskWeightSync(tmp_path)
+    with pytest.raises(RuntimeError, match="no weights published"):
+        await sync.push([])
+    sync.publish(_Saver(), 7)
+    good, bad = Target("a", True), Target("b", False)
+    with pytest.raises(RuntimeError, match=r"failed on 1 engine\(s\): b: HTTP 400"):
+        await sync.push([good, bad])
+    assert good.paths == [sync.current]
+
+
+# -- the fleet ------------------------------------------------------------------------------------
+
+
+def test_fleet_source_from_env(tmp_path):
+    assert FleetSource.from_env({}) is None
+    s = FleetSource.from_env({"KUBERL_ROLLOUT_URLS": "http://a:1, http://b:2"})
+    assert s.urls == ("http://a:1", "http://b:2") and s.fleet is None
+    s = FleetSource.from_env({"KUBERL_ROLLOUT_FLEET": "qwen", "KUBERL_NAMESPACE": "rl"})
+    assert (s.fleet, s.namespace) == ("qwen", "rl")
+    with pytest.raises(ValueError, match="must start with http"):
+        FleetSource.from_env({"KUBERL_ROLLOUT_URLS": "a:1"})
+
+
+class _SliceAPI:
+    """DiscoveryV1Api stand-in: one EndpointSlice per URL in ``ready`` (the servers differ by port)."""
+
+    def __init__(self):
+        self.ready: list[str] = []
+
+    def list_namespaced_endpoint_slice(self, namespace, label_selector):
+        assert (namespace, label_selector) == ("rl", "kubernetes.io/service-name=qwen")
+        return {
+            "items": [
+                {
+                    "addressType": "IPv4",
+                    "ports": [{"name": "http", "port": int(url.rsplit(":", 1)[1])}],
+                    "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+                }
+                for url in self.ready
+            ]
+        }
+
+
+async def test_fleet_watcher_prepares_joining_engines_and_drains_leaving_ones(servers, tiny_model, tmp_path):
+    srv = servers(2)
+    a, b = srv.urls
+    api = _SliceAPI()
+    api.ready = [a]
+    sync = DiskWeightSync(tmp_path / "weights")
+    policy = load_hf_policy(tiny_model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    sync.publish(policy, 1)
+
+    async def prepare(engine):
+        await sync.push([engine])
+
+    watcher = FleetWatcher(FleetSource(fleet="qwen", namespace="rl"), prepare=prepare, interval=0, api=api)
+    sched = await watcher.start(timeout=30)
+    try:
+        assert [e.base_url for e in watcher.engines] == [a]
+        assert (await srv.loads(a))["loads"] == [sync.current]
+        api.ready = [a, b]
+        assert await watcher.sync_once() == ([b], [])
+        assert (await srv.loads(b))["loads"] == [sync.current]  # weights first, then rollouts
+        async with sched.session(10, 10) as engine:
+            out = await engine.generate(GenerateRequest(input_ids=[5, 6, 7], max_new_tokens=4))
+        assert len(out.output_ids) == 4
+        api.ready = [b]
+        assert await watcher.sync_once() == ([], [a])
+        assert [e.base_url for e in watcher.engines] == [b]
+    finally:
+        await watcher.close()
+
+
+async def test_fleet_watcher_start_times_out_with_a_clear_message():
+    watcher = FleetWatcher(FleetSource(urls=("http://127.0.0.1:9",)), interval=0.1)
+    with pytest.raises(RuntimeError, match="no ready SGLang engine in engines http://127.0.0.1:9"):
+        await watcher.start(timeout=0.3)

@@ -1,0 +1,150 @@
+"""Hugging Face causal LMs as kuberl policies (what a cluster run trains, e.g. Qwen3-14B-Base).
+
+:class:`HFPolicy` gives any ``AutoModelForCausalLM`` the forward contract of the builtin
+``GPT`` (``logits, present = model(input_ids, past=None, attention_mask=None)`` with left
+padding and per-layer ``(k, v)`` caches), so one code path serves both: the SFT loss, the
+GRPO-RoC update and ``LocalEngine`` (which lets a small HF model run end to end on a laptop,
+and lets the tests exercise the cluster path without SGLang).
+
+Positions come from the attention mask (``cumsum - 1``) exactly as in ``GPT``: a left-padded
+row sees the same positions as the unpadded sequence, so a rollout's log-probs do not depend
+on what it was batched with.
+
+Model sources (``spec.model.base``): a local directory with ``config.json`` and weights, an
+``s3://bucket/prefix`` holding such a directory (downloaded once into the cache folder), or a
+Hub repo id (downloaded into ``HF_HOME``; the operator mounts a cache volume there). The
+tokenizer is the model directory's ``tokenizer.json`` unless ``spec.model.tokenizer`` names
+another; it must contain the rStar2 template's ``<|im_end|>`` (Qwen tokenizers do).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class HFPolicyConfig:
+    """What a rollout worker needs to rebuild the policy: where its files are."""
+
+    path: str
+    block_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hf": self.path, "block_size": self.block_size}
+
+
+class HFPolicy(nn.Module):
+    def __init__(self, model: nn.Module, path: str):
+        super().__init__()
+        self.hf = model
+        max_pos = getattr(model.config, "max_position_embeddings", None) or 1 << 20
+        self.config = HFPolicyConfig(str(path), int(max_pos))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self, input_ids: torch.Tensor, past: KV | None = None, attention_mask: torch.Tensor | None = None
+    ):
+        from transformers import DynamicCache
+
+        B, T = input_ids.shape
+        t_past = past[0][0].shape[2] if past else 0
+        if attention_mask is None:
+            attention_mask = torch.ones(B, t_past + T, dtype=torch.long, device=input_ids.device)
+        if attention_mask.shape != (B, t_past + T):
+            raise ValueError(f"attention_mask must be [{B}, {t_past + T}], got {list(attention_mask.shape)}")
+        positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t_past:]
+        cache = DynamicCache()
+        for i, (k, v) in enumerate(past or []):
+            cache.update(k, v, i)
+        out = self.hf(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        present = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return out.logits, present
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Weights + config in HF layout (safetensors): what SGLang's update_weights_from_disk reads."""
+        self.hf.save_pretrained(str(directory), safe_serialization=True)
+
+
+def is_hf_source(base: str) -> bool:
+    return not base.startswith("builtin:")
+
+
+def _download_s3_prefix(uri: str, dest: Path) -> Path:
+    import boto3
+
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    s3 = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3") or None)
+    marker = dest / ".complete"
+    if marker.is_file():
+        return dest
+    found = 0
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(prefix) :]
+            if not rel or rel.endswith("/"):
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(target))
+            found += 1
+    if not found:
+        raise ValueError(f"model {uri!r}: no objects under that prefix")
+    marker.touch()
+    return dest
+
+
+def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
+    """A local directory holding the model's files (downloaded first for s3:// and Hub ids)."""
+    p = Path(source)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"model {source!r}: directory has no config.json")
+        return p
+    if source.startswith("s3://"):
+        safe = source[len("s3://") :].strip("/").replace("/", "--")
+        return _download_s3_prefix(source, Path(cache_dir) / "s3" / safe)
+    if source.startswith(("/", "./", "../")) or source.startswith("file:"):
+        raise ValueError(f"model {source!r}: no such directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, cache_dir=os.environ.get("HF_HOME") or None))
+    except Exception as err:  # offline, unknown repo, auth: all end the run the same way
+        raise ValueError(f"model {source!r}: could not fetch it from the Hugging Face Hub ({err})") from err
+
+
+def load_hf_policy(path: str | Path, *, dtype: str | None = None) -> HFPolicy:
+    """Load ``AutoModelForCausalLM`` from a local directory (see :func:`resolve_model_dir`)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
+    if dtype:
+        kwargs["dtype"] = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return HFPolicy(model, str(path))
+
+
+def policy_from_config(config: dict[str, Any]) -> nn.Module:
+    """Rebuild a policy from ``model.config.to_dict()`` (builtin GPT or HF) in another process."""
+    if "hf" in config:
+        return load_hf_policy(config["hf"])
+    from kuberl.trainer.model import GPT, GPTConfig
+
+    return GPT(GPTConfig.from_dict(config))

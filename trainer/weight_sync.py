@@ -1,0 +1,92 @@
+"""Getting the trainer's new weights into the SGLang engines after every update.
+
+SGLang's documented route for a disaggregated trainer is ``POST /update_weights_from_disk
+{"model_path": DIR}``: the server reloads the weights from a directory in Hugging Face layout.
+The trainer therefore writes each version to a folder both sides mount (the fleet's
+``weightSync`` volume, a ReadWriteMany PVC on a cluster), then asks every engine to load it.
+
+A version is written to a hidden temporary folder and renamed into place, so an engine never
+sees half a checkpoint; the newest ``keep`` versions stay on disk (an engine that joins while
+a push is in flight loads the previous complete one, then the current one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+VERSION_RE = re.compile(r"^v(\d{8})$")
+
+
+class Publishable(Protocol):
+    def save_pretrained(self, directory: str | Path) -> None: ...
+
+
+class WeightTarget(Protocol):
+    name: str
+
+    async def update_weights_from_disk(self, model_path: str) -> None: ...
+
+
+def version_dir(root: str | Path, version: int) -> Path:
+    return Path(root) / f"v{version:08d}"
+
+
+def versions(root: str | Path) -> list[int]:
+    """Complete versions under ``root``, oldest first."""
+    p = Path(root)
+    if not p.is_dir():
+        return []
+    found = [int(m.group(1)) for d in p.iterdir() if d.is_dir() and (m := VERSION_RE.match(d.name))]
+    return sorted(found)
+
+
+def stale_versions(present: Iterable[int], keep: int) -> list[int]:
+    """The versions to delete so that the newest ``keep`` remain."""
+    ordered = sorted(present)
+    return ordered[: max(0, len(ordered) - keep)]
+
+
+class DiskWeightSync:
+    def __init__(self, root: str | Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"weight sync must keep at least one version, got keep={keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.current: str | None = None
+
+    def publish(self, policy: Publishable, version: int) -> str:
+        """Write ``policy`` as ``v<version>`` (atomically) and prune old versions; returns the path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = version_dir(self.root, version)
+        tmp = self.root / f".tmp-{final.name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_pretrained(tmp)
+        if final.exists():  # re-publishing a version after a resume: replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for v in stale_versions(versions(self.root), self.keep):
+            shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
+        self.current = str(final)
+        return self.current
+
+    async def push(self, engines: Iterable[WeightTarget], path: str | None = None) -> None:
+        """Every engine loads ``path`` (default: the last published version); all must succeed."""
+        path = path or self.current
+        if path is None:
+            raise RuntimeError("no weights published yet")
+        targets = list(engines)
+        results = await asyncio.gather(
+            *(e.update_weights_from_disk(path) for e in targets), return_exceptions=True
+        )
+        failed = [
+            f"{e.name}: {r}" for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)
+        ]
+        if failed:
+            raise RuntimeError(
+                f"weight update to {path} failed on {len(failed)} engine(s): " + "; ".join(failed)
+            )
