@@ -20,7 +20,7 @@ import torch
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.fleet import FleetSource, FleetWatcher
 from kuberl.rollout.local_engine import LocalEngine
-from kuberl.trainer.hf import HFPolicy, load_hf_policy, policy_from_config, resolve_model_dir
+from kuberl.trainer.hf import HFPolicy, load_hf_policy, policy_from_config, resolve_model_dir, write_hf_folder
 from kuberl.trainer.weight_sync import DiskWeightSync, stale_versions, versions
 
 HERE = Path(__file__).parent
@@ -169,24 +169,23 @@ async def test_local_engine_serves_an_hf_policy(tiny_model):
 # -- weight sync --------------------------------------------------------------------------------
 
 
-class _Saver:
-    def __init__(self, fail: bool = False):
-        self.fail = fail
-
-    def save_pretrained(self, directory):
-        Path(directory).mkdir(parents=True)
-        (Path(directory) / "model.safetensors").write_text("w")
-        if self.fail:
+def _writer(fail: bool = False):
+    def write(directory: Path) -> None:
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_text("w")
+        if fail:
             raise OSError("disk full")
+
+    return write
 
 
 def test_publish_is_atomic_and_keeps_the_newest(tmp_path):
     sync = DiskWeightSync(tmp_path / "w", keep=2)
     for v in (1, 2, 3):
-        assert sync.publish(_Saver(), v).endswith(f"v{v:08d}")
+        assert sync.publish(_writer(), v).endswith(f"v{v:08d}")
     assert versions(tmp_path / "w") == [2, 3]
     with pytest.raises(OSError, match="disk full"):
-        sync.publish(_Saver(fail=True), 4)
+        sync.publish(_writer(fail=True), 4)
     assert versions(tmp_path / "w") == [2, 3]  # the half-written v4 never became a version
     assert sync.current.endswith("v00000003")
     assert stale_versions([5, 1, 3], 1) == [1, 3]
@@ -207,7 +206,7 @@ async def test_push_names_every_failing_engine(tmp_path):
     sync = DiskWeightSync(tmp_path)
     with pytest.raises(RuntimeError, match="no weights published"):
         await sync.push([])
-    sync.publish(_Saver(), 7)
+    sync.publish(_writer(), 7)
     good, bad = Target("a", True), Target("b", False)
     with pytest.raises(RuntimeError, match=r"failed on 1 engine\(s\): b: HTTP 400"):
         await sync.push([good, bad])
@@ -257,7 +256,7 @@ async def test_fleet_watcher_prepares_joining_engines_and_drains_leaving_ones(se
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01)
-    sync.publish(policy, 1)
+    sync.publish(lambda d: write_hf_folder(policy.state_dict(), tiny_model, d), 1)
 
     async def prepare(engine):
         await sync.push([engine])
@@ -284,3 +283,14 @@ async def test_fleet_watcher_start_times_out_with_a_clear_message():
     watcher = FleetWatcher(FleetSource(urls=("http://127.0.0.1:9",)), interval=0.1)
     with pytest.raises(RuntimeError, match="no ready SGLang engine in engines http://127.0.0.1:9"):
         await watcher.start(timeout=0.3)
+
+
+def test_write_hf_folder_round_trips_a_trained_policy(tiny_model, tmp_path):
+    policy = load_hf_policy(tiny_model)
+    with torch.no_grad():
+        policy.hf.model.embed_tokens.weight.mul_(1.5)  # tied to lm_head: must survive the export
+    write_hf_folder(policy.state_dict(), tiny_model, tmp_path / "v1")
+    assert (tmp_path / "v1" / "tokenizer.json").is_file()
+    again = load_hf_policy(tmp_path / "v1")
+    for (k, a), (_, b) in zip(policy.state_dict().items(), again.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k

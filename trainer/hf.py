@@ -42,6 +42,8 @@ class HFPolicyConfig:
 
 
 class HFPolicy(nn.Module):
+    """An ``AutoModelForCausalLM`` with the builtin GPT's forward contract (module docstring)."""
+
     def __init__(self, model: nn.Module, path: str):
         super().__init__()
         self.hf = model
@@ -76,9 +78,37 @@ class HFPolicy(nn.Module):
         present = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return out.logits, present
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Weights + config in HF layout (safetensors): what SGLang's update_weights_from_disk reads."""
-        self.hf.save_pretrained(str(directory), safe_serialization=True)
+
+HF_SIDECAR_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def write_hf_folder(state_dict: dict[str, torch.Tensor], source_dir: str | Path, dest: str | Path) -> None:
+    """Write an :class:`HFPolicy` state dict as an HF model folder SGLang can load.
+
+    Takes a (full, CPU) state dict rather than the module so the same writer serves an
+    FSDP-sharded policy, whose rank 0 only holds the gathered tensors. The config and
+    tokenizer files are copied from the folder the policy was loaded from; weights are
+    written as sharded safetensors with an index (tied weights stored once).
+    """
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDECAR_FILES:
+        if (Path(source_dir) / name).is_file():
+            shutil.copy2(Path(source_dir) / name, out / name)
+    weights = {k.removeprefix("hf."): v for k, v in state_dict.items()}
+    save_torch_state_dict(weights, out, max_shard_size="5GB")
 
 
 def is_hf_source(base: str) -> bool:

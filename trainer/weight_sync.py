@@ -15,15 +15,14 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
 VERSION_RE = re.compile(r"^v(\d{8})$")
 
 
-class Publishable(Protocol):
-    def save_pretrained(self, directory: str | Path) -> None: ...
+Writer = Callable[[Path], None]  # writes one complete HF model folder at the given path
 
 
 class WeightTarget(Protocol):
@@ -59,13 +58,13 @@ class DiskWeightSync:
         self.keep = keep
         self.current: str | None = None
 
-    def publish(self, policy: Publishable, version: int) -> str:
-        """Write ``policy`` as ``v<version>`` (atomically) and prune old versions; returns the path."""
+    def publish(self, write: Writer, version: int) -> str:
+        """Write version ``version`` with ``write`` (atomically), prune old ones; returns its path."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = version_dir(self.root, version)
         tmp = self.root / f".tmp-{final.name}"
         shutil.rmtree(tmp, ignore_errors=True)
-        policy.save_pretrained(tmp)
+        write(tmp)
         if final.exists():  # re-publishing a version after a resume: replace it
             shutil.rmtree(final)
         tmp.rename(final)
