@@ -9,10 +9,10 @@ Only the newest ``keep`` are kept. S3 uses the endpoint in ``AWS_ENDPOINT_URL`` 
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,17 +87,23 @@ class CheckpointStore:
         return sorted(found)
 
     def save(self, payload: dict[str, Any], step: int) -> str:
-        """Write one checkpoint, prune old ones; returns its location."""
+        """Write one checkpoint, prune old ones; returns its location.
+
+        The blob goes through a temporary file, never a bytes copy in memory: a policy's
+        checkpoint can be larger than RAM headroom, and S3 takes it as a multipart upload
+        (``upload_file``; a single PUT stops at 5 GB).
+        """
         name = f"ckpt-{step:08d}.pt"
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        data = buf.getvalue()
         if self._s3 is None:
             tmp = Path(self.uri) / f".{name}.tmp"
-            tmp.write_bytes(data)
+            torch.save(payload, tmp)
             tmp.replace(Path(self.uri) / name)  # atomic: a crash never leaves a torn checkpoint
         else:
-            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data)
+            with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+                torch.save(payload, f)
+                f.flush()
+                # S3 objects appear whole or not at all, so no rename is needed.
+                self._s3.upload_file(f.name, self.bucket, self._key(name))
         for old in self.names()[: -self.keep]:
             self.delete(old)
         return self._location(name)
@@ -118,10 +124,11 @@ class CheckpointStore:
         elif name not in names:
             raise FileNotFoundError(f"no checkpoint {name!r} in {self.uri}")
         if self._s3 is None:
-            data = (Path(self.uri) / name).read_bytes()
-        else:
-            data = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            return torch.load(Path(self.uri) / name, map_location="cpu", weights_only=False)
+        with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+            self._s3.download_fileobj(self.bucket, self._key(name), f)
+            f.flush()
+            return torch.load(f.name, map_location="cpu", weights_only=False)
 
 
 def make_payload(model, optimizer, state: TrainState, tokenizer_json: str, config: dict) -> dict[str, Any]:
