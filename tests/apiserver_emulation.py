@@ -161,7 +161,7 @@ def cel_errors(schema: dict[str, Any], value: Any) -> list[str]:
                 continue
             if isinstance(result, celpy.CELEvalError):
                 out.append(f"{path or '<root>'}: evaluating {rule['rule']!r}: {result}")
-            elif result is not celpy.celtypes.BoolType(True) and result != celpy.celtypes.BoolType(True):
+            elif result != celpy.celtypes.BoolType(True):
                 out.append(f"{path or '<root>'}: {rule['message']}")
     return out
 

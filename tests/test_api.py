@@ -163,7 +163,9 @@ def test_response_budget_must_fit_the_inline_fleet_context():
         stages=[{"name": "sft", "type": "sft", "steps": 1, "maxResponseTokens": 9999}],
     )
     assert _job(rollout={"fleetRef": "f", "maxResponseTokens": 10**6})
-    with pytest.raises(ValueError, match=r"reach it: stage 'stage-2' has 12288; stage 'stage-3' has 12288 \["):
+    with pytest.raises(
+        ValueError, match=r"reach it: stage 'stage-2' has 12288; stage 'stage-3' has 12288 \["
+    ):
         _job(rollout={"maxResponseTokens": 4096, "fleet": {"engine": {"contextLength": 12288}}})
 
 
