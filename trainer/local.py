@@ -304,4 +304,17 @@ def run_file(
     except (ManifestError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if result.stopped_early:
+        print(stop_reason(result, max_minutes), file=sys.stderr)
     return 0 if not result.stopped_early or result.history else 1
+
+
+def stop_reason(result: RunResult, max_minutes: float | None) -> str:
+    """Why a run ended before its last stage, and how to go on (``--max-minutes`` stops SFT too)."""
+    last = result.history[-1] if result.history else None
+    where = f"in stage {last['stage']} after global step {last['step']}" if last else "before the first step"
+    limit = f" ({max_minutes:g} min)" if max_minutes else ""
+    return (
+        f"stopped {where}: the --max-minutes limit{limit} was reached; run the same command again to "
+        "resume from the last checkpoint"
+    )
