@@ -661,7 +661,10 @@ async def _every(interval: float, ctx: OperatorContext, body: Callable[[], Await
         await asyncio.sleep(0.05)
     while True:
         started = time.monotonic()
-        await body()
+        try:
+            await body()
+        except Exception:  # noqa: BLE001 - one bad pass must not stop drift repair for good
+            log.exception("periodic pass failed; retrying in %.1f s", interval)
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 

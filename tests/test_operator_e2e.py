@@ -514,8 +514,13 @@ async def test_fleet_autoscaling_on_sglang_metrics_with_stabilization() -> None:
             return probe
 
         await eventually(await replicas(3), what="scale-up to maxReplicas")  # ceil(2*0.95/0.8) = 3
-        st = await _status(k, f"{API}/rolloutfleets/gen")
-        assert st["kvCacheUtilization"] == 0.95 and st["engines"] == ["127.0.0.1:30000"] * 2
+
+        async def reported() -> bool:
+            # status is written right after the scale (autoscaler) and at the next resync (engines)
+            st = await _status(k, f"{API}/rolloutfleets/gen")
+            return st.get("kvCacheUtilization") == 0.95 and st.get("engines") == ["127.0.0.1:30000"] * 2
+
+        await eventually(reported, what="load and engines in status")
         load.update(usage=0.1)
         t0 = time.monotonic()
         await eventually(await replicas(1), timeout=10, what="scale-down after the window")

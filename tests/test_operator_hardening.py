@@ -161,9 +161,12 @@ async def test_job_leaves_an_autoscaled_inline_pool_to_its_autoscaler() -> None:
         dep = await eventually(lambda: k.get(f"{DEP}/j-sandbox"), what="pool pods")
         await add_ready_pod(k, "j-sandbox-0", dep["spec"]["selector"]["matchLabels"], port)
         seen: list[int] = []
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # ten resyncs of the job
+        deadline, top_since = time.monotonic() + 30, None
+        # Watch through the scale-up to 8 and several job resyncs after it.
+        while time.monotonic() < deadline and (top_since is None or time.monotonic() - top_since < 2.5):
             seen.append((await k.get(f"{API}/sandboxpools/j-sandbox"))["spec"]["replicas"])
+            if seen[-1] == 8 and top_since is None:
+                top_since = time.monotonic()
             await asyncio.sleep(0.1)
         assert seen[-1] == 8, seen
         assert all(a <= b for a, b in zip(seen, seen[1:], strict=False)), f"replicas went back down: {seen}"
