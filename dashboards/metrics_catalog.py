@@ -23,7 +23,7 @@ class MetricSpec:
     name: str
     type: MetricType
     labels: tuple[str, ...]
-    component: Literal["sandbox", "rollout", "trainer"]
+    component: Literal["sandbox", "rollout", "trainer", "operator"]
     help: str
 
     def series_names(self) -> tuple[str, ...]:
@@ -94,6 +94,20 @@ CATALOG: dict[str, MetricSpec] = {
         ),
         MetricSpec("kuberl_train_step", "gauge", ("job", "stage"), "trainer", "Current training step"),
         MetricSpec("kuberl_train_step_seconds", "gauge", ("job",), "trainer", "Wall time of the last step"),
+        MetricSpec(
+            "kuberl_autoscaler_desired_replicas",
+            "gauge",
+            ("namespace", "kind", "name"),
+            "operator",
+            "Replicas the operator wants for a SandboxPool/RolloutFleet (autoscaler decision, else spec.replicas)",
+        ),
+        MetricSpec(
+            "kuberl_autoscaler_ready_replicas",
+            "gauge",
+            ("namespace", "kind", "name"),
+            "operator",
+            "Replicas the SandboxPool/RolloutFleet workload reports ready",
+        ),
     )
 }
 

@@ -173,7 +173,12 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
 def _cmd_operator(args: argparse.Namespace) -> int:
     from kuberl.operator.main import run_operator
 
-    return run_operator(namespaces=args.namespace, all_namespaces=args.all_namespaces, verbose=args.verbose)
+    return run_operator(
+        namespaces=args.namespace,
+        all_namespaces=args.all_namespaces,
+        verbose=args.verbose,
+        metrics_port=args.metrics_port,
+    )
 
 
 def _cmd_dashboards(args: argparse.Namespace) -> int:
@@ -366,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     o.add_argument(
         "--verbose", action="store_true", help="log at DEBUG level (kopf logs every handler run and API call)"
+    )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the operator's /metrics here (default $KUBERL_OPERATOR_METRICS_PORT or 8080; 0: any free port)",
     )
     o.set_defaults(func=_cmd_operator)
 

@@ -10,6 +10,7 @@ chart's CRDs, RBAC and dashboards must equal their sources.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import shutil
@@ -24,7 +25,8 @@ import yaml
 
 from kuberl.dashboards.cli import rendered as rendered_dashboards
 from kuberl.dashboards.metrics_catalog import check_expression
-from kuberl.operator.builders import operator_rbac_rules
+from kuberl.operator.builders import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
+from kuberl.operator.main import ServiceWebhookServer, webhook_server_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kuberl"
@@ -305,6 +307,119 @@ def test_release_label_and_namespaces_are_configurable():
         _validate(obj)
 
 
+def test_watching_some_namespaces_grants_roles_there_only():
+    objs = render({"operator": {"watchAllNamespaces": False, "namespaces": ["rl-a", "rl-b"]}})
+    for obj in objs:
+        _validate(obj)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"rl-a", "rl-b"}
+    for ns, role in roles.items():
+        assert role["rules"] == operator_namespaced_rules()
+        assert bindings[ns]["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert bindings[ns]["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa, "namespace": "kuberl-system"}
+        ]
+    # The ClusterRole keeps only what has no namespace: kopf's scans of namespaces and CRDs.
+    cluster = next(o for o in objs if o["kind"] == "ClusterRole")
+    assert cluster["rules"] == operator_cluster_rules(admission=False)
+    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {
+        "namespaces",
+        "customresourcedefinitions",
+    }
+    # No namespaces listed: the release namespace is watched, with its Role.
+    objs = render({"operator": {"watchAllNamespaces": False}})
+    assert [o["metadata"]["namespace"] for o in objs if o["kind"] == "Role"] == ["kuberl-system"]
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=kuberl-system"]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_operator_metrics_are_exposed_and_scraped(objects):
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert _env(c)["KUBERL_OPERATOR_METRICS_PORT"] == "8080"
+    mon = next(
+        o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"].endswith("-operator")
+    )
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # The workloads' monitors carry the instance label KEDA queries select on.
+    for o in objects:
+        if o["kind"] in ("ServiceMonitor", "PodMonitor") and not o["metadata"]["name"].endswith("-operator"):
+            assert o["spec"]["podTargetLabels"] == ["app.kubernetes.io/instance"]
+
+
+def test_admission_is_off_by_default(objects):
+    assert not any(o["kind"] in ("Service", "Secret") for o in objects)
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    assert not any("validatingwebhookconfigurations" in r["resources"] for r in role["rules"])
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    assert not any(
+        k.startswith("KUBERL_WEBHOOK") for k in _env(dep["spec"]["template"]["spec"]["containers"][0])
+    )
+
+
+def test_admission_enabled_is_deployable():
+    from cryptography import x509
+
+    objs = render({"admission": {"enabled": True}})
+    for obj in objs:
+        _validate(obj)
+    by_kind = {o["kind"]: o for o in objs}
+    svc, secret, dep = by_kind["Service"], by_kind["Secret"], by_kind["Deployment"]
+    pod = dep["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    # The Service reaches the operator pod's webhook port.
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [
+        {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in c["ports"]
+    # The operator, started with this environment, announces exactly this Service.
+    server = webhook_server_from_env(_env(c))
+    assert isinstance(server, ServiceWebhookServer)
+    assert (server.service, server.namespace, server.service_port, server.port) == (
+        svc["metadata"]["name"],
+        "kuberl-system",
+        443,
+        9443,
+    )
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
+    assert all(
+        _env(c)[f"KUBERL_WEBHOOK_{k}"].startswith(mount["mountPath"] + "/") for k in ("CERT", "KEY", "CA")
+    )
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    # The generated certificate is for the Service's DNS names and signed by the bundled CA.
+    decode = lambda k: x509.load_pem_x509_certificate(base64.b64decode(secret["data"][k]))  # noqa: E731
+    cert, ca = decode("tls.crt"), decode("ca.crt")
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"{svc['metadata']['name']}.kuberl-system.svc" in sans
+    cert.verify_directly_issued_by(ca)
+    # Webhook configurations are cluster-scoped and kopf keeps them current: granted only now.
+    role = by_kind["ClusterRole"]
+    assert role["rules"] == operator_rbac_rules(admission=True)
+    # A Secret of one's own (e.g. from cert-manager) replaces the generated one.
+    objs = render({"admission": {"enabled": True, "certSecret": "webhook-cert"}})
+    assert not any(o["kind"] == "Secret" for o in objs)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == "webhook-cert"
+
+
 @pytest.mark.parametrize(
     "values",
     [
@@ -313,6 +428,9 @@ def test_release_label_and_namespaces_are_configurable():
         {"monitoring": {"prometheusRule": {"kvCacheSaturation": 1.5}}},
         {"monitoring": {"operatorMonitor": {"enabled": "yes"}}},
         {"operator": {"imagee": {}}},
+        {"admission": {"enabled": "yes"}},
+        {"admission": {"port": 70000}},
+        {"operator": {"metricsPort": "http"}},
     ],
 )
 def test_values_schema_rejects_bad_values(values):
