@@ -37,7 +37,9 @@ from kuberl.sandbox.server import (
 from kuberl.sandbox.types import ExecResult
 from kuberl.sandbox.worker import Slot, WorkerConfig
 
-LIMITS = SandboxLimits(timeout_seconds=1.5, memoryMB=256, max_output_bytes=1024, max_processes=16)
+# diskMB above the 64 MB per-file limit (write_10gb meets that one) but small enough that
+# write_many_files crosses it fast even on a busy disk
+LIMITS = SandboxLimits(timeout_seconds=1.5, memoryMB=256, max_output_bytes=1024, max_processes=16, diskMB=96)
 
 
 @pytest.fixture(scope="module")
@@ -417,7 +419,7 @@ ADVERSARIAL = {
         "    except OSError as e:\n"
         "        print(d, type(e).__name__)"
     ),
-    "write_many_files": (  # each file under the per-file limit, 2.5 GB together
+    "write_many_files": (  # each file under the per-file limit, 2.5 GB together (the quota stops it)
         "for i in range(40):\n"
         "    with open(f'f{i}.bin', 'wb') as f:\n"
         "        for _ in range(63):\n"
@@ -471,7 +473,7 @@ def _check_corpus_output(name: str, r: ExecResult) -> None:
     if name == "write_outside_the_slot":
         assert "escaped" not in r.output, r.output
     if name == "write_many_files":
-        assert "disk quota exceeded" in r.output and "wrote" not in r.output, r.output
+        assert r.output == "OSError: disk quota exceeded: the call's files grew beyond 96 MB", r.output
 
 
 def _server_uid(info: dict) -> int:
