@@ -52,6 +52,13 @@ CATALOG: dict[str, MetricSpec] = {
         MetricSpec("kuberl_sandbox_queue_depth", "gauge", ("pool",), "sandbox", "Calls waiting for a worker"),
         MetricSpec("kuberl_sandbox_workers_busy", "gauge", ("pool",), "sandbox", "Workers executing a call"),
         MetricSpec(
+            "kuberl_sandbox_verify_calls_total",
+            "counter",
+            ("pool", "outcome"),
+            "sandbox",
+            "Answer verifications by result (correct, wrong, timeout, error)",
+        ),
+        MetricSpec(
             "kuberl_rollout_kv_cache_utilization",
             "gauge",
             ("engine",),

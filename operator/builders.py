@@ -193,6 +193,15 @@ def _shm_volume(size: str) -> dict[str, Any]:
 # --- SandboxPool --------------------------------------------------------------------------
 
 
+SANDBOX_TMP_MARGIN_MIB = 256
+
+
+def sandbox_tmp_mib(spec: SandboxPoolSpec) -> int:
+    """Size of a sandbox pod's /tmp: a call is killed beyond ``diskMB``, so the workers together
+    can never fill it (an emptyDir over its sizeLimit gets the whole pod evicted)."""
+    return spec.workers_per_pod * spec.limits.disk_mb + SANDBOX_TMP_MARGIN_MIB
+
+
 def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Manifest]:
     """Deployment + Service + egress-denying NetworkPolicy for a SandboxPool.
 
@@ -289,7 +298,9 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
                     },
                     "containers": [container],
                     "volumes": [
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        # the workers' scratch directories live in /tmp: room for every worker's
+                        # disk quota (spec.limits.diskMB) plus the server's own files
+                        {"name": "tmp", "emptyDir": {"sizeLimit": f"{sandbox_tmp_mib(spec)}Mi"}},
                         {"name": "work", "emptyDir": {"sizeLimit": "4Gi"}},
                     ],
                 },

@@ -24,7 +24,8 @@ def test_catalog_matches_design_md():
     )
     brief_names = {
         "kuberl_tool_call_latency_seconds", "kuberl_tool_calls_total", "kuberl_sandbox_queue_depth",
-        "kuberl_sandbox_workers_busy", "kuberl_rollout_kv_cache_utilization", "kuberl_rollout_requests_inflight",
+        "kuberl_sandbox_workers_busy", "kuberl_sandbox_verify_calls_total",
+        "kuberl_rollout_kv_cache_utilization", "kuberl_rollout_requests_inflight",
         "kuberl_train_reward_mean", "kuberl_train_clip_ratio", "kuberl_train_response_clip_ratio",
         "kuberl_train_tool_error_ratio_positive", "kuberl_train_response_length_tokens", "kuberl_train_step",
         "kuberl_train_step_seconds",
