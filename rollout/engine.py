@@ -79,9 +79,17 @@ class EngineLoad:
 
 
 class Engine(abc.ABC):
-    """An inference engine serving one policy replica."""
+    """An inference engine serving one policy replica.
+
+    ``capacity_version`` changes whenever ``max_total_tokens`` may have changed (new weights can
+    come with a different KV budget); the scheduler re-reads the capacity when it sees a new value.
+    ``shared`` says the engine may also serve other clients (a fleet several jobs use), so its
+    observed load, not only the scheduler's own reservations, limits what the scheduler admits.
+    """
 
     name: str
+    capacity_version: int = 0
+    shared: bool = False
 
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateOutput:

@@ -7,6 +7,7 @@ executing the tool calls and verifying answers, and the trainer in the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -101,6 +102,7 @@ def test_prepare_batch_roc_vs_grpo():
             False,
             "answer",
             text="<answer>7</answer>",
+            answer_tags=1,
         )
 
     group = [Scored(traj(2), 1.0)] * 4 + [Scored(traj(0), 1.0)] * 2 + [Scored(traj(0), 0.0)] * 2
@@ -112,6 +114,13 @@ def test_prepare_batch_roc_vs_grpo():
     assert roc.masks[0] == [0, 0, 1, 0, 1] and roc.old_logprobs[0] == [0.0, 0.0, -0.1, 0.0, -0.2]
     allpos = prepare_batch([[Scored(traj(0), 1.0)] * 4], 2, roc=False, seed=0)
     assert allpos.seqs == [] and allpos.stats["groups_dropped_zero_adv"] == 1
+    # Aborted rollouts (engine errors) are dropped before RoC, never trained on, and counted.
+    aborted = dataclasses.replace(traj(0), finish_reason="abort", error="sgl-0: SGLangError: HTTP 503")
+    mixed = prepare_batch(
+        [[Scored(aborted, 1.0)] * 3 + [Scored(traj(0), 1.0), Scored(traj(0), 0.0)]], 4, roc=True, seed=0
+    )
+    assert mixed.stats["rollouts"] == 5 and mixed.stats["rollouts_aborted"] == 3
+    assert mixed.stats["rollouts_kept"] == 2 and mixed.stats["reward_mean"] == 0.5
 
 
 def test_run_file_errors(tmp_path, capsys):

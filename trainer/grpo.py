@@ -38,7 +38,7 @@ class Scored:
             reward=self.reward,
             tool_calls=t.tool_calls,
             tool_errors=min(t.tool_errors, t.tool_calls),
-            answer_tags=t.response_text.count("<answer>"),
+            answer_tags=t.answer_tags,  # the model's turns only, not tool output
             turns=t.turns,
             format_errors=t.format_errors,
         )
@@ -189,8 +189,14 @@ def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
 def prepare_batch(
     groups: Sequence[Sequence[Scored]], group_size: int, *, roc: bool, seed: int, filter_zero: bool = True
 ) -> StepBatch:
-    """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats."""
+    """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats.
+
+    Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
+    dropped before selection and only counted (``rollouts_aborted``).
+    """
     out = StepBatch()
+    generated = sum(len(g) for g in groups)
+    groups = [[s for s in g if s.traj.finish_reason != "abort"] for g in groups]
     all_scored = [s for g in groups for s in g]
     kept_groups: list[list[Scored]] = []
     advs: list[list[float]] = []
@@ -220,7 +226,8 @@ def prepare_batch(
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),
         "groups_dropped_zero_adv": float(dropped),
-        "rollouts": float(len(all_scored)),
+        "rollouts": float(generated),
+        "rollouts_aborted": float(generated - len(all_scored)),
         "rollouts_kept": float(len(out.seqs)),
     }
     return out
