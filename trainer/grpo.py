@@ -238,7 +238,11 @@ def rl_update(
     micro_batch: int = 64,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch."""
+    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
+
+    Returned stats cover every micro-batch of every epoch: fractions and means weighted by
+    their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
+    """
     if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
         zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
         return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
@@ -246,6 +250,7 @@ def rl_update(
     n = len(batch.seqs)
     order = list(range(n))
     totals: dict[str, float] = {}
+    ratio_max = -math.inf
     count = 0
     for _ in range(ppo_epochs):
         for mb in range(mini_batches):
@@ -280,7 +285,10 @@ def rl_update(
                 loss.backward()
                 w = st["tokens"]
                 for k, v in st.items():
-                    if k != "tokens":
+                    if k == "ratio_max":
+                        if w > 0:  # a micro-batch without kept tokens has no ratio
+                            ratio_max = max(ratio_max, v)
+                    elif k != "tokens":
                         totals[k] = totals.get(k, 0.0) + v * w
                 totals["tokens"] = totals.get("tokens", 0.0) + w
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
@@ -290,6 +298,7 @@ def rl_update(
             count += 1
     tok = max(1.0, totals.get("tokens", 0.0))
     out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
+    out["ratio_max"] = ratio_max if ratio_max > -math.inf else 1.0
     out["loss"] = totals.get("loss", 0.0) / max(1, count)
     out["grad_norm"] = totals.get("grad_norm", 0.0) / max(1, count)
     out["tokens"] = tok / max(1, ppo_epochs)
