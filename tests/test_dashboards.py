@@ -25,6 +25,7 @@ def test_catalog_matches_design_md():
     brief_names = {
         "kuberl_tool_call_latency_seconds", "kuberl_tool_calls_total", "kuberl_sandbox_queue_depth",
         "kuberl_sandbox_workers_busy", "kuberl_rollout_kv_cache_utilization", "kuberl_rollout_requests_inflight",
+        "kuberl_rollout_generated_tokens_total",
         "kuberl_train_reward_mean", "kuberl_train_clip_ratio", "kuberl_train_response_clip_ratio",
         "kuberl_train_tool_error_ratio_positive", "kuberl_train_response_length_tokens", "kuberl_train_step",
         "kuberl_train_step_seconds",

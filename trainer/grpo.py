@@ -92,15 +92,15 @@ class RolloutWorker:
         self._thread.start()
         self._cm = executor_factory()
         self.executor = self._run(self._cm.__aenter__())
+        # Learn the engines' capacities now rather than inside the first rollouts() call, so a
+        # worker started by a resume schedules its first batch exactly like a long-lived one.
+        self._run(self.scheduler.refresh_capacities())
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
-
-    def reseed(self, seed: int) -> None:
-        self.engine.reseed(seed)
 
     def rollouts(
         self,
@@ -114,14 +114,18 @@ class RolloutWorker:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[list[Scored]]:
-        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)."""
-        if seed is not None:
-            self.reseed(seed)
+        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer).
+
+        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
+        sample index, turn), so the result does not depend on tool latency or batching.
+        """
         return self._run(
-            self._rollouts(list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p)
+            self._rollouts(
+                list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
+            )
         )
 
-    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p):
+    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
         from kuberl.rollout.loop import rollout_group
 
         groups = await rollout_group(
@@ -130,6 +134,7 @@ class RolloutWorker:
             self.executor,
             prompts,
             n,
+            seed=seed,
             max_turns=max_turns,
             max_response_tokens=max_response_tokens,
             temperature=temperature,
