@@ -228,3 +228,30 @@ def test_rl_update_stats_over_micro_batches_match_the_full_batch():
         for k, v in want.items():
             assert got[k] == pytest.approx(v, rel=1e-5), (micro, k)
         assert got["tokens"] == int(kept.sum())
+
+
+def test_recompute_old_logprobs_uses_the_trainer_policy_and_reports_the_gap():
+    from kuberl.trainer.grpo import StepBatch, recompute_old_logprobs, rl_update
+    from kuberl.trainer.loss import token_logprobs
+    from kuberl.trainer.model import GPT, GPTConfig
+    from kuberl.trainer.sft import pad_batch
+
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=30, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+    masks = [[0, 0, 1, 1, 0, 1], [0, 1, 1, 1]]
+    with torch.no_grad():
+        inp, att, tgt, tm = pad_batch(seqs, masks)
+        lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+    engine = [[0.0] + [float(x) + 0.1 for x in lp[0, :5]], [0.0] + [float(x) - 0.3 for x in lp[1, :3]]]
+    batch = StepBatch(seqs, masks, [list(e) for e in engine], [1.0, -1.0])
+    gap = recompute_old_logprobs(model, batch, micro_batch=1)
+    assert gap == pytest.approx((3 * 0.1 + 3 * 0.3) / 6, rel=1e-4)  # over the 6 trained tokens
+    assert batch.old_logprobs[0][1:] == pytest.approx(lp[0, :5].tolist(), abs=1e-6)
+    assert batch.old_logprobs[1][1:] == pytest.approx(lp[1, :3].tolist(), abs=1e-6)
+    model.train()
+    recompute_old_logprobs(model, batch)
+    assert model.training
+    # on-policy: the first (only) mini-batch sees ratio 1 everywhere, nothing is clipped
+    st = rl_update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, LossConfig(), grad_clip=1.0)
+    assert st["ratio_max"] == pytest.approx(1.0, abs=1e-5) and st["clip_low"] == st["clip_high"] == 0

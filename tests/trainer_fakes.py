@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import traceback
 from dataclasses import dataclass
@@ -52,3 +53,15 @@ class FakeSandbox:
 
     async def verify_batch(self, pairs):
         return [await self.verify(p, g) for p, g in pairs]
+
+
+class CoinVerifySandbox(FakeSandbox):
+    """Verify = a fixed coin flip per predicted answer (a hash bit), whatever the gold answer.
+
+    A barely trained policy almost never computes the right product, but it does write
+    answers; with this verifier about half of them earn reward 1, deterministically, so GRPO
+    groups have non-zero advantages and RL steps really update the model.
+    """
+
+    async def verify(self, prediction: str, gold: str) -> bool:
+        return hashlib.sha256(prediction.strip().encode()).digest()[0] % 2 == 0

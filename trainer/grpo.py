@@ -45,10 +45,13 @@ class Scored:
 
 
 class RolloutWorker:
-    """Owns the LocalEngine, Scheduler and sandbox client; one persistent event loop.
+    """Owns the engine, Scheduler and sandbox client; one persistent event loop.
 
     ``executor_factory`` returns an async context manager yielding a ToolExecutor with
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
+    ``engine_factory(model, tokenizer)`` returns the Engine to roll out on, which must also
+    take ``set_weights(state_dict)``; the default is a LocalEngine serving ``model``. Tests use
+    it to script what the policy writes.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class RolloutWorker:
         max_total_tokens: int = 65536,
         max_batch: int = 256,
         executor_factory: Callable[[], Any] | None = None,
+        engine_factory: Callable[[nn.Module, Any], Any] | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -73,9 +77,12 @@ class RolloutWorker:
         self.tokenizer = BPETokenizer.from_str(tokenizer_json)
         self.model = GPT(GPTConfig.from_dict(model_config))
         self.device = device
-        self.engine = LocalEngine(
-            self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
-        )
+        if engine_factory is None:
+            self.engine = LocalEngine(
+                self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
+            )
+        else:
+            self.engine = engine_factory(self.model, self.tokenizer)
         self.scheduler = Scheduler([self.engine])
         if executor_factory is None:
             if sandbox_url is None:
@@ -154,6 +161,27 @@ class RolloutWorker:
             [Scored(t, r) for t, r in zip(g, rw, strict=True)] for g, rw in zip(groups, rewards, strict=True)
         ]
 
+    def rollout_metrics(self) -> list[dict[str, Any]]:
+        """Per-engine load and generated tokens, for a driver whose exporter this process is not.
+
+        Under Ray the Scheduler's gauges live in the actor's registry, which nothing serves;
+        the driver polls this and mirrors it (``kuberl.trainer.metrics.RolloutMirror``).
+        """
+
+        async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
+            engines = {e.name: e for e in self.scheduler.engines}
+            return [
+                {
+                    "engine": st["engine"],
+                    "kv_cache_utilization": st["utilization"],
+                    "requests_inflight": st["inflight"],
+                    "generated_tokens": getattr(engines.get(st["engine"]), "generated_tokens", None),
+                }
+                for st in self.scheduler.snapshot()
+            ]
+
+        return self._run(snap())
+
     def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
         from kuberl.trainer.data import build_sft_traces
 
@@ -229,6 +257,42 @@ def prepare_batch(
         "rollouts_kept": float(len(out.seqs)),
     }
     return out
+
+
+@torch.no_grad()
+def recompute_old_logprobs(
+    model: nn.Module, batch: StepBatch, *, micro_batch: int = 64, device: torch.device | str = "cpu"
+) -> float:
+    """Replace the engine's log-probs in ``batch`` by the trainer model's; return their mean gap.
+
+    PPO's pi_old is the policy being updated, evaluated here in one fixed layout before the
+    first optimizer step (as verl does). The engine's numbers depend on how requests happened
+    to share its batches (and on a cluster on SGLang's kernels and dtype), so the ratio built
+    from them would carry that noise - and a resumed run, whose tool calls return in another
+    order, would no longer update bit-for-bit. The returned mean |engine - trainer| log-prob
+    over the trained tokens is the rollout/trainer mismatch, a check that weights were synced.
+    """
+    was_training = model.training
+    model.eval()
+    gap, count = 0.0, 0
+    try:
+        for start in range(0, len(batch.seqs), micro_batch):
+            part = range(start, min(start + micro_batch, len(batch.seqs)))
+            inp, att, tgt, tm = pad_batch(
+                [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
+            )
+            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+            lp = lp.cpu()
+            for row, i in enumerate(part):
+                n = len(batch.seqs[i]) - 1
+                mask = tm[row, :n].cpu() > 0
+                engine = torch.tensor(batch.old_logprobs[i][1:], dtype=lp.dtype)
+                gap += float((engine - lp[row, :n]).abs()[mask].sum())
+                count += int(mask.sum())
+                batch.old_logprobs[i] = [0.0, *lp[row, :n].tolist()]
+    finally:
+        model.train(was_training)
+    return gap / count if count else 0.0
 
 
 def rl_update(
