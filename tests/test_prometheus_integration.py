@@ -180,11 +180,13 @@ def scraped(tmp_path_factory):
     """Run the stack under Prometheus; yields (prometheus url, {target: metrics url})."""
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
+    from kuberl.trainer import metrics
     from kuberl.trainer.local import run_job
     from tests.trainer_fakes import ScriptedArithEngine
 
     tmp = tmp_path_factory.mktemp("prom")
-    train_port = _free_port()
+    # one exporter per process: an earlier test in this process may have started it already
+    train_port = metrics._SERVER_PORT or _free_port()  # noqa: SLF001
     mp = pytest.MonkeyPatch()
     mp.setenv("KUBERL_METRICS_PORT", str(train_port))
     with contextlib.ExitStack() as stack:
