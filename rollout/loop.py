@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kuberl.rollout import template
-from kuberl.rollout.engine import GenerateRequest
+from kuberl.rollout.engine import GenerateRequest, derive_seed
 from kuberl.rollout.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -108,8 +108,12 @@ async def rollout_one(
     max_response_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    seed: int | None = None,
 ) -> Trajectory:
-    """Run one multi-turn rollout of ``prompt_text`` (already rendered with the template)."""
+    """Run one multi-turn rollout of ``prompt_text`` (already rendered with the template).
+
+    With ``seed``, turn t samples with ``derive_seed(seed, t)``: the rollout is reproducible.
+    """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_response_tokens < 1:
@@ -138,6 +142,7 @@ async def rollout_one(
                         temperature=temperature,
                         top_p=top_p,
                         stop_token_ids=(tokenizer.eos_id,),
+                        seed=None if seed is None else derive_seed(seed, turns),
                     )
                 )
             except Exception as err:  # one failed request must not cancel the whole step
@@ -212,21 +217,26 @@ async def rollout_group(
     executor: ToolExecutor,
     prompts: list[str],
     n: int,
+    seed: int | None = None,
     **kwargs,
 ) -> list[list[Trajectory]]:
     """``n`` rollouts of every prompt, all concurrently; result[i][j] is rollout j of prompt i.
 
     The scheduler decides how many run at once (KV capacity). A failed engine request aborts
     only its rollout (see :class:`Trajectory`); any other failure cancels the rest.
+    With ``seed``, rollout (i, j) gets ``derive_seed(seed, i, j)``, independent of timing.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts:
         return []
     scheduler.start_batch(len(prompts) * n)
+    seeds = [
+        [None if seed is None else derive_seed(seed, i, j) for j in range(n)] for i in range(len(prompts))
+    ]
     async with asyncio.TaskGroup() as tg:
         tasks = [
-            [tg.create_task(rollout_one(scheduler, tokenizer, executor, p, **kwargs)) for _ in range(n)]
-            for p in prompts
+            [tg.create_task(rollout_one(scheduler, tokenizer, executor, p, seed=s, **kwargs)) for s in row]
+            for p, row in zip(prompts, seeds, strict=True)
         ]
     return [[t.result() for t in row] for row in tasks]
