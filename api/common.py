@@ -1,21 +1,34 @@
 """Shared building blocks of the kuberl custom resources.
 
 Field names are camelCase on the wire (Kubernetes convention) and snake_case in Python;
-``extra="forbid"`` makes a typo in a manifest an error instead of a silently ignored field.
+``extra="forbid"`` makes a typo in a manifest an error instead of a silently ignored field, and
+``strict=True`` refuses what the CRD schema refuses (``replicas: "3"``, ``suspend: "yes"``) instead
+of coercing it, so `kuberl validate` never passes a manifest `kubectl apply` would reject. Strict
+floats still take integers, as a CRD ``type: number`` does.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kuberl import API_VERSION
 
 AcceleratorProfile = Literal["mi300x", "h100", "cpu"]
 ACCELERATOR_PROFILES: tuple[str, ...] = ("mi300x", "h100", "cpu")
+
+# An RFC 1123 label: what Kubernetes requires of the Service and pod names derived from a
+# resource's name, and what stage names must be (they become label values and metric labels).
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+NAME_RULE = (
+    "must be a lowercase RFC 1123 label: at most 63 characters of a-z, 0-9 and '-', "
+    "starting and ending with a letter or digit"
+)
+PATTERN_RULES: dict[str, str] = {NAME_PATTERN: NAME_RULE}
+"""Plain-language wording for the regexes above, used by error messages instead of the regex."""
 
 # Kubernetes resource quantities ("500m", "2Gi", 4) are int-or-string on the wire.
 Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
@@ -28,6 +41,7 @@ class KubeModel(BaseModel):
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
+        strict=True,
         validate_assignment=True,
     )
 
@@ -39,9 +53,9 @@ class KubeModel(BaseModel):
 class ObjectMeta(BaseModel):
     """The part of metadata kuberl reads; everything else is carried through unchanged."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(pattern=NAME_PATTERN, max_length=63)
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
@@ -97,13 +111,34 @@ class ScaledResourceStatus(ResourceStatus):
 
 
 class Autoscaling(KubeModel):
-    """Replica bounds shared by the autoscaled kinds."""
+    """Replica bounds shared by the autoscaled kinds.
 
-    min_replicas: int = Field(1, ge=0)
+    ``minReplicas`` is at least 1: both autoscalers (the operator's built-in one and the KEDA
+    ScaledObject that ``kuberl.io/autoscaler: keda`` renders) read load from metrics the pods
+    themselves export (sandbox queue depth, SGLang KV-cache usage), so at zero pods there is
+    no metric, no load is ever seen and nothing would scale the resource back up.
+    """
+
+    min_replicas: int = Field(
+        1,
+        json_schema_extra={"minimum": 1},
+        description="At least 1: the load metrics come from the pods, so zero pods could never scale up.",
+    )
     max_replicas: int = Field(8, ge=1)
     scale_down_stabilization_seconds: int = Field(
         300, ge=0, description="A scale-down waits until the lower target has held this long."
     )
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _scales_from_a_pod(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                f"autoscaling.minReplicas must be >= 1 (got {v}): the autoscaler reads load from metrics "
+                "the pods export, so at zero pods it would never scale back up; to park the resource, "
+                "drop autoscaling and set replicas: 0"
+            )
+        return v
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -132,15 +167,15 @@ def now_rfc3339() -> str:
 class Resource(BaseModel):
     """A top-level custom resource: apiVersion, kind, metadata, spec, status."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
 
     api_version: Literal["kuberl.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     metadata: ObjectMeta
 
-    # Filled in by subclasses.
-    KIND: str = ""
-    PLURAL: str = ""
-    SHORT_NAMES: tuple[str, ...] = ()
+    # Set by each kind; ClassVars, so they are neither fields nor part of the CRD schema.
+    KIND: ClassVar[str] = ""
+    PLURAL: ClassVar[str] = ""
+    SHORT_NAMES: ClassVar[tuple[str, ...]] = ()
 
     def wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -15,38 +15,94 @@ import yaml
 
 from kuberl import GROUP, VERSION
 
-from .common import Resource
+from .common import NAME_PATTERN, Resource
 from .loader import KINDS
 
 _DROP = {"title", "discriminator"}
 
 # CEL rules for what the per-field schema cannot say; the pydantic validators say the same
-# thing for `kuberl validate`, these make the API server say it for `kubectl apply`.
+# thing for `kuberl validate`, these make the API server say it for `kubectl apply` without the
+# (optional) admission webhook. Rules run after defaulting, so a field with a schema default
+# is always present; fields without one need has(). Paths name properties; "[]" steps into a
+# list's items. tests/test_api.py evaluates every rule against the invalid corpus.
 _REPLICAS_RULE = {
     "rule": "!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && "
     "self.replicas <= self.autoscaling.maxReplicas)",
     "message": "replicas must lie within [autoscaling.minReplicas, autoscaling.maxReplicas]",
 }
+_BOUNDS_RULE = {
+    "rule": "self.minReplicas <= self.maxReplicas",
+    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+}
+_TP_SPAN_RULE = {
+    "rule": "!has(self.engine) || !has(self.accelerator) || self.accelerator.profile == 'cpu' || "
+    "self.engine.tensorParallel <= self.accelerator.count || "
+    "self.engine.tensorParallel % self.accelerator.count == 0",
+    "message": "engine.tensorParallel spans nodes, so it must be a multiple of accelerator.count",
+}
+_FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE]
+_HAS_CONTEXT = "has(self.fleet) && has(self.fleet.engine) && has(self.fleet.engine.contextLength)"
+_CONTEXT = "self.rollout.fleet.engine.contextLength"
+
 CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
     "AgenticRLJob": {
+        (): [
+            {
+                "rule": f"!has(self.rollout) || !({_HAS_CONTEXT.replace('self.', 'self.rollout.')}) || "
+                f"!has(self.stages) || self.stages.all(s, s.type != 'rl' || !has(s.maxResponseTokens) || "
+                f"s.maxResponseTokens < {_CONTEXT})",
+                "message": "every rl stage's maxResponseTokens must be < rollout.fleet.engine.contextLength "
+                "(SGLang rejects requests whose prompt + response reach it)",
+            }
+        ],
+        ("algorithm",): [
+            {
+                "rule": "self.name != 'grpo' || !has(self.oversample) || self.oversample == 1.0",
+                "message": "algorithm.oversample needs name: grpo-roc; "
+                "plain grpo keeps every rollout it samples",
+            },
+            {
+                "rule": "self.miniBatches <= self.batchPrompts",
+                "message": "algorithm.miniBatches must be <= algorithm.batchPrompts",
+            },
+        ],
         ("algorithm", "clip"): [
-            {"rule": "self.high >= self.low", "message": "clip.high must be >= clip.low"}
+            {"rule": "self.high >= self.low", "message": "clip.high must be >= clip.low"},
+            {
+                "rule": "!has(self.negativeRatioCap) || self.negativeRatioCap > 1.0 + self.high",
+                "message": "clip.negativeRatioCap must exceed 1 + clip.high",
+            },
         ],
         ("rollout",): [
             {
                 "rule": "!(has(self.fleetRef) && has(self.fleet))",
                 "message": "set rollout.fleetRef or rollout.fleet, not both",
-            }
+            },
+            {
+                "rule": f"!({_HAS_CONTEXT}) || self.maxResponseTokens < self.fleet.engine.contextLength",
+                "message": "rollout.maxResponseTokens must be < rollout.fleet.engine.contextLength "
+                "(SGLang rejects requests whose prompt + response reach it)",
+            },
         ],
+        ("rollout", "fleet"): _FLEET_RULES,
+        ("rollout", "fleet", "autoscaling"): [_BOUNDS_RULE],
         ("sandbox",): [
             {
                 "rule": "!(has(self.poolRef) && has(self.pool))",
                 "message": "set sandbox.poolRef or sandbox.pool, not both",
             }
         ],
+        ("sandbox", "pool"): [_REPLICAS_RULE],
+        ("sandbox", "pool", "autoscaling"): [_BOUNDS_RULE],
+        ("stages", "[]"): [
+            {
+                "rule": "self.type == 'rl' || !has(self.difficultyFilter)",
+                "message": "difficultyFilter applies to rl stages only",
+            }
+        ],
     },
-    "SandboxPool": {(): [_REPLICAS_RULE]},
-    "RolloutFleet": {(): [_REPLICAS_RULE]},
+    "SandboxPool": {(): [_REPLICAS_RULE], ("autoscaling",): [_BOUNDS_RULE]},
+    "RolloutFleet": {(): _FLEET_RULES, ("autoscaling",): [_BOUNDS_RULE]},
 }
 
 PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
@@ -136,7 +192,7 @@ def structural(node: Any, defs: dict[str, Any], in_status: bool = False) -> Any:
 
 def _at(schema: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
     for part in path:
-        schema = schema["properties"][part]
+        schema = schema["items"] if part == "[]" else schema["properties"][part]
     return schema
 
 
@@ -159,7 +215,12 @@ def schema_for(kind: type[Resource]) -> dict[str, Any]:
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
+            # The only metadata restriction a CRD may declare: the name rule kuberl needs for
+            # the Services and pods it derives from the name.
+            "metadata": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 63, "pattern": NAME_PATTERN}},
+            },
             "spec": spec,
             "status": status,
         },
@@ -211,14 +272,31 @@ def all_crds() -> dict[str, dict[str, Any]]:
     return {f"{cls.PLURAL}.{GROUP}.yaml": crd_for(cls) for cls in KINDS.values()}
 
 
+HEADER = "# Generated by `kuberl crds` from kuberl.api; do not edit.\n"
+
+
 def render(crd: dict[str, Any]) -> str:
-    header = "# Generated by `kuberl crds` from kuberl.api; do not edit.\n"
-    return header + yaml.safe_dump(crd, sort_keys=False, width=120)
+    return HEADER + yaml.safe_dump(crd, sort_keys=False, width=120)
+
+
+def _orphans(out: Path, want: dict[str, Any]) -> list[Path]:
+    """Files an earlier `kuberl crds` wrote that no kind generates any more (a renamed or removed
+    kind). Only files with our header count, so an --out folder shared with other YAML is safe."""
+    if not out.is_dir():
+        return []
+    return [
+        p
+        for p in sorted(out.glob("*.yaml"))
+        if p.name not in want and p.is_file() and p.read_text(errors="replace").startswith(HEADER)
+    ]
 
 
 def write_crds(out_dir: str | Path) -> list[Path]:
+    """Write every CRD into ``out_dir`` and remove the orphans of earlier runs."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for orphan in _orphans(out, all_crds()):
+        orphan.unlink()
     written = []
     for name, crd in all_crds().items():
         path = out / name
@@ -228,8 +306,10 @@ def write_crds(out_dir: str | Path) -> list[Path]:
 
 
 def stale_crds(out_dir: str | Path) -> list[str]:
-    """Names of CRD files that differ from what the models generate (empty = up to date)."""
+    """CRD files that are missing, differ from what the models generate, or are no longer
+    generated at all (an orphan would still be applied by `kubectl apply -f crds/` and by Helm);
+    empty = up to date."""
     out = Path(out_dir)
-    return [
-        n for n, crd in all_crds().items() if not (out / n).exists() or (out / n).read_text() != render(crd)
-    ]
+    want = all_crds()
+    stale = [n for n, crd in want.items() if not (out / n).is_file() or (out / n).read_text() != render(crd)]
+    return sorted(stale + [p.name for p in _orphans(out, want)])

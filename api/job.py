@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from .common import (
+    NAME_PATTERN,
     AcceleratorSpec,
     KubeModel,
     Resource,
@@ -68,7 +69,15 @@ class ClipSpec(KubeModel):
 class AlgorithmSpec(KubeModel):
     name: Literal["grpo-roc", "grpo"] = Field("grpo-roc", description="grpo disables Resample-on-Correct.")
     group_size: int = Field(16, ge=2, le=1024, description="G: rollouts kept per prompt.")
-    oversample: float = Field(2.0, ge=1, le=8, description="RoC draws oversample*G rollouts, keeps G.")
+    # No schema default: it depends on name (2 for grpo-roc, 1 for grpo), and a CRD default would
+    # make the API server fill in 2 for a grpo job, which the CEL rule below then rejects.
+    oversample: float | None = Field(
+        None,
+        ge=1,
+        le=8,
+        description="RoC draws oversample*G rollouts and keeps G; default 2 (grpo-roc), "
+        "1 (grpo, which keeps all).",
+    )
     clip: ClipSpec = Field(default_factory=ClipSpec)
     kl_coef: float = Field(0.0, ge=0)
     entropy_coef: float = Field(0.0, ge=0)
@@ -83,9 +92,16 @@ class AlgorithmSpec(KubeModel):
 
     @model_validator(mode="after")
     def _oversample(self) -> AlgorithmSpec:
-        if self.name == "grpo" and self.oversample != 1:
-            # Plain GRPO keeps everything it samples; oversampling would only waste rollouts.
-            object.__setattr__(self, "oversample", 1.0)
+        if self.oversample is None:
+            # object.__setattr__: validate_assignment would re-enter this validator.
+            object.__setattr__(self, "oversample", 1.0 if self.name == "grpo" else 2.0)
+        elif self.name == "grpo" and self.oversample != 1:
+            # Plain GRPO keeps everything it samples; silently dropping the user's value would
+            # hide that the manifest asks for something this algorithm does not do.
+            raise ValueError(
+                f"algorithm.oversample ({self.oversample:g}) needs name: grpo-roc; plain grpo keeps every "
+                "rollout it samples, so drop oversample or set it to 1"
+            )
         if self.mini_batches > self.batch_prompts:
             raise ValueError(
                 f"algorithm.miniBatches ({self.mini_batches}) must be <= algorithm.batchPrompts ({self.batch_prompts})"
@@ -94,7 +110,7 @@ class AlgorithmSpec(KubeModel):
 
     @property
     def rollouts_per_prompt(self) -> int:
-        return max(self.group_size, round(self.group_size * self.oversample))
+        return max(self.group_size, round(self.group_size * (self.oversample or 1.0)))
 
 
 class InlineFleetSpec(RolloutFleetSpec):
@@ -142,9 +158,12 @@ class DifficultyFilter(KubeModel):
 
 
 class StageSpec(KubeModel):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(pattern=NAME_PATTERN, max_length=63)
     type: Literal["sft", "rl"]
-    steps: int = Field(description="Optimizer steps (sft) or RL steps (rl); must be > 0.")
+    # minimum only in the schema (the CRD's check); _check words the message for `kuberl validate`.
+    steps: int = Field(
+        description="Optimizer steps (sft) or RL steps (rl); must be > 0.", json_schema_extra={"minimum": 1}
+    )
     max_response_tokens: int | None = Field(None, ge=1)
     max_turns: int | None = Field(None, ge=1, le=100)
     data: str | None = Field(None, description="Overrides data.train for this stage.")
@@ -160,6 +179,10 @@ class StageSpec(KubeModel):
         if self.type == "sft" and self.difficulty_filter is not None:
             raise ValueError(f"stage '{self.name}': difficultyFilter applies to rl stages only")
         return self
+
+
+MAX_STAGES = 32
+"""Bounds the list so the API server's CEL cost estimate for rules over stages stays small."""
 
 
 def paper_stages() -> list[StageSpec]:
@@ -206,7 +229,13 @@ class AgenticRLJobSpec(KubeModel):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     sandbox: SandboxRef = Field(default_factory=SandboxRef)
-    stages: list[StageSpec] = Field(default_factory=paper_stages, min_length=1)
+    stages: list[StageSpec] = Field(
+        default_factory=paper_stages,
+        min_length=1,
+        max_length=MAX_STAGES,
+        # A list-map keyed by name: the API server itself rejects duplicate stage names.
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     seed: int = 0
@@ -218,7 +247,36 @@ class AgenticRLJobSpec(KubeModel):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"stage names must be unique; repeated: {', '.join(dupes)}")
+        too_long = self.response_budgets_over_context()
+        if too_long:
+            ctx = self.rollout.fleet.engine.context_length  # type: ignore[union-attr]
+            raise ValueError(
+                f"maxResponseTokens must be < rollout.fleet.engine.contextLength ({ctx}), since SGLang "
+                f"rejects a request whose prompt + response reach it: {'; '.join(too_long)}"
+            )
         return self
+
+    def response_budgets_over_context(self) -> list[str]:
+        """Response budgets an inline fleet with ``engine.contextLength`` cannot serve.
+
+        SGLang answers HTTP 400 to a request whose input + max_new_tokens reach the context
+        length, so such a budget fails long rollouts mid-run, after the job has started.
+        """
+        fleet = self.rollout.fleet
+        ctx = fleet.engine.context_length if fleet is not None else None
+        if ctx is None:
+            return []
+        over = []
+        if self.rollout.max_response_tokens >= ctx:
+            over.append(f"rollout.maxResponseTokens is {self.rollout.max_response_tokens}")
+        for stage in self.stages:
+            if (
+                stage.type == "rl"
+                and stage.max_response_tokens is not None
+                and stage.max_response_tokens >= ctx
+            ):
+                over.append(f"stage '{stage.name}' has {stage.max_response_tokens}")
+        return over
 
     def stage_max_turns(self, stage: StageSpec) -> int:
         return stage.max_turns or self.rollout.max_turns

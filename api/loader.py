@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kuberl import API_VERSION
 
-from .common import Resource
+from .common import PATTERN_RULES, Resource
 from .job import AgenticRLJob
 from .rollout_fleet import RolloutFleet
 from .sandbox_pool import SandboxPool
@@ -21,6 +25,22 @@ KINDS: dict[str, type[Resource]] = {cls.KIND: cls for cls in (AgenticRLJob, Roll
 
 class ManifestError(ValueError):
     """A manifest that cannot be used; the message names the file, object and field."""
+
+
+class KubeYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers the way kubectl does.
+
+    PyYAML follows YAML 1.1, where ``1e-6`` (no dot) is a string; kubectl's YAML reader makes
+    it a number. With strict models that difference would make `kuberl validate` reject a
+    ``learningRate: 1e-6`` that `kubectl apply` accepts.
+    """
+
+
+KubeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
 
 
 def _loc(loc: Iterable[Any]) -> str:
@@ -33,13 +53,133 @@ def _loc(loc: Iterable[Any]) -> str:
     return out
 
 
-def format_validation_error(err: ValidationError) -> list[str]:
-    lines = []
+def _words(name: str) -> str:
+    """``lossAggregation`` -> ``loss aggregation``."""
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r" \1", name).lower()
+
+
+def _singular(name: str) -> str:
+    return name[:-1] if name.endswith("s") and not name.endswith("ss") else name
+
+
+def _noun(loc: Sequence[Any]) -> str:
+    """What a field holds, in words: ``spec.accelerator.profile`` -> ``accelerator profile``,
+    ``spec.stages[0].type`` -> ``stage type``, ``spec.rollout.tools[0]`` -> ``rollout tool``."""
+    named = [(i, p) for i, p in enumerate(loc) if isinstance(p, str)]
+    if not named:
+        return "value"
+    i, last = named[-1]
+    if i < len(loc) - 1:  # a list element of `last`
+        words = [_singular(last)]
+        parent = named[-2] if len(named) > 1 else None
+    else:
+        words = [last]
+        parent = named[-2] if len(named) > 1 else None
+    if parent is not None and parent[1] not in ("spec", "metadata", "status"):
+        j, pname = parent
+        listed = j + 1 < len(loc) and isinstance(loc[j + 1], int)
+        words.insert(0, _singular(pname) if listed else pname)
+    return " ".join(_words(w) for w in words)
+
+
+def _unwrap(ann: Any) -> Any:
+    """``X | None`` and ``Annotated[X, ...]`` -> ``X``."""
+    while True:
+        origin = typing.get_origin(ann)
+        if origin is typing.Annotated:
+            ann = typing.get_args(ann)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            if len(args) != 1:
+                return ann
+            ann = args[0]
+        else:
+            return ann
+
+
+def _model_at(root: type[BaseModel], loc: Sequence[Any]) -> type[BaseModel] | None:
+    """The model class that validated the object at ``loc`` (walking fields, lists and maps)."""
+    ann: Any = root
+    for part in loc:
+        ann = _unwrap(ann)
+        origin = typing.get_origin(ann)
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(part, str):
+            field = next(
+                (f for n, f in ann.model_fields.items() if part in (n, f.alias)),
+                None,
+            )
+            if field is None:
+                return None
+            ann = field.annotation
+        elif origin is list and isinstance(part, int):
+            ann = typing.get_args(ann)[0]
+        elif origin is dict and isinstance(part, str):
+            ann = typing.get_args(ann)[1]
+        else:
+            return None
+    ann = _unwrap(ann)
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _unknown_field(key: str, model: type[BaseModel] | None) -> str:
+    msg = f"unknown field {key!r}"
+    if model is None:
+        return msg
+    known = [f.alias or n for n, f in model.model_fields.items()]
+    same = [k for k in known if k.lower() == key.lower()]
+    close = same or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if close:
+        return f"{msg}; did you mean {close[0]!r}?"
+    return f"{msg}; known fields: {', '.join(sorted(known))}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _message(e: dict[str, Any], loc: Sequence[Any], model: type[BaseModel] | None) -> str:
+    kind, ctx = e["type"], e.get("ctx") or {}
+    if kind == "literal_error":
+        options = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
+        expected = f"one of {', '.join(options)}" if len(options) > 1 else ", ".join(options)
+        return f"unknown {_noun(loc)} {_short(e['input'])}; expected {expected}"
+    if kind == "extra_forbidden" and loc and isinstance(loc[-1], str):
+        return _unknown_field(loc[-1], _model_at(model, loc[:-1]) if model else None)
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") in PATTERN_RULES:
+        return f"{PATTERN_RULES[ctx['pattern']]} (got {_short(e['input'])})"
+    # Pydantic puts validator-raised messages behind "Value error, ".
+    msg = e["msg"].removeprefix("Value error, ")
+    if kind.endswith("_type") and "input" in e:
+        msg += f" (got {type(e['input']).__name__} {_short(e['input'])})"
+    return msg
+
+
+# Pydantic names the member of a union (int | str) an error came from inside the location.
+_UNION_TAGS = {"int", "str", "float", "bool"}
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel] | None = None) -> list[str]:
+    """One line per error: ``field.path: message``. With ``model`` (the class that was
+    validated), an unknown field gets a "did you mean" from the fields that exist there."""
+    lines: list[str] = []
+    last: tuple[str, str] | None = None
     for e in err.errors(include_url=False):
-        # Pydantic puts validator-raised messages behind "Value error, ".
-        msg = e["msg"].removeprefix("Value error, ")
-        loc = _loc(p for p in e["loc"] if not str(p).startswith("function-"))
-        lines.append(f"{loc}: {msg}" if loc else msg)
+        loc = [p for p in e["loc"] if not str(p).startswith("function-") and p not in _UNION_TAGS]
+        where = _loc(loc)
+        if (
+            last is not None
+            and last[0] == where
+            and e["type"].endswith("_type")
+            and last[1].endswith("_type")
+        ):
+            # int | str given a float: one line, "a valid integer or a valid string (got ...)".
+            other = e["msg"].removeprefix("Input should be ")
+            lines[-1] = lines[-1].replace(" (got ", f" or {other} (got ", 1)
+            continue
+        msg = _message(e, loc, model)
+        lines.append(f"{where}: {msg}" if loc else msg)
+        last = (where, e["type"])
     return lines
 
 
@@ -56,8 +196,20 @@ def parse_resource(doc: Any, source: str = "<input>") -> Resource:
     try:
         return KINDS[kind].model_validate(doc)
     except ValidationError as err:
-        details = "\n  ".join(format_validation_error(err))
+        details = "\n  ".join(format_validation_error(err, KINDS[kind]))
         raise ManifestError(f"{where} is invalid:\n  {details}") from None
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> ManifestError:
+    """``file:line:column: problem`` instead of PyYAML's ``in "<unicode string>"``."""
+    if not isinstance(err, yaml.MarkedYAMLError) or err.problem_mark is None:
+        return ManifestError(f"{path}: not valid YAML: {err}")
+    mark = err.problem_mark
+    msg = f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {err.problem}"
+    if err.context:
+        cm = err.context_mark
+        msg += f" ({err.context}" + (f" at line {cm.line + 1}, column {cm.column + 1})" if cm else ")")
+    return ManifestError(msg)
 
 
 def load_documents(path: str | Path) -> list[dict[str, Any]]:
@@ -66,10 +218,12 @@ def load_documents(path: str | Path) -> list[dict[str, Any]]:
         text = path.read_text()
     except OSError as err:
         raise ManifestError(f"{path}: cannot read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ManifestError(f"{path}: not a text file ({err.reason} at byte {err.start})") from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yaml.load_all(text, Loader=KubeYamlLoader) if d is not None]
     except yaml.YAMLError as err:
-        raise ManifestError(f"{path}: not valid YAML: {err}") from None
+        raise _yaml_error(path, err) from None
     if not docs:
         raise ManifestError(f"{path}: no documents")
     return docs

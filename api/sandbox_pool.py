@@ -29,6 +29,9 @@ class SandboxLimits(KubeModel):
     max_processes: int = Field(
         32, ge=1, le=4096, description="pids limit of one call (fork bombs stop here)."
     )
+    disk_mb: int = Field(
+        256, alias="diskMB", ge=16, le=65536, description="Files one call may keep in its scratch directory."
+    )
 
 
 class SandboxAutoscaling(Autoscaling):

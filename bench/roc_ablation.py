@@ -1,11 +1,15 @@
-"""RoC ablation: GRPO-RoC vs plain GRPO from the same SFT checkpoint, same seed.
+"""RoC ablation: GRPO-RoC vs plain GRPO from the same SFT checkpoint, same seed, over N seeds.
 
-Runs the manifest (default examples/quickstart.yaml) once with ``grpo-roc`` (SFT + RL), then
-resumes a copy of its end-of-SFT checkpoint with ``--algorithm grpo``, so both RL runs start
-from identical weights, data order and seeds. Prints both curves of the tool-error ratio in
-positive rollouts (paper fig. 4), reward, and the summary of each run:
+For each seed, runs the manifest (default examples/quickstart.yaml) once with ``grpo-roc`` (SFT +
+RL), then resumes a copy of its end-of-SFT checkpoint with ``--algorithm grpo``, so both RL runs
+of a seed start from identical weights, data order and rollout seeds. Seed k sets the job's
+``spec.seed`` to base + k (model init, sampling, RoC draws); the data and tokenizer stay the
+same. One run is noisy on a task this small, so with ``--seeds N`` the script prints the mean
+and spread (sample standard deviation, min..max) of every summary number per arm, and the
+per-step curves of the tool-error ratio in positive rollouts (paper fig. 4) and of the reward,
+averaged over seeds:
 
-    python bench/roc_ablation.py [examples/quickstart.yaml] [--out runs/roc-ablation]
+    python bench/roc_ablation.py [examples/quickstart.yaml] [--seeds 3] [--out runs/roc-ablation]
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.local import run_job, summarize
+from kuberl.trainer.stages import RunResult
+
+ARMS = ("grpo-roc", "grpo")
 
 
 def _curve(history: list[dict], key: str) -> list[float]:
@@ -34,56 +42,103 @@ def _smooth(xs: list[float], k: int = 5) -> list[float]:
     return out
 
 
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if x is not None and not math.isnan(x)]
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (NaN for one value), min and max of the finite values."""
+    v = _finite(xs)
+    if not v:
+        return {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    std = statistics.stdev(v) if len(v) > 1 else math.nan
+    return {"mean": statistics.fmean(v), "std": std, "min": min(v), "max": max(v), "n": len(v)}
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    """Per-step mean over seeds (NaN where no seed has a value)."""
+    steps = max((len(c) for c in curves), default=0)
+    return [spread([c[i] for c in curves if i < len(c)])["mean"] for i in range(steps)]
+
+
+def run_seed(job: AgenticRLJob, out: Path, use_ray: bool) -> dict[str, RunResult]:
+    """Both arms for one seed: grpo-roc from scratch, grpo from its end-of-SFT checkpoint."""
+    sft_steps = job.spec.stages[0].steps
+    results = {"grpo-roc": run_job(job, out / "grpo-roc", algorithm="grpo-roc", use_ray=use_ray)}
+    src = out / "grpo-roc" / "checkpoints" / f"ckpt-{sft_steps:08d}.pt"
+    dst = out / "grpo" / "checkpoints"
+    dst.mkdir(parents=True)
+    shutil.copy(src, dst / src.name)  # the checkpoint carries its tokenizer
+    results["grpo"] = run_job(job, out / "grpo", algorithm="grpo", use_ray=use_ray)
+    return results
+
+
+def _summary(result: RunResult) -> dict[str, float]:
+    s = summarize(result)
+    first, last = s["tool_error_ratio_positive_first"], s["tool_error_ratio_positive_last"]
+    s["tool_error_ratio_positive_drop"] = first - last
+    return s
+
+
+def _fmt(sp: dict[str, float]) -> str:
+    if not sp["n"]:
+        return "-"
+    std = "" if math.isnan(sp["std"]) else f" ± {sp['std']:.3f}"
+    return f"{sp['mean']:.3f}{std} [{sp['min']:.3f}..{sp['max']:.3f}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("manifest", nargs="?", default="examples/quickstart.yaml")
     ap.add_argument("--out", default="runs/roc-ablation")
+    ap.add_argument("--seeds", type=int, default=1, help="independent seeds per arm (spec.seed + k)")
     ap.add_argument("--no-ray", action="store_true", help="run the rollout worker in-process")
     args = ap.parse_args(argv)
-    job = find_one(load_manifests(args.manifest), AgenticRLJob)
-    job.spec.checkpoint.keep = 10_000  # keep the end-of-SFT checkpoint for the second run
-    sft = [s for s in job.spec.stages if s.type == "sft"]
-    if not sft or job.spec.stages[0].type != "sft":
+    if args.seeds < 1:
+        print("--seeds must be >= 1", file=sys.stderr)
+        return 2
+    base = find_one(load_manifests(args.manifest), AgenticRLJob)
+    if base.spec.stages[0].type != "sft":
         print("the manifest must start with an sft stage", file=sys.stderr)
         return 2
-    sft_steps = sum(s.steps for s in job.spec.stages[:1])
+    base.spec.checkpoint.keep = 10_000  # keep the end-of-SFT checkpoint for the second arm
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    use_ray = not args.no_ray
-    results = {}
-    results["grpo-roc"] = run_job(job, out / "grpo-roc", algorithm="grpo-roc", use_ray=use_ray)
-    src = out / "grpo-roc" / "checkpoints" / f"ckpt-{sft_steps:08d}.pt"
-    dst = out / "grpo" / "checkpoints"
-    dst.mkdir(parents=True)
-    shutil.copy(src, dst / src.name)
-    shutil.copy(out / "grpo-roc" / "tokenizer.json", out / "grpo" / "tokenizer.json")
-    results["grpo"] = run_job(job, out / "grpo", algorithm="grpo", use_ray=use_ray)
+    per_seed: list[dict[str, RunResult]] = []
+    for k in range(args.seeds):
+        job = base.model_copy(deep=True)
+        job.spec.seed = base.spec.seed + k
+        per_seed.append(run_seed(job, out / f"seed-{job.spec.seed}", use_ray=not args.no_ray))
 
-    curves = {a: _curve(r.history, "tool_error_ratio_positive") for a, r in results.items()}
-    rewards = {a: _curve(r.history, "reward_mean") for a, r in results.items()}
-    print("\nstep  tool-error ratio in positives (5-step mean)   reward mean")
+    curves = {a: [_curve(r[a].history, "tool_error_ratio_positive") for r in per_seed] for a in ARMS}
+    rewards = {a: [_curve(r[a].history, "reward_mean") for r in per_seed] for a in ARMS}
+    sm = {a: _smooth(mean_curve(curves[a])) for a in ARMS}
+    rw = {a: mean_curve(rewards[a]) for a in ARMS}
+    print(f"\nmean over {args.seeds} seed(s)")
+    print("step  tool-error ratio in positives (5-step mean)   reward mean")
     print("      grpo-roc   grpo                              grpo-roc   grpo")
-    sm = {a: _smooth(c) for a, c in curves.items()}
-    for i in range(max(len(c) for c in curves.values())):
-        row = [sm[a][i] if i < len(sm[a]) else math.nan for a in ("grpo-roc", "grpo")]
-        rw = [rewards[a][i] if i < len(rewards[a]) else math.nan for a in ("grpo-roc", "grpo")]
-        print(
-            f"{i + 1:4d}  {row[0]:8.3f}  {row[1]:8.3f}                              {rw[0]:8.3f}  {rw[1]:8.3f}"
+    for i in range(max(len(c) for c in sm.values())):
+        t = [sm[a][i] if i < len(sm[a]) else math.nan for a in ARMS]
+        r = [rw[a][i] if i < len(rw[a]) else math.nan for a in ARMS]
+        print(f"{i + 1:4d}  {t[0]:8.3f}  {t[1]:8.3f}                              {r[0]:8.3f}  {r[1]:8.3f}")
+
+    summaries = {a: [_summary(r[a]) for r in per_seed] for a in ARMS}
+    keys = list(summaries["grpo-roc"][0])
+    table = {a: {k: spread([s[k] for s in summaries[a]]) for k in keys} for a in ARMS}
+    print(f"\n{'metric':<36}{'grpo-roc: mean ± std [min..max]':<40}grpo")
+    for k in keys:
+        print(f"{k:<36}{_fmt(table['grpo-roc'][k]):<40}{_fmt(table['grpo'][k])}")
+    (out / "summary.json").write_text(
+        json.dumps(
+            {
+                "seeds": args.seeds,
+                "spread": table,
+                "per_seed": summaries,
+                "curves": curves,
+                "rewards": rewards,
+            }
         )
-    summary = {a: summarize(r) for a, r in results.items()}
-    for s in summary.values():
-        first, last = s["tool_error_ratio_positive_first"], s["tool_error_ratio_positive_last"]
-        s["tool_error_ratio_positive_drop"] = first - last
-        s["tool_error_ratio_positive_last_over_first"] = last / first if first else math.nan
-    print(json.dumps(summary, indent=1))
-    r, g = summary["grpo-roc"], summary["grpo"]
-    print(
-        f"tool-error ratio in positives, first->last: grpo-roc {r['tool_error_ratio_positive_first']:.3f} -> "
-        f"{r['tool_error_ratio_positive_last']:.3f}, grpo {g['tool_error_ratio_positive_first']:.3f} -> "
-        f"{g['tool_error_ratio_positive_last']:.3f}; final/first ratio roc {r['tool_error_ratio_positive_last_over_first']:.2f}"
-        f" vs grpo {g['tool_error_ratio_positive_last_over_first']:.2f}"
     )
-    (out / "summary.json").write_text(json.dumps({"summary": summary, "curves": curves, "rewards": rewards}))
     return 0
 
 

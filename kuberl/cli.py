@@ -21,6 +21,25 @@ if TYPE_CHECKING:
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 Handler = Callable[[argparse.Namespace], int]
+TRAIN_MODULES = frozenset({"torch", "tokenizers", "transformers", "ray"})
+"""Top-level modules of the ``train`` extra; a run without them gets an install hint."""
+GRAFANA_TOKEN_ENV = "GRAFANA_TOKEN"
+
+
+class UsageError(Exception):
+    """A command line that cannot work as given; main prints it and exits 2."""
+
+
+def is_source_checkout(root: Path) -> bool:
+    """Whether ``root`` is a kuberl source tree (its pyproject.toml names the kuberl project),
+    as opposed to the site-packages folder a wheel was installed into."""
+    import tomllib
+
+    try:
+        meta = tomllib.loads((root / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    return meta.get("project", {}).get("name") == "kuberl"
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -39,18 +58,26 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _crd_targets(out: list[str] | None) -> list[Path]:
-    """crds/ and the Helm chart's copy are written together, so the chart can never lag."""
+def crd_targets(out: list[str] | None, root: Path = REPO_ROOT) -> list[Path]:
+    """crds/ and the Helm chart's copy are written together, so the chart can never lag.
+
+    The default folders exist only in a source checkout; after a wheel install ``root`` is
+    site-packages, and writing CRDs there would put them where nobody looks."""
     if out:
         return [Path(o) for o in out]
-    chart = REPO_ROOT / "charts" / "kuberl" / "crds"
-    return [REPO_ROOT / "crds"] + ([chart] if chart.parent.is_dir() else [])
+    if not is_source_checkout(root):
+        raise UsageError(
+            f"kuberl crds: {root} is not a kuberl source checkout, so there is no crds/ folder to "
+            "write; pass --out DIR (repeatable)"
+        )
+    chart = root / "charts" / "kuberl" / "crds"
+    return [root / "crds"] + ([chart] if chart.parent.is_dir() else [])
 
 
 def _cmd_crds(args: argparse.Namespace) -> int:
     from kuberl.api.crdgen import stale_crds, write_crds
 
-    targets = _crd_targets(args.out)
+    targets = crd_targets(args.out)
     if args.check:
         rc = 0
         for target in targets:
@@ -68,9 +95,20 @@ def _cmd_crds(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from kuberl.trainer.local import run_file
+    try:
+        from kuberl.trainer.local import run_file
 
-    return run_file(args.file, out_dir=args.out, ablation=args.algorithm, max_minutes=args.max_minutes)
+        return run_file(args.file, out_dir=args.out, ablation=args.algorithm, max_minutes=args.max_minutes)
+    except ImportError as err:
+        # Only a missing training dependency gets the hint; any other ImportError is a bug to see.
+        if (err.name or "").split(".")[0] not in TRAIN_MODULES:
+            raise
+        print(
+            f"error: `kuberl run` trains locally and needs the train extra ({err.name} is not installed): "
+            "pip install 'kuberl[train]'",
+            file=sys.stderr,
+        )
+        return 2
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
@@ -135,64 +173,150 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
 def _cmd_operator(args: argparse.Namespace) -> int:
     from kuberl.operator.main import run_operator
 
-    return run_operator(namespaces=args.namespace, all_namespaces=args.all_namespaces, verbose=args.verbose)
+    return run_operator(
+        namespaces=args.namespace,
+        all_namespaces=args.all_namespaces,
+        verbose=args.verbose,
+        metrics_port=args.metrics_port,
+    )
 
 
 def _cmd_dashboards(args: argparse.Namespace) -> int:
     from kuberl.dashboards.cli import run as run_dashboards
 
+    if args.dashboards_command == "upload":
+        # A token on the command line ends up in shell history and `ps`; the environment does not.
+        args.token = args.token or os.environ.get(GRAFANA_TOKEN_ENV)
+        if not args.token:
+            raise UsageError(f"kuberl dashboards upload: pass --token or set ${GRAFANA_TOKEN_ENV}")
+
     return run_dashboards(args)
 
 
+class _ParagraphFormatter(argparse.HelpFormatter):
+    """Wraps descriptions and epilogs like argparse does, but keeps their paragraphs and lines."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(
+            super(_ParagraphFormatter, self)._fill_text(line, width, indent) if line else ""
+            for line in text.splitlines()
+        )
+
+
 def build_parser() -> argparse.ArgumentParser:
+    fmt = _ParagraphFormatter
     p = argparse.ArgumentParser(
         prog="kuberl",
         description=(
             "Kubernetes-native agentic RL for LLMs (rStar2-Agent GRPO-RoC). The same manifest runs on a "
             "cluster (`kubectl apply -f`) or locally (`kuberl run`)."
         ),
-        epilog="Example: kuberl run examples/quickstart.yaml",
+        epilog="Example: kuberl run examples/quickstart.yaml\n"
+        "Run `kuberl COMMAND --help` for a command's options.",
+        formatter_class=fmt,
     )
     p.add_argument("--version", action="version", version=f"kuberl {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    v = sub.add_parser("validate", help="check manifests against the kuberl API, with field-level errors")
-    v.add_argument("files", nargs="+", metavar="FILE")
+    v = sub.add_parser(
+        "validate",
+        help="check manifests against the kuberl API, with field-level errors",
+        description="Check AgenticRLJob, RolloutFleet and SandboxPool manifests against the kuberl API "
+        "models: types, ranges and the cross-field rules (replicas within autoscaling bounds, clip "
+        "order, stage budgets vs the fleet's context length, ...). Every problem is reported with "
+        "its file, object and field path.\n\n"
+        "exit status: 0 every document is valid, 1 at least one file is invalid or unreadable, "
+        "2 usage error.",
+        epilog="Example: kuberl validate examples/*.yaml",
+        formatter_class=fmt,
+    )
+    v.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="YAML manifest; a file may hold several documents separated by ---, each is checked",
+    )
     v.set_defaults(func=_cmd_validate)
 
-    c = sub.add_parser("crds", help="generate CustomResourceDefinitions from the API models")
+    c = sub.add_parser(
+        "crds",
+        help="generate CustomResourceDefinitions from the API models",
+        description="Write apiextensions.k8s.io/v1 CRDs (structural schemas, CEL rules, status and "
+        "scale subresources, printer columns) generated from the pydantic models. In a source "
+        "checkout the default targets are crds/ and the Helm chart's charts/kuberl/crds/; an "
+        "installed kuberl needs --out.",
+        formatter_class=fmt,
+    )
     c.add_argument(
         "--out",
         action="append",
-        help="output folder, repeatable (default: crds/ and charts/kuberl/crds/)",
+        metavar="DIR",
+        help="output folder, repeatable (default in a source checkout: crds/ and charts/kuberl/crds/)",
     )
-    c.add_argument("--check", action="store_true", help="exit 1 if the folder is stale instead of writing")
+    c.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if a folder holds missing, outdated or orphaned CRD files",
+    )
     c.set_defaults(func=_cmd_crds)
 
-    r = sub.add_parser("run", help="run an AgenticRLJob manifest locally (SFT then GRPO-RoC stages)")
-    r.add_argument("file", metavar="FILE")
+    r = sub.add_parser(
+        "run",
+        help="run an AgenticRLJob manifest locally (SFT then GRPO-RoC stages)",
+        description="Train the job's builtin model on this machine: the stages in order (SFT, then RL "
+        "with rollouts on an in-process engine and tool calls in a local sandbox service). Needs the "
+        "train extra: pip install 'kuberl[train]'. A run folder that already holds checkpoints is "
+        "resumed.",
+        epilog="Example: kuberl run examples/quickstart.yaml --max-minutes 5",
+        formatter_class=fmt,
+    )
+    r.add_argument("file", metavar="FILE", help="manifest holding an AgenticRLJob (the first one is run)")
     r.add_argument("--out", default=None, help="run folder for checkpoints/metrics (default: runs/<job>)")
     r.add_argument(
         "--algorithm", choices=["grpo-roc", "grpo"], default=None, help="override algorithm.name (ablation)"
     )
-    r.add_argument("--max-minutes", type=float, default=None, help="stop RL early after this wall time")
+    r.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="stop the run (SFT or RL, whichever stage it is in) after M minutes of wall time; the "
+        "same command resumes from the last checkpoint",
+    )
     r.set_defaults(func=_cmd_run)
 
-    rd = sub.add_parser("render", help="print the Kubernetes objects the operator would create for FILE")
-    rd.add_argument("file", metavar="FILE")
-    rd.add_argument("--namespace", default="default")
+    rd = sub.add_parser(
+        "render",
+        help="print the Kubernetes objects the operator would create for FILE",
+        description="Print, as YAML, the objects the operator creates for each resource in FILE "
+        "(Deployments or LeaderWorkerSets, Services, NetworkPolicies, the trainer Job, RBAC, KEDA "
+        "ScaledObjects), without a cluster; owner references are added by the operator.",
+        formatter_class=fmt,
+    )
+    rd.add_argument("file", metavar="FILE", help="manifest with kuberl resources (several documents allowed)")
+    rd.add_argument(
+        "--namespace",
+        default="default",
+        help="namespace for resources whose metadata has none (default: default)",
+    )
     rd.set_defaults(func=_cmd_render)
 
-    s = sub.add_parser("sandbox", help="the Python tool execution service")
+    s = sub.add_parser(
+        "sandbox",
+        help="the Python tool execution service",
+        description="The sandbox service that executes model-written Python for tool calls.",
+        formatter_class=fmt,
+    )
     ssub = s.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND", required=True)
     serve = ssub.add_parser(
         "serve",
         help="serve the HTTP/JSON execution API",
         description="Serve the sandbox API. Per-call limits come from $KUBERL_SANDBOX_LIMITS "
         "(the SandboxPool's spec.limits as JSON, set by the operator); flags override it.",
+        formatter_class=fmt,
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     serve.add_argument(
         "--workers", type=int, default=None, help="fork-server workers (default: one per core)"
     )
@@ -228,20 +352,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_cmd_sandbox_serve)
 
-    o = sub.add_parser("operator", help="run the kopf operator that reconciles kuberl resources")
+    o = sub.add_parser(
+        "operator",
+        help="run the kopf operator that reconciles kuberl resources",
+        description="Run the operator: reconciles AgenticRLJobs, RolloutFleets and SandboxPools into "
+        "the objects `kuberl render` prints and autoscales fleets and pools; with "
+        "$KUBERL_WEBHOOK_PORT set it also serves the admission webhooks. Uses the in-cluster service "
+        "account, or the current kubeconfig context outside a cluster. Without --namespace or "
+        "--all-namespaces it watches $KUBERL_NAMESPACE, else 'default'.",
+        formatter_class=fmt,
+    )
     o.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
-    o.add_argument("--all-namespaces", "-A", action="store_true")
-    o.add_argument("--verbose", action="store_true")
+    o.add_argument(
+        "--all-namespaces",
+        "-A",
+        action="store_true",
+        help="watch every namespace (needs cluster-wide RBAC, as the Helm chart grants)",
+    )
+    o.add_argument(
+        "--verbose", action="store_true", help="log at DEBUG level (kopf logs every handler run and API call)"
+    )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve the operator's /metrics here (default $KUBERL_OPERATOR_METRICS_PORT or 8080; 0: any free port)",
+    )
     o.set_defaults(func=_cmd_operator)
 
-    d = sub.add_parser("dashboards", help="generate or upload the Grafana dashboards")
+    d = sub.add_parser(
+        "dashboards",
+        help="generate or upload the Grafana dashboards",
+        description="The Grafana dashboards (training, rollout, sandbox), generated from Python "
+        "definitions over the metrics catalog.",
+        formatter_class=fmt,
+    )
     dsub = d.add_subparsers(dest="dashboards_command", metavar="SUBCOMMAND", required=True)
-    gen = dsub.add_parser("generate", help="write dashboards/generated/*.json")
+    gen = dsub.add_parser(
+        "generate",
+        help="write dashboards/generated/*.json",
+        description="Write the dashboards' JSON (and the Helm chart's copy in a source checkout).",
+        formatter_class=fmt,
+    )
     gen.add_argument("--check", action="store_true", help="exit 1 if the committed JSON is stale")
-    up = dsub.add_parser("upload", help="push dashboards (and run annotations) to Grafana")
-    up.add_argument("--url", required=True)
-    up.add_argument("--token", required=True)
-    up.add_argument("--folder", default="kuberl")
+    up = dsub.add_parser(
+        "upload",
+        help="push dashboards (and run annotations) to Grafana",
+        description="Create or update the dashboards in a Grafana folder through its HTTP API, and "
+        "optionally post a run's events as annotations.",
+        epilog=f"Example: {GRAFANA_TOKEN_ENV}=... kuberl dashboards upload --url http://grafana:3000",
+        formatter_class=fmt,
+    )
+    up.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+    up.add_argument(
+        "--token",
+        default=None,
+        help=f"Grafana service-account token (default: ${GRAFANA_TOKEN_ENV}; the environment keeps it "
+        "out of shell history)",
+    )
+    up.add_argument(
+        "--folder", default="kuberl", help="Grafana folder title to upload into (default: kuberl)"
+    )
     up.add_argument("--annotations", default=None, help="events.jsonl of a run to post as annotations")
     d.set_defaults(func=_cmd_dashboards)
     return p
@@ -254,6 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         return 130
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except Exception as err:  # noqa: BLE001 - the CLI's last line of defence: one clear line, not a traceback
         from kuberl.api.loader import ManifestError
 

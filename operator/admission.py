@@ -3,8 +3,10 @@
 Validation: the whole pydantic model (cross-field rules such as replicas within the
 autoscaling bounds, clip.high >= clip.low, tensorParallel vs accelerators per node, unique
 stage names), then references: a job's ``rollout.fleetRef`` / ``sandbox.poolRef`` must name
-an existing RolloutFleet / SandboxPool in the job's namespace, and a ``keda`` autoscaler
-annotation needs ``spec.autoscaling``.
+an existing RolloutFleet / SandboxPool in the job's namespace, the referenced fleet's
+``engine.contextLength`` must exceed every RL stage's ``maxResponseTokens`` (SGLang answers
+HTTP 400 to a request whose prompt plus ``max_new_tokens`` reaches the context length), and
+a ``keda`` autoscaler annotation needs ``spec.autoscaling``.
 
 Mutation: fills in what is derived rather than defaulted -- an inline fleet's model comes
 from the job's ``model.base`` -- and labels every kuberl resource ``app.kubernetes.io/name:
@@ -20,8 +22,33 @@ from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, p
 
 from .builders import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 
-# (kind, namespace, name) -> does it exist?
-Lookup = Callable[[str, str, str], Awaitable[bool]]
+# (kind, namespace, name) -> the live object, or None if it does not exist
+Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
+
+
+def context_length_problems(job: AgenticRLJob, fleet: dict[str, Any]) -> list[str]:
+    """Why ``fleet`` (a live RolloutFleet) cannot serve ``job``'s RL stages ([] = it can).
+
+    A fleet without ``engine.contextLength`` uses the model's own limit, unknown here: no
+    problem is reported for it.
+    """
+    engine = ((fleet.get("spec") or {}).get("engine")) or {}
+    limit = engine.get("contextLength")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return []
+    problems = []
+    for stage in job.spec.stages:
+        if stage.type != "rl":
+            continue
+        tokens = job.spec.stage_max_response_tokens(stage)
+        if limit <= tokens:
+            problems.append(
+                f"has engine.contextLength {limit}, which must exceed stage '{stage.name}' "
+                f"maxResponseTokens {tokens} (SGLang rejects a request whose prompt plus "
+                "max_new_tokens reaches the context length with HTTP 400): raise the fleet's "
+                "engine.contextLength or lower the stage's maxResponseTokens"
+            )
+    return problems
 
 
 def _as_manifest(body: dict[str, Any]) -> dict[str, Any]:
@@ -55,13 +82,16 @@ async def validation_errors(body: dict[str, Any], lookup: Lookup | None) -> list
             )
     if isinstance(res, AgenticRLJob) and lookup is not None:
         rollout, sandbox = res.spec.rollout, res.spec.sandbox
-        if (
-            rollout.fleet_ref
-            and rollout.engine != "local"
-            and not await lookup("RolloutFleet", ns, rollout.fleet_ref)
-        ):
-            errors.append(f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} does not exist")
-        if sandbox.pool_ref and not await lookup("SandboxPool", ns, sandbox.pool_ref):
+        if rollout.fleet_ref and rollout.engine != "local":
+            fleet = await lookup("RolloutFleet", ns, rollout.fleet_ref)
+            if fleet is None:
+                errors.append(f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} does not exist")
+            else:
+                errors += [
+                    f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} {problem}"
+                    for problem in context_length_problems(res, fleet)
+                ]
+        if sandbox.pool_ref and await lookup("SandboxPool", ns, sandbox.pool_ref) is None:
             errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
     return errors
 

@@ -9,7 +9,8 @@ without a cluster. The algorithm follows the HorizontalPodAutoscaler's:
 * scale-up takes effect at once (bounded to doubling, min +1, per decision);
 * scale-down is *stabilized*: the applied value is the highest recommendation of the last
   ``scaleDownStabilizationSeconds``, so a short lull never drains a pool that is needed
-  again seconds later;
+  again seconds later; the window's recommendations are kept in the object's
+  ``status.recommendations`` (``history_to_status``), so a restarted operator honours it too;
 * the result is clamped to ``[minReplicas, maxReplicas]``; no metrics = no change.
 """
 
@@ -127,11 +128,11 @@ def decide(
 
     ``recommendation=None`` means the metrics could not be read: hold, and do not record it.
     """
-    window = tuple(h for h in history if now - h.time <= stabilization_s)
+    window = compact(h for h in history if now - h.time <= stabilization_s)
     if recommendation is None:
         clamped = min(max(current, min_replicas), max_replicas)
         return Decision(clamped, current, window, "hold" if clamped == current else "bounds")
-    window = (*window, Recommendation(now, recommendation))
+    window = compact((*window, Recommendation(now, recommendation)))
     if recommendation > current:
         # Scale up at once, at most doubling (min +1) per decision, like the HPA's default policy.
         desired = min(recommendation, max(current * 2, current + 1))
@@ -147,6 +148,37 @@ def decide(
     else:
         reason = "hold"
     return Decision(desired, recommendation, window, reason)
+
+
+def compact(history: Iterable[Recommendation]) -> tuple[Recommendation, ...]:
+    """The recommendations that can still be the window's maximum, oldest first.
+
+    An entry followed by a later one with at least as many replicas never decides again (the
+    later one stays in the window longer), so it is dropped: the history kept in the object's
+    status stays a few entries long however often the autoscaler runs.
+    """
+    out: list[Recommendation] = []
+    for rec in sorted(history, key=lambda r: r.time):
+        while out and out[-1].replicas <= rec.replicas:
+            out.pop()
+        out.append(rec)
+    return tuple(out)
+
+
+def history_to_status(history: Iterable[Recommendation]) -> list[dict[str, float | int]]:
+    """``status.recommendations``: the stabilization window survives an operator restart."""
+    return [{"time": round(r.time, 3), "replicas": r.replicas} for r in history]
+
+
+def history_from_status(raw: object) -> tuple[Recommendation, ...]:
+    """Parse ``status.recommendations``; malformed entries (hand edits) are skipped."""
+    out = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            out.append(Recommendation(float(item["time"]), int(item["replicas"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return compact(out)
 
 
 # --- metrics parsing -----------------------------------------------------------------------

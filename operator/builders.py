@@ -15,6 +15,9 @@ Naming (``<name>`` is the custom resource's name):
   EndpointSlices), ConfigMap ``<name>-config`` (key ``job.yaml``), headless Service
   ``<name>-trainer``, Indexed Job ``<name>-trainer``, and -- only when declared inline --
   RolloutFleet ``<name>-rollout`` and SandboxPool ``<name>-sandbox``.
+
+``CHILD_KINDS`` lists every kind each builder can emit, so the operator can find (by the
+instance label and the owner's uid) and delete children a spec change no longer builds.
 """
 
 from __future__ import annotations
@@ -69,6 +72,29 @@ def object_labels(instance: str, component: str, owner_kind: str) -> dict[str, s
         LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_OWNER_KIND: owner_kind,
     }
+
+
+# Every kind a builder may emit per owner kind (apiVersion, kind); KEDA ScaledObjects are only
+# rendered (``kuberl render``), never applied, so they are not children to clean up.
+CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "SandboxPool": (("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")),
+    "RolloutFleet": (
+        ("apps/v1", "Deployment"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+        ("v1", "Service"),
+    ),
+    "AgenticRLJob": (
+        ("v1", "ServiceAccount"),
+        ("rbac.authorization.k8s.io/v1", "Role"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+        ("v1", "ConfigMap"),
+        ("v1", "Service"),
+        ("batch/v1", "Job"),
+        (API_VERSION, "RolloutFleet"),
+        (API_VERSION, "SandboxPool"),
+    ),
+}
+LABEL_ROLE = "kuberl.io/role"
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -167,6 +193,15 @@ def _shm_volume(size: str) -> dict[str, Any]:
 # --- SandboxPool --------------------------------------------------------------------------
 
 
+SANDBOX_TMP_MARGIN_MIB = 256
+
+
+def sandbox_tmp_mib(spec: SandboxPoolSpec) -> int:
+    """Size of a sandbox pod's /tmp: a call is killed beyond ``diskMB``, so the workers together
+    can never fill it (an emptyDir over its sizeLimit gets the whole pod evicted)."""
+    return spec.workers_per_pod * spec.limits.disk_mb + SANDBOX_TMP_MARGIN_MIB
+
+
 def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Manifest]:
     """Deployment + Service + egress-denying NetworkPolicy for a SandboxPool.
 
@@ -263,7 +298,9 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
                     },
                     "containers": [container],
                     "volumes": [
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        # the workers' scratch directories live in /tmp: room for every worker's
+                        # disk quota (spec.limits.diskMB) plus the server's own files
+                        {"name": "tmp", "emptyDir": {"sizeLimit": f"{sandbox_tmp_mib(spec)}Mi"}},
                         {"name": "work", "emptyDir": {"sizeLimit": "4Gi"}},
                     ],
                 },
@@ -340,6 +377,11 @@ def _engine_pod_spec(
         "env": [
             {"name": "HF_HOME", "value": "/models"},
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            # GRPO-RoC's importance ratio needs the policy's own log-probabilities (temperature 1,
+            # before top-p/top-k); by default SGLang returns them after temperature scaling.
+            # sgl-project/sglang python/sglang/srt/layers/sampler.py reads it with
+            # get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") ("1" or "true").
+            {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "1"},
         ],
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
         "resources": accelerator_resources(acc, spec.resources),
@@ -370,6 +412,14 @@ def _engine_pod_spec(
         "containers": [container],
         "volumes": [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}],
     }
+
+
+def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
+    """Labels of the pods that serve HTTP: every pod of a Deployment, only LeaderWorkerSet
+    leaders (workers carry the same instance labels but serve nothing). The Service, the scale
+    subresource's ``status.selector`` and the autoscaler's scrape all use this."""
+    sel = selector_labels(fleet.metadata.name, "rollout")
+    return sel if fleet.spec.nodes_per_engine == 1 else {**sel, LABEL_ROLE: "leader"}
 
 
 def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list[Manifest]:
@@ -423,19 +473,19 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
                     "restartPolicy": "RecreateGroupOnPodRestart",
                     "leaderTemplate": {
                         "metadata": {
-                            "labels": {**labels, "kuberl.io/role": "leader"},
+                            "labels": {**labels, LABEL_ROLE: "leader"},
                             "annotations": pod_annotations,
                         },
                         "spec": _engine_pod_spec(spec, name, multi_node=True, leader=True),
                     },
                     "workerTemplate": {
-                        "metadata": {"labels": {**labels, "kuberl.io/role": "worker"}},
+                        "metadata": {"labels": {**labels, LABEL_ROLE: "worker"}},
                         "spec": _engine_pod_spec(spec, name, multi_node=True, leader=False),
                     },
                 },
             },
         }
-        service_selector = {**sel, "kuberl.io/role": "leader"}
+        service_selector = engine_selector(fleet)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -700,6 +750,8 @@ def trainer_rbac(job: AgenticRLJob, namespace: str) -> list[Manifest]:
 # --- KEDA ---------------------------------------------------------------------------------
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+# app.kubernetes.io/instance as a Prometheus label (the chart's monitors copy it onto every series).
+PROM_INSTANCE_LABEL = "app_kubernetes_io_instance"
 
 
 def build_keda_scaled_object(
@@ -708,10 +760,19 @@ def build_keda_scaled_object(
     """A KEDA ScaledObject equivalent to the operator's own autoscaling timer.
 
     KEDA scales the custom resource itself through its scale subresource (kubectl-scale
-    semantics), so the operator keeps reconciling the Deployment from spec.replicas.
-    SandboxPool: ``sum(queue)/workersPerPod`` as an AverageValue metric gives
-    ``ceil(queue / (workersPerPod * targetQueuePerWorker))`` pods. RolloutFleet: mean KV-cache
-    usage as a Value metric (replicas * usage / target) and queued requests per engine.
+    semantics), so the operator keeps reconciling the Deployment from spec.replicas. Several
+    triggers make the HPA take the largest demand, as ``autoscale.recommend_*`` does.
+
+    SandboxPool: queued calls, ``sum(queue)/workersPerPod`` as an AverageValue metric gives
+    ``ceil(queue / (workersPerPod * targetQueuePerWorker))`` pods, and busy workers,
+    ``sum(busy)`` with threshold workersPerPod gives ``ceil(busy / workersPerPod)`` pods (work
+    in flight keeps its pods). RolloutFleet: mean KV-cache usage as a Value metric
+    (replicas * usage / target) and queued requests per engine.
+
+    Every query selects one object's series only: the namespace plus the pool's own ``pool``
+    label, or for SGLang (whose metrics carry no fleet name) the ``app_kubernetes_io_instance``
+    label that the chart's PodMonitor copies from the pod (``podTargetLabels``). A name regex
+    such as ``pod=~"gen-.*"`` would also match fleet ``gen-x``.
     """
     if not isinstance(resource, SandboxPool | RolloutFleet):
         raise ValueError(f"{resource.KIND} has no autoscaling; KEDA applies to SandboxPool and RolloutFleet")
@@ -719,44 +780,44 @@ def build_keda_scaled_object(
     auto = resource.spec.autoscaling
     if auto is None:
         raise ValueError(f"{resource.KIND}/{name}: spec.autoscaling is not set, nothing to render for KEDA")
-    pods = f'namespace="{namespace}",pod=~"{name}-.*"'
+
+    def trigger(trigger_name: str, metric_type: str, query: str, threshold: float) -> dict[str, Any]:
+        return {
+            "type": "prometheus",
+            "name": trigger_name,
+            "metricType": metric_type,
+            "metadata": {"serverAddress": prometheus_url, "query": query, "threshold": f"{threshold:g}"},
+        }
+
     if isinstance(resource, SandboxPool):
         component = "sandbox"
+        series = f'{{namespace="{namespace}",pool="{name}"}}'
+        per_pod = resource.spec.workers_per_pod
         triggers = [
-            {
-                "type": "prometheus",
-                "name": "queue-per-worker",
-                "metricType": "AverageValue",
-                "metadata": {
-                    "serverAddress": prometheus_url,
-                    "query": f'sum(kuberl_sandbox_queue_depth{{pool="{name}"}}) / {resource.spec.workers_per_pod}',
-                    "threshold": f"{auto.target_queue_per_worker:g}",
-                },
-            }
+            trigger(
+                "queue-per-worker",
+                "AverageValue",
+                f"sum(kuberl_sandbox_queue_depth{series}) / {per_pod}",
+                auto.target_queue_per_worker,
+            ),
+            trigger("busy-workers", "AverageValue", f"sum(kuberl_sandbox_workers_busy{series})", per_pod),
         ]
     else:
         component = "rollout"
+        series = f'{{namespace="{namespace}",{PROM_INSTANCE_LABEL}="{name}"}}'
         triggers = [
-            {
-                "type": "prometheus",
-                "name": "kv-cache-utilization",
-                "metricType": "Value",
-                "metadata": {
-                    "serverAddress": prometheus_url,
-                    "query": f"avg(sglang:token_usage{{{pods}}})",
-                    "threshold": f"{auto.target_kv_cache_utilization:g}",
-                },
-            },
-            {
-                "type": "prometheus",
-                "name": "queued-requests",
-                "metricType": "AverageValue",
-                "metadata": {
-                    "serverAddress": prometheus_url,
-                    "query": f"sum(sglang:num_queue_reqs{{{pods}}})",
-                    "threshold": f"{auto.target_queued_requests:g}",
-                },
-            },
+            trigger(
+                "kv-cache-utilization",
+                "Value",
+                f"avg(sglang:token_usage{series})",
+                auto.target_kv_cache_utilization,
+            ),
+            trigger(
+                "queued-requests",
+                "AverageValue",
+                f"sum(sglang:num_queue_reqs{series})",
+                auto.target_queued_requests,
+            ),
         ]
     return {
         "apiVersion": "keda.sh/v1alpha1",
@@ -816,8 +877,10 @@ OPERATOR_IMAGE = "ghcr.io/kuberl/kuberl:0.1.0"
 _CRUD = ["get", "list", "watch", "create", "patch", "update", "delete"]
 
 
-def operator_rbac_rules() -> list[dict[str, Any]]:
-    """The least the operator needs: its own kinds, the children it builds, and what kopf reads."""
+def operator_namespaced_rules() -> list[dict[str, Any]]:
+    """What the operator needs inside each watched namespace: its kinds, their children, events.
+
+    With a fixed list of namespaces these go into one Role per namespace (charts/kuberl)."""
     return [
         {
             "apiGroups": ["kuberl.io"],
@@ -844,28 +907,48 @@ def operator_rbac_rules() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
         {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": _CRUD},
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+    ]
+
+
+def operator_cluster_rules(admission: bool = False) -> list[dict[str, Any]]:
+    """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs, and -- only when
+    the admission webhooks are enabled -- the webhook configurations kopf keeps up to date."""
+    rules: list[dict[str, Any]] = [
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
         {
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
             "verbs": ["get", "list", "watch"],
         },
-        {
-            "apiGroups": ["admissionregistration.k8s.io"],
-            "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
-            "verbs": ["get", "list", "watch", "create", "patch", "update"],
-        },
     ]
+    if admission:
+        rules.append(
+            {
+                "apiGroups": ["admissionregistration.k8s.io"],
+                "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
+                "verbs": ["get", "list", "watch", "create", "patch", "update"],
+            }
+        )
+    return rules
+
+
+def operator_rbac_rules(admission: bool = False) -> list[dict[str, Any]]:
+    """The least the operator needs when it watches every namespace (one ClusterRole)."""
+    return operator_namespaced_rules() + operator_cluster_rules(admission)
+
+
+OPERATOR_METRICS_PORT = 8080
 
 
 def build_operator(namespace: str = "kuberl-system", image: str = OPERATOR_IMAGE) -> list[Manifest]:
     """ServiceAccount, ClusterRole(+Binding) and Deployment that run ``kuberl operator -A``.
 
-    One replica in kopf standalone mode (no peering objects): run exactly one.
+    One replica in kopf standalone mode (no peering objects): run exactly one. Its own
+    Prometheus metrics (``kuberl_autoscaler_*``) are served on the container port ``metrics``.
     """
     name = "kuberl-operator"
     labels = {
@@ -912,6 +995,19 @@ def build_operator(namespace: str = "kuberl-system", image: str = OPERATOR_IMAGE
                                 "name": "operator",
                                 "image": image,
                                 "command": ["kuberl", "operator", "--all-namespaces"],
+                                "env": [
+                                    {
+                                        "name": "KUBERL_OPERATOR_METRICS_PORT",
+                                        "value": str(OPERATOR_METRICS_PORT),
+                                    }
+                                ],
+                                "ports": [
+                                    {
+                                        "name": "metrics",
+                                        "containerPort": OPERATOR_METRICS_PORT,
+                                        "protocol": "TCP",
+                                    }
+                                ],
                                 "resources": {
                                     "requests": {"cpu": "100m", "memory": "256Mi"},
                                     "limits": {"memory": "1Gi"},

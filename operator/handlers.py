@@ -7,20 +7,30 @@ own timings, login and metrics scraper.
 Per custom resource:
 
 * create / update / resume -> ``reconcile``: build the children (``builders``), adopt them
-  (ownerReferences, namespace), apply each one idempotently (get, then create or merge-patch
-  only what differs), and write ``status`` (phase, conditions, observedGeneration; replicas
-  and selector for the scale subresource). An invalid spec is not retried: it gets phase
-  ``Invalid``, a Ready=False condition with the field-level message and a Warning event.
-  Every phase transition is a Kubernetes Event on the object.
+  (ownerReferences, namespace), apply each one (``KubeClient.apply``: create, or a three-way
+  merge patch that also removes what kuberl set before and no longer wants), delete children
+  the spec no longer builds (found by instance label + owner uid), and write ``status``
+  (phase, conditions, observedGeneration; replicas and selector for the scale subresource).
+  An invalid spec is not retried: it gets phase ``Invalid``, a Ready=False condition with
+  the field-level message and a Warning event. Every phase transition is an Event.
 * ``resync_loop`` (every ``reconcile_interval``) runs the same reconcile over every object:
-  drift repair (a deleted child is recreated, a hand-edited one patched back), status
-  refresh from the children (readiness, trainer completion/failure), and -- every
-  ``autoscale_interval`` -- autoscaling of pools/fleets with ``spec.autoscaling``: scrape
-  each ready pod's /metrics, decide with ``autoscale.decide``, write the scale subresource
-  (as an HPA would); skipped for ``kuberl.io/autoscaler: keda``.
+  drift repair (a deleted child is recreated, a hand-edited one patched back) and status
+  refresh from the children (readiness, trainer completion/failure). Objects without
+  ``status.observedGeneration`` have not been handled yet (kopf's create handler may still be
+  queued): their children are created without "was missing" warnings.
+* ``autoscale_loop`` (every ``autoscale_interval``, independent of the resync) scales pools
+  and fleets with ``spec.autoscaling``: scrape each ready pod's /metrics, decide with
+  ``autoscale.decide``, write the scale subresource (as an HPA would); skipped for
+  ``kuberl.io/autoscaler: keda``. The stabilization window lives in
+  ``status.recommendations``, so a restart cannot scale down early.
+* a job's inline fleet/pool that autoscales keeps the autoscaler's replica count: the job
+  writes ``spec.replicas`` only on create and suspend/resume (``children.inline_replicas``).
 * no finalizers: every child carries an ownerReference, so Kubernetes' garbage collector
-  removes them when the owner goes, and there is no external state to clean up. (kopf
-  timers would add a finalizer to every object, which is why the resync is a plain loop.)
+  removes them when the owner goes. The operator's memory of an object (last phase, lock,
+  metric series) is dropped on its DELETED watch event (``kopf.on.event``; a
+  ``kopf.on.delete`` handler would need kopf's finalizer to ever run) and, as a fallback, when
+  a full resync no longer lists it. (kopf timers would add a finalizer to every object, which
+  is why the resync and autoscale loops are plain loops.)
 * optional validating/mutating admission (``admission.py``) when a webhook server is set.
 """
 
@@ -41,7 +51,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 
-from . import admission, autoscale, builders, status
+from . import admission, autoscale, builders, children, metrics, status
 from .kube import ApiError, KubeClient, is_subset, kind_of
 
 log = logging.getLogger("kuberl.operator")
@@ -53,6 +63,7 @@ KINDS: dict[str, type[Resource]] = {
     "AgenticRLJob": AgenticRLJob,
 }
 PLURALS = {cls.KIND: cls.PLURAL for cls in KINDS.values()}
+SCALED = ("SandboxPool", "RolloutFleet")
 TERMINAL = ("Succeeded", "Failed")
 
 
@@ -78,6 +89,8 @@ class OperatorConfig:
     clock: Callable[[], float] = time.time
     # Register the validating/mutating webhooks; kopf then requires settings.admission.server.
     admission: bool = False
+    # Serve the operator's /metrics on this port (0: any free port; None: not at all).
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -85,14 +98,29 @@ class OperatorContext:
     config: OperatorConfig
     namespaces: list[str] | None = None
     connection: kopf.ConnectionInfo | None = None
-    resync_task: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
     phases: dict[str, str] = field(default_factory=dict)  # uid -> last phase reported (events)
-    histories: dict[str, tuple[autoscale.Recommendation, ...]] = field(default_factory=dict)
+    known: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # uid -> (ns, kind, name)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
     _client: KubeClient | None = field(default=None, repr=False)
 
     def lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
+
+    def remember(self, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        if meta.get("uid"):
+            self.known[meta["uid"]] = (meta.get("namespace", ""), body.get("kind", ""), meta.get("name", ""))
+
+    def forget(self, uid: str) -> None:
+        """Drop everything kept about a deleted object (phase, lock, metric series)."""
+        self.phases.pop(uid, None)
+        lock = self._locks.get(uid)
+        if lock is not None and not lock.locked():
+            del self._locks[uid]
+        where = self.known.pop(uid, None)
+        if where is not None:
+            metrics.forget(*where)
 
     def client(self) -> KubeClient:
         if self._client is None:
@@ -135,8 +163,15 @@ def _workload_ref(objs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return next((o for o in objs if o["kind"] in ("Deployment", "LeaderWorkerSet")), None)
 
 
+Adjust = Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]]
+
+
 async def _apply_all(
-    ctx: OperatorContext, body: Mapping[str, Any], objs: list[dict[str, Any]], first_time: bool
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    objs: list[dict[str, Any]],
+    first_time: bool,
+    adjust: Callable[[dict[str, Any]], Adjust | None] = lambda _: None,
 ) -> tuple[dict[tuple[str, str], dict[str, Any]], list[status.Event]]:
     client = ctx.client()
     kopf.adopt(objs, owner=kopf.Body(dict(body)))
@@ -145,7 +180,7 @@ async def _apply_all(
     for obj in objs:
         what = f"{obj['kind']}/{obj['metadata']['name']}"
         try:
-            action, current = await client.apply(obj)
+            action, current = await client.apply(obj, adjust=adjust(obj))
         except ApiError as err:
             if err.status == 422 and obj["kind"] == "Job":
                 # batch/v1 pod templates are immutable: replace the trainer; it resumes from
@@ -164,6 +199,47 @@ async def _apply_all(
         elif action == "updated":
             events.append(status.Event("Normal", "ChildUpdated", f"{what} updated to match the spec"))
     return live, events
+
+
+async def _prune(
+    ctx: OperatorContext, body: Mapping[str, Any], wanted: list[dict[str, Any]]
+) -> list[status.Event]:
+    """Delete children this object created earlier that its spec no longer builds."""
+    client = ctx.client()
+    meta = body["metadata"]
+    keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
+    live: list[dict[str, Any]] = []
+    for api_version, kind_name in builders.CHILD_KINDS.get(body["kind"], ()):
+        kind = kind_of(api_version, kind_name)
+        try:
+            found = await client.list(kind, meta["namespace"], {builders.LABEL_INSTANCE: meta["name"]})
+        except ApiError as err:
+            if err.status == 404:  # the kind is not installed (no LeaderWorkerSet CRD): nothing to prune
+                continue
+            raise
+        live += [{**o, "apiVersion": api_version, "kind": kind_name} for o in found]
+    events = []
+    for obj in children.orphans(live, keep, meta.get("uid", "")):
+        name = obj["metadata"]["name"]
+        if await client.delete(kind_of(obj["apiVersion"], obj["kind"]), meta["namespace"], name):
+            events.append(
+                status.Event(
+                    "Normal", "ChildDeleted", f"{obj['kind']}/{name} is no longer in the spec; deleted"
+                )
+            )
+    return events
+
+
+def _keep_autoscaled_replicas(obj: dict[str, Any]) -> Adjust | None:
+    """For a job's inline fleet/pool: leave spec.replicas to the child's autoscaler."""
+    if obj["kind"] not in SCALED:
+        return None
+
+    def adjust(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+        replicas = children.inline_replicas(desired["spec"], (live or {}).get("spec"))
+        return {**desired, "spec": {**desired["spec"], "replicas": replicas}}
+
+    return adjust
 
 
 async def _ready_pods(client: KubeClient, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -237,6 +313,7 @@ async def reconcile(
     Serialized per object: the change handlers and the resync loop may both get here.
     """
     uid = body.get("metadata", {}).get("uid", "")
+    ctx.remember(body)
     async with ctx.lock(uid):
         kind = body["kind"]
         previous = dict(body.get("status") or {})
@@ -263,6 +340,16 @@ async def reconcile(
         return new, events
 
 
+def _pod_selector(res: SandboxPool | RolloutFleet) -> dict[str, str]:
+    if isinstance(res, RolloutFleet):
+        return builders.engine_selector(res)
+    return builders.selector_labels(res.metadata.name, "sandbox")
+
+
+def _autoscaled_here(res: SandboxPool | RolloutFleet) -> bool:
+    return res.spec.autoscaling is not None and not builders.wants_keda(res)
+
+
 async def _reconcile_scaled(
     ctx: OperatorContext,
     body: Mapping[str, Any],
@@ -276,9 +363,10 @@ async def _reconcile_scaled(
     objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
     component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
     live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    events += await _prune(ctx, body, objs)
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
-    sel = builders.selector_labels(res.metadata.name, component)
+    sel = _pod_selector(res)
     new = status.scaled_status(
         desired=res.spec.replicas,
         workload=workload,
@@ -290,6 +378,10 @@ async def _reconcile_scaled(
     if isinstance(res, RolloutFleet):
         pods = await _ready_pods(ctx.client(), namespace, sel)
         new["engines"] = sorted(f"{p['status']['podIP']}:{res.spec.engine.port}" for p in pods)
+    desired = res.spec.replicas
+    if _autoscaled_here(res) and isinstance(previous.get("desiredReplicas"), int):
+        desired = previous["desiredReplicas"]
+    metrics.record(namespace, res.KIND, res.metadata.name, desired=desired, ready=new["readyReplicas"])
     return new, events
 
 
@@ -322,13 +414,16 @@ async def _reconcile_job(
     waiting: list[str] = []
     rollout, sandbox = job.spec.rollout, job.spec.sandbox
     if rollout.fleet_ref and builders.uses_fleet(job):
-        if (
-            await client.get(kind_of(f"{GROUP}/{VERSION}", "RolloutFleet"), namespace, rollout.fleet_ref)
-            is None
-        ):
+        fleet = await client.get(kind_of(f"{GROUP}/{VERSION}", "RolloutFleet"), namespace, rollout.fleet_ref)
+        if fleet is None:
             waiting.append(
                 f"RolloutFleet {namespace}/{rollout.fleet_ref} (spec.rollout.fleetRef) which does not exist"
             )
+        else:
+            waiting += [
+                f"RolloutFleet {namespace}/{rollout.fleet_ref} (spec.rollout.fleetRef) {problem}"
+                for problem in admission.context_length_problems(job, fleet)
+            ]
     if sandbox.pool_ref:
         if (
             await client.get(kind_of(f"{GROUP}/{VERSION}", "SandboxPool"), namespace, sandbox.pool_ref)
@@ -338,11 +433,14 @@ async def _reconcile_job(
                 f"SandboxPool {namespace}/{sandbox.pool_ref} (spec.sandbox.poolRef) which does not exist"
             )
 
-    objs = builders.build_for(job, namespace)
-    if waiting:
-        # The trainer would only crash-loop without its dependencies: hold it back.
-        objs = [o for o in objs if o["kind"] != "Job"]
-    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    built = builders.build_for(job, namespace)
+    # The trainer would only crash-loop without its dependencies: hold it back (but keep one
+    # that already runs: the reference may come back).
+    objs = [o for o in built if o["kind"] != "Job"] if waiting else built
+    live, events = await _apply_all(
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_keep_autoscaled_replicas
+    )
+    events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
     labels = builders.selector_labels(name, "trainer")
     pods = await client.list(kind_of("v1", "Pod"), namespace, labels) if trainer is not None else []
@@ -396,8 +494,7 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
         return None
     auto = res.spec.autoscaling
     namespace = body["metadata"]["namespace"]
-    component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
-    pods = await _ready_pods(ctx.client(), namespace, builders.selector_labels(res.metadata.name, component))
+    pods = await _ready_pods(ctx.client(), namespace, _pod_selector(res))
     texts = await _scrape_pods(ctx, pods, ("http",))
     current = res.spec.replicas
     rec: int | None = None
@@ -415,18 +512,18 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
                 kvCacheUtilization=round(fload.mean_token_usage, 4),
                 queuedRequests=round(fload.queued_per_engine, 3),
             )
-    uid = body["metadata"].get("uid", "")
+    previous = body.get("status") or {}
     decision = autoscale.decide(
         current,
         rec,
-        ctx.histories.get(uid, ()),
+        autoscale.history_from_status(previous.get("recommendations")),
         min_replicas=auto.min_replicas,
         max_replicas=auto.max_replicas,
         stabilization_s=auto.scale_down_stabilization_seconds,
         now=ctx.config.clock(),
     )
-    ctx.histories[uid] = decision.history
     st["desiredReplicas"] = decision.desired
+    st["recommendations"] = autoscale.history_to_status(decision.history)
     events = []
     if decision.desired != current:
         events.append(
@@ -491,67 +588,112 @@ def _status_changed(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return not is_subset(strip(dict(new)), strip(dict(current or {})))
 
 
-async def resync_object(ctx: OperatorContext, body: Mapping[str, Any], *, autoscale_due: bool) -> None:
-    """One periodic pass over one object: drift repair, status refresh, autoscaling."""
-    client = ctx.client()
+async def resync_object(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+    """One periodic pass over one object: drift repair and status refresh."""
     kind = kind_of(body["apiVersion"], body["kind"])
     meta = body["metadata"]
-    new, events = await reconcile(ctx, body, first_time=False)
-    if autoscale_due:
-        scaled = await autoscale_once(ctx, body)
-        if scaled is not None:
-            new = {**new, **scaled.status}
-            events += scaled.events
-            if scaled.replicas != body["spec"].get("replicas"):
-                # As an HPA would: through the scale subresource, so the change is a spec change.
-                await client.patch(
-                    kind,
-                    meta["namespace"],
-                    meta["name"],
-                    {"spec": {"replicas": scaled.replicas}},
-                    sub="scale",
-                )
+    # Not handled yet (kopf's create handler may be queued behind this pass): whatever is
+    # missing was never created, so no "was missing" warnings.
+    first_time = (body.get("status") or {}).get("observedGeneration") is None
+    new, events = await reconcile(ctx, body, first_time=first_time)
     if new and _status_changed(body.get("status") or {}, new):
-        await client.patch(kind, meta["namespace"], meta["name"], {"status": new}, sub="status")
+        await ctx.client().patch(kind, meta["namespace"], meta["name"], {"status": new}, sub="status")
     await post_events(ctx, body, events)
 
 
-async def resync_loop(ctx: OperatorContext, namespaces: list[str] | None) -> None:
+async def autoscale_object(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+    """One autoscaling decision for one pool/fleet, written as an HPA would."""
+    scaled = await autoscale_once(ctx, body)
+    if scaled is None:
+        return
+    client = ctx.client()
+    kind = kind_of(body["apiVersion"], body["kind"])
+    meta = body["metadata"]
+    ctx.remember(body)
+    if scaled.replicas != body["spec"].get("replicas"):
+        # Through the scale subresource, so the change is a spec change (kopf's update handler
+        # then resizes the workload at once).
+        await client.patch(
+            kind, meta["namespace"], meta["name"], {"spec": {"replicas": scaled.replicas}}, sub="scale"
+        )
+    if _status_changed(body.get("status") or {}, scaled.status):
+        await client.patch(kind, meta["namespace"], meta["name"], {"status": scaled.status}, sub="status")
+    metrics.record(meta["namespace"], body["kind"], meta["name"], desired=scaled.replicas)
+    await post_events(ctx, body, scaled.events)
+
+
+ObjectPass = Callable[[OperatorContext, Mapping[str, Any]], Awaitable[None]]
+
+
+async def _each_object(ctx: OperatorContext, kinds: tuple[str, ...], one: ObjectPass) -> set[str] | None:
+    """Run ``one`` over every live object of ``kinds`` in the watched namespaces.
+
+    Returns the uids seen, or None when some list failed (then nobody may be forgotten).
+    """
+    seen: set[str] | None = set()
+    for kind_name in kinds:
+        kind = kind_of(f"{GROUP}/{VERSION}", kind_name)
+        for ns in ctx.namespaces or [None]:
+            try:
+                items = await ctx.client().list(kind, ns)  # type: ignore[arg-type]
+            except (ApiError, aiohttp.ClientError, TimeoutError) as err:
+                log.warning("cannot list %s: %s", kind.plural, err)
+                seen = None
+                continue
+            for body in items:
+                body.setdefault("apiVersion", kind.api_version)
+                body.setdefault("kind", kind.kind)
+                if seen is not None:
+                    seen.add(body["metadata"].get("uid", ""))
+                if body["metadata"].get("deletionTimestamp"):
+                    continue
+                try:
+                    await one(ctx, body)
+                except (ApiError, aiohttp.ClientError, TimeoutError, kopf.TemporaryError) as err:
+                    log.warning(
+                        "%s of %s/%s failed: %s", one.__name__, kind.kind, body["metadata"].get("name"), err
+                    )
+    return seen
+
+
+async def _every(interval: float, ctx: OperatorContext, body: Callable[[], Awaitable[None]]) -> None:
+    while ctx.connection is None:
+        await asyncio.sleep(0.05)
+    while True:
+        started = time.monotonic()
+        try:
+            await body()
+        except Exception:  # noqa: BLE001 - one bad pass must not stop drift repair for good
+            log.exception("periodic pass failed; retrying in %.1f s", interval)
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+async def resync_loop(ctx: OperatorContext) -> None:
     """Controller-style periodic resync over every kuberl object (no finalizers needed).
 
     kopf timers would do this per object but require a finalizer on each one (so a deleted
     object hangs while the operator is down); a plain loop over LIST results needs none,
-    and the children are cleaned up by ownerReferences.
+    and the children are cleaned up by ownerReferences. An object that a complete pass no
+    longer lists was deleted while its DELETED event went unseen: it is forgotten here.
     """
-    cfg = ctx.config
-    while ctx.connection is None:
-        await asyncio.sleep(0.05)
-    last_autoscale = 0.0
-    while True:
-        started = time.monotonic()
-        autoscale_due = started - last_autoscale >= cfg.autoscale_interval
-        if autoscale_due:
-            last_autoscale = started
-        for kind_name in PLURALS:
-            kind = kind_of(f"{GROUP}/{VERSION}", kind_name)
-            for ns in namespaces or [None]:
-                try:
-                    items = await ctx.client().list(kind, ns)  # type: ignore[arg-type]
-                except (ApiError, aiohttp.ClientError, TimeoutError) as err:
-                    log.warning("resync: cannot list %s: %s", kind.plural, err)
-                    continue
-                for body in items:
-                    body.setdefault("apiVersion", kind.api_version)
-                    body.setdefault("kind", kind.kind)
-                    if body["metadata"].get("deletionTimestamp"):
-                        continue
-                    try:
-                        await resync_object(ctx, body, autoscale_due=autoscale_due)
-                    except (ApiError, aiohttp.ClientError, TimeoutError, kopf.TemporaryError) as err:
-                        log.warning(
-                            "resync of %s/%s failed: %s", kind.kind, body["metadata"].get("name"), err
-                        )
-        await asyncio.sleep(max(0.0, cfg.reconcile_interval - (time.monotonic() - started)))
+
+    async def one_pass() -> None:
+        before = set(ctx.known)  # objects first seen during the pass are not candidates
+        seen = await _each_object(ctx, tuple(PLURALS), resync_object)
+        if seen is not None:
+            for uid in before - seen:
+                ctx.forget(uid)
+
+    await _every(ctx.config.reconcile_interval, ctx, one_pass)
+
+
+async def autoscale_loop(ctx: OperatorContext) -> None:
+    """Autoscaling at its own pace (``autoscale_interval``), however long the resync period is."""
+
+    async def one_pass() -> None:
+        await _each_object(ctx, SCALED, autoscale_object)
+
+    await _every(ctx.config.autoscale_interval, ctx, one_pass)
 
 
 # --- registry ------------------------------------------------------------------------------
@@ -577,15 +719,17 @@ def build_registry(
 
     @kopf.on.cleanup(registry=reg)
     async def _cleanup(**_: Any) -> None:
-        if ctx.resync_task is not None:
-            ctx.resync_task.cancel()
+        for task in ctx.tasks:
+            task.cancel()
+        for task in ctx.tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await ctx.resync_task
+                await task
+        ctx.tasks.clear()
         await ctx.close()
 
     @kopf.on.startup(registry=reg)
     async def _startup(**_: Any) -> None:
-        ctx.resync_task = asyncio.create_task(resync_loop(ctx, ctx.namespaces))
+        ctx.tasks = [asyncio.create_task(resync_loop(ctx)), asyncio.create_task(autoscale_loop(ctx))]
 
     for kind, plural in PLURALS.items():
         res_args = (GROUP, VERSION, plural)
@@ -598,6 +742,18 @@ def build_registry(
         kopf.on.create(*res_args, id=f"{kind}-create", registry=reg)(on_change)
         kopf.on.update(*res_args, id=f"{kind}-update", registry=reg)(on_change)
         kopf.on.resume(*res_args, id=f"{kind}-resume", registry=reg)(on_change)
+
+        async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002 - kopf's name
+            if type != "DELETED":
+                return
+            ctx.forget(body.get("metadata", {}).get("uid", ""))
+            what = f"{body.get('kind')} {body.get('metadata', {}).get('name')}"
+            gone = status.Event(
+                "Normal", "Deleted", f"{what} deleted; the garbage collector removes its children"
+            )
+            await post_events(ctx, body, [gone])
+
+        kopf.on.event(*res_args, id=f"{kind}-event", registry=reg)(on_event)
 
         if cfg.admission:
 
@@ -622,10 +778,10 @@ def build_registry(
 
 
 def _lookup(ctx: OperatorContext) -> admission.Lookup:
-    async def exists(kind: str, namespace: str, name: str) -> bool:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name) is not None
+    async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name)
 
-    return exists
+    return get
 
 
 def configure_settings(settings: kopf.OperatorSettings, *, fast: bool = False) -> None:

@@ -5,16 +5,27 @@ kopf watches and patches the kuberl resources with its own client; the *children
 expose. Rather than a second, blocking client library inside the event loop, this speaks the
 REST API over aiohttp with the very credentials kopf logged in with (``ConnectionInfo``).
 
-``apply`` is get-then-create-or-merge-patch: idempotent, and a no-op when the live object
-already contains every field the builder wants (server-added defaults are ignored).
+``apply`` is a three-way merge like ``kubectl apply``: it records what kuberl sent in the
+annotation ``kuberl.io/last-applied`` and sends a JSON merge patch with the fields that differ
+*and* ``null`` for every field kuberl set before but no longer wants (a fleet switched from
+h100 to cpu loses its GPU affinity and tolerations). Fields someone else set (server defaults,
+other controllers) are left alone. Comparisons use the API server's stored form
+(``canonical.server_form``), so a live ``"500m"`` matches a desired ``"0.5"`` and an absent
+``egress`` matches ``[]``: an unchanged object gets no patch at all.
+
+(Server-side apply would prune too, but needs per-field ownership that the emulator cannot
+reproduce faithfully; the three-way merge needs only RFC 7386, which it implements exactly.)
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import json
+import logging
 import ssl
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import quote
@@ -23,6 +34,11 @@ import aiohttp
 import kopf
 
 from kuberl import API_VERSION
+
+from .canonical import server_form
+
+log = logging.getLogger("kuberl.operator")
+LAST_APPLIED = "kuberl.io/last-applied"
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,112 @@ def is_subset(desired: Any, current: Any) -> bool:
 def owned_fields(obj: dict[str, Any]) -> dict[str, Any]:
     """The part of a built manifest the operator owns (everything but status)."""
     return {k: v for k, v in obj.items() if k != "status"}
+
+
+_MISSING: Any = object()
+
+
+def _stored(value: Any, path: tuple[str, ...]) -> Any:
+    """``value`` (found at ``path``) in the server's stored form; quantity rules depend on the
+    enclosing keys (``resources.requests.cpu``), so the last three keys are kept around it."""
+    keys = path[-3:] or ("v",)
+    wrapped: Any = value
+    for key in reversed(keys):
+        wrapped = {key: wrapped}
+    out = server_form(wrapped)
+    for key in keys:
+        if not isinstance(out, dict) or key not in out:
+            return _MISSING
+        out = out[key]
+    return out
+
+
+def equivalent(desired: Any, live: Any, path: tuple[str, ...] = ()) -> bool:
+    """Whether ``live`` already holds ``desired`` once both are in the API server's stored form."""
+    want, have = _stored(desired, path), (_MISSING if live is _MISSING else _stored(live, path))
+    if want is _MISSING:  # an empty list: the server stores nothing
+        return have is _MISSING or have is None
+    return have is not _MISSING and is_subset(want, have)
+
+
+def three_way_patch(
+    desired: dict[str, Any], last_applied: dict[str, Any], live: dict[str, Any], path: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that makes ``live`` hold ``desired`` ({} = nothing to do).
+
+    * a key kuberl applied last time (``last_applied``) but no longer wants is set to ``null``;
+    * a value that differs from live (after server canonicalization) is sent;
+    * a list is also re-sent when kuberl's own previous list differs from the new one, even if
+      the live list looks like a superset: a key dropped inside a list item (a container's GPU
+      limits) is otherwise invisible, since the server adds keys to list items too;
+    * keys nobody asked kuberl to manage (server defaults, other writers) are never touched.
+    """
+    patch: dict[str, Any] = {}
+    for key in sorted(last_applied.keys() - desired.keys()):
+        if key in live:
+            patch[key] = None
+    for key, want in desired.items():
+        have = live.get(key, _MISSING)
+        before = last_applied.get(key, _MISSING)
+        if isinstance(want, dict) and isinstance(have, dict):
+            sub = three_way_patch(want, before if isinstance(before, dict) else {}, have, (*path, key))
+            if sub:
+                patch[key] = sub
+        elif not equivalent(want, have, (*path, key)) or (
+            isinstance(want, list) and before is not _MISSING and before != want
+        ):
+            patch[key] = copy.deepcopy(want)
+    return patch
+
+
+def _shape(value: Any) -> Any:
+    """What three_way_patch reads from a last-applied record: its keys and its lists."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    return value if isinstance(value, list) else None
+
+
+def needs_patch(patch: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """False when ``patch`` would only rewrite the last-applied record with the same keys and
+    lists (e.g. a replica count the autoscaler owns): such a write changes nothing that pruning
+    depends on, and skipping it keeps a parent from rewriting its child at every scale."""
+    meta = patch.get("metadata") or {}
+    only_record = patch.keys() == {"metadata"} and meta.keys() == {"annotations"}
+    if not (only_record and meta["annotations"].keys() == {LAST_APPLIED}):
+        return bool(patch)
+    return _shape(before) != _shape(after)
+
+
+def with_last_applied(obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` (without status) carrying its own JSON in the ``kuberl.io/last-applied`` annotation."""
+    body = copy.deepcopy(owned_fields(obj))
+    meta = body.setdefault("metadata", {})
+    annotations = dict(meta.get("annotations") or {})
+    annotations.pop(LAST_APPLIED, None)
+    meta["annotations"] = annotations
+    record = json.loads(json.dumps(body))
+    if not annotations:
+        record["metadata"].pop("annotations")
+    annotations[LAST_APPLIED] = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return body
+
+
+def last_applied(live: dict[str, Any]) -> dict[str, Any]:
+    """What kuberl applied to ``live`` last time ({} for objects it has not annotated)."""
+    raw = ((live.get("metadata") or {}).get("annotations") or {}).get(LAST_APPLIED)
+    if not raw:
+        return {}
+    try:
+        out = json.loads(raw)
+    except ValueError:
+        log.warning(
+            "%s/%s: annotation %s is not JSON; nothing will be pruned this time",
+            live.get("kind"),
+            (live.get("metadata") or {}).get("name"),
+            LAST_APPLIED,
+        )
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
@@ -231,20 +353,30 @@ class KubeClient:
         return True
 
     async def apply(
-        self, obj: dict[str, Any]
+        self,
+        obj: dict[str, Any],
+        *,
+        adjust: Callable[[dict[str, Any], dict[str, Any] | None], dict[str, Any]] | None = None,
     ) -> tuple[Literal["created", "updated", "unchanged"], dict[str, Any]]:
-        """Make the live object contain ``obj``: create it, patch the fields that differ, or leave it."""
+        """Make the live object hold ``obj``: create it, three-way-patch it, or leave it alone.
+
+        ``adjust(obj, live)`` may rewrite the desired object once the live one is known (live is
+        None when it does not exist), e.g. to leave a field to another controller.
+        """
         kind = kind_of(obj["apiVersion"], obj["kind"])
         meta = obj["metadata"]
         live = await self.get(kind, meta["namespace"], meta["name"])
-        desired = owned_fields(obj)
         if live is None:
+            desired = with_last_applied(adjust(obj, None) if adjust else obj)
             try:
                 return "created", await self.create(desired)
             except ApiError as err:
                 if err.status != 409:  # lost a race with another writer: fall through to patch
                     raise
                 live = await self.get(kind, meta["namespace"], meta["name"]) or {}
-        if is_subset(desired, live):
+        desired = with_last_applied(adjust(obj, live) if adjust else obj)
+        before = last_applied(live)
+        patch = three_way_patch(desired, before, live)
+        if not needs_patch(patch, before, json.loads(desired["metadata"]["annotations"][LAST_APPLIED])):
             return "unchanged", live
-        return "updated", await self.patch(kind, meta["namespace"], meta["name"], desired)
+        return "updated", await self.patch(kind, meta["namespace"], meta["name"], patch)

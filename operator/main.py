@@ -2,12 +2,20 @@
 
 Environment (all optional):
 
-* ``KUBERL_RECONCILE_INTERVAL`` / ``KUBERL_AUTOSCALE_INTERVAL`` -- timer periods in seconds
-  (defaults 30 and 15).
-* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port
-  (TLS from ``KUBERL_WEBHOOK_CERT``/``KUBERL_WEBHOOK_KEY`` if set, else kopf's self-signed
-  certificate) and let kopf manage the webhook configurations named ``kuberl.io``;
-  ``KUBERL_WEBHOOK_HOST`` is the address the API server calls back.
+* ``KUBERL_RECONCILE_INTERVAL`` / ``KUBERL_AUTOSCALE_INTERVAL`` -- loop periods in seconds
+  (defaults 30 and 15; the two loops are independent).
+* ``KUBERL_OPERATOR_METRICS_PORT`` -- where the operator serves its own /metrics (default
+  8080; ``--metrics-port`` wins; 0 picks a free port).
+* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port and
+  let kopf manage the webhook configurations named ``kuberl.io``. TLS from
+  ``KUBERL_WEBHOOK_CERT``/``KUBERL_WEBHOOK_KEY`` (+ ``KUBERL_WEBHOOK_CA``, the bundle the API
+  server verifies with; the chart mounts a Secret), else kopf's self-signed certificate
+  (needs the ``certbuilder`` package). How the API server reaches the webhooks:
+
+  - in a cluster, ``KUBERL_WEBHOOK_SERVICE`` + ``KUBERL_WEBHOOK_NAMESPACE`` (+
+    ``KUBERL_WEBHOOK_SERVICE_PORT``, default 443): the configurations name that Service
+    (``clientConfig.service``), which the API server resolves without cluster DNS;
+  - elsewhere ``KUBERL_WEBHOOK_HOST``: ``clientConfig.url`` is ``https://HOST:PORT/...``.
 """
 
 from __future__ import annotations
@@ -16,11 +24,92 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import kopf
 
+from . import metrics
 from .handlers import OperatorConfig, build_registry, configure_settings
+
+WEBHOOK_CONFIGURATION = "kuberl.io"
+DEFAULT_METRICS_PORT = 8080
+
+
+def service_client_config(
+    config: Mapping[str, Any], *, service: str, namespace: str, port: int
+) -> dict[str, Any]:
+    """kopf's URL-based client config turned into a Service reference (caBundle kept).
+
+    kopf appends each handler's id to ``service.path`` itself, so the root path is empty.
+    """
+    out: dict[str, Any] = {"service": {"name": service, "namespace": namespace, "port": port, "path": ""}}
+    if config.get("caBundle"):
+        out["caBundle"] = config["caBundle"]
+    return out
+
+
+class ServiceWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS webhook server, announced to the API server through a Service.
+
+    kopf's own server announces ``https://host:port``; an API server usually cannot resolve
+    ``*.svc`` names (it does not use cluster DNS), while ``clientConfig.service`` it can.
+    """
+
+    def __init__(self, *, service: str, namespace: str, service_port: int = 443, **kwargs: Any) -> None:
+        fqdn = f"{service}.{namespace}.svc"
+        kwargs.setdefault("host", fqdn)
+        kwargs.setdefault("extra_sans", [service, f"{service}.{namespace}", f"{fqdn}.cluster.local"])
+        super().__init__(**kwargs)
+        self.service, self.namespace, self.service_port = service, namespace, service_port
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        async for config in super().__call__(fn):
+            yield service_client_config(
+                config, service=self.service, namespace=self.namespace, port=self.service_port
+            )
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be a port number, got {raw!r}") from None
+    if not 0 <= value <= 65535:
+        raise SystemExit(f"{name} must be a port number (0-65535), got {value}")
+    return value
+
+
+def webhook_server_from_env(env: Mapping[str, str]) -> kopf.WebhookServer | None:
+    """The admission webhook server the environment asks for (None: admission is off)."""
+    port = _int_env(env, "KUBERL_WEBHOOK_PORT")
+    if port is None:
+        return None
+    tls: dict[str, Any] = {
+        "certfile": env.get("KUBERL_WEBHOOK_CERT") or None,
+        "pkeyfile": env.get("KUBERL_WEBHOOK_KEY") or None,
+        "cafile": env.get("KUBERL_WEBHOOK_CA") or None,
+    }
+    if bool(tls["certfile"]) != bool(tls["pkeyfile"]):
+        raise SystemExit("KUBERL_WEBHOOK_CERT and KUBERL_WEBHOOK_KEY must be set together")
+    service = env.get("KUBERL_WEBHOOK_SERVICE")
+    if service:
+        namespace = env.get("KUBERL_WEBHOOK_NAMESPACE")
+        if not namespace:
+            raise SystemExit(
+                "KUBERL_WEBHOOK_SERVICE needs KUBERL_WEBHOOK_NAMESPACE (the Service's namespace)"
+            )
+        return ServiceWebhookServer(
+            service=service,
+            namespace=namespace,
+            service_port=_int_env(env, "KUBERL_WEBHOOK_SERVICE_PORT", 443) or 443,
+            port=port,
+            **tls,
+        )
+    return kopf.WebhookServer(port=port, host=env.get("KUBERL_WEBHOOK_HOST"), **tls)
 
 
 def _settings(
@@ -28,17 +117,9 @@ def _settings(
 ) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     configure_settings(settings, fast=fast)
-    port = os.environ.get("KUBERL_WEBHOOK_PORT")
     if webhook is not None:
         settings.admission.server = webhook
-    elif port:
-        settings.admission.server = kopf.WebhookServer(
-            port=int(port),
-            host=os.environ.get("KUBERL_WEBHOOK_HOST"),
-            certfile=os.environ.get("KUBERL_WEBHOOK_CERT"),
-            pkeyfile=os.environ.get("KUBERL_WEBHOOK_KEY"),
-        )
-        settings.admission.managed = "kuberl.io"
+        settings.admission.managed = WEBHOOK_CONFIGURATION
     return settings
 
 
@@ -55,10 +136,13 @@ async def operate(
 ) -> None:
     """Run the operator in the current event loop until ``stop_flag`` is set (tests use this).
 
-    ``webhook`` serves the admission handlers (``config.admission`` must be true).
+    ``webhook`` serves the admission handlers (``config.admission`` must be true) and makes
+    kopf manage the ``kuberl.io`` webhook configurations.
     """
     watched = None if clusterwide else (namespaces or ["default"])
-    registry, _ctx = build_registry(config, namespaces=watched)
+    registry, ctx = build_registry(config, namespaces=watched)
+    if ctx.config.metrics_port is not None:
+        metrics.serve(ctx.config.metrics_port)
     kwargs: dict[str, Any] = {"clusterwide": True} if watched is None else {"namespaces": watched}
     await kopf.operator(
         registry=registry,
@@ -70,7 +154,9 @@ async def operate(
     )
 
 
-def run_operator(namespaces: list[str], all_namespaces: bool, verbose: bool) -> int:
+def run_operator(
+    namespaces: list[str], all_namespaces: bool, verbose: bool, metrics_port: int | None = None
+) -> int:
     """Entry point of ``kuberl operator``: blocks until interrupted; returns the exit code."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
@@ -78,12 +164,17 @@ def run_operator(namespaces: list[str], all_namespaces: bool, verbose: bool) -> 
     )
     if not all_namespaces and not namespaces:
         namespaces = [os.environ.get("KUBERL_NAMESPACE", "default")]
+    webhook = webhook_server_from_env(os.environ)
+    if metrics_port is None:
+        metrics_port = _int_env(os.environ, "KUBERL_OPERATOR_METRICS_PORT", DEFAULT_METRICS_PORT)
     config = OperatorConfig(
         reconcile_interval=float(os.environ.get("KUBERL_RECONCILE_INTERVAL", "30")),
         autoscale_interval=float(os.environ.get("KUBERL_AUTOSCALE_INTERVAL", "15")),
-        admission=bool(os.environ.get("KUBERL_WEBHOOK_PORT")),
+        admission=webhook is not None,
+        metrics_port=metrics_port,
     )
     registry, _ctx = build_registry(config, namespaces=None if all_namespaces else namespaces)
+    metrics.serve(config.metrics_port if config.metrics_port is not None else DEFAULT_METRICS_PORT)
     kwargs: dict[str, Any] = {"clusterwide": True} if all_namespaces else {"namespaces": namespaces}
-    kopf.run(registry=registry, settings=_settings(verbose), standalone=True, **kwargs)
+    kopf.run(registry=registry, settings=_settings(verbose, webhook=webhook), standalone=True, **kwargs)
     return 0

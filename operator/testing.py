@@ -15,6 +15,9 @@ API server does more that the kopf runtime and the operator rely on, added here:
   owner deletes everything whose ownerReferences point at its uid, and an object created
   with an owner that no longer exists is collected at once;
 * immutability of a running Job's pod template (422, as batch/v1 answers);
+* the stored form of built-in kinds (``canonical.server_form``): quantities canonicalized
+  (``"0.5"`` -> ``"500m"``, ``1024Mi`` -> ``1Gi``) and empty lists dropped, as the Go types
+  do; custom resources are stored as sent;
 * optionally a stand-in for the controllers (``simulate_controllers``): Deployments,
   StatefulSets and LeaderWorkerSets report all replicas ready; Jobs report active pods
   (none while suspended). Tests that need other states patch ``/status`` themselves.
@@ -40,6 +43,8 @@ from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
 
+from .canonical import server_form
+
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     # "group/version/plural": (kind, namespaced, subresources)
     "v1/pods": ("Pod", True, ("status",)),
@@ -56,10 +61,31 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ("status",)),
+    "admissionregistration.k8s.io/v1/validatingwebhookconfigurations": (
+        "ValidatingWebhookConfiguration",
+        False,
+        (),
+    ),
+    "admissionregistration.k8s.io/v1/mutatingwebhookconfigurations": (
+        "MutatingWebhookConfiguration",
+        False,
+        (),
+    ),
     f"{GROUP}/{VERSION}/agenticrljobs": ("AgenticRLJob", True, ("status",)),
     f"{GROUP}/{VERSION}/rolloutfleets": ("RolloutFleet", True, ("status", "scale")),
     f"{GROUP}/{VERSION}/sandboxpools": ("SandboxPool", True, ("status", "scale")),
 }
+
+
+# Groups served from Go types (their objects are re-encoded on write); everything else here is a CRD.
+BUILTIN_GROUPS = frozenset(
+    {"", "apps", "batch", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
+)
+
+
+def stored_form(obj: dict[str, Any], group: str | None) -> dict[str, Any]:
+    """What the API server stores for ``obj``: built-in kinds in canonical form, CRs as sent."""
+    return server_form(obj) if (group or "") in BUILTIN_GROUPS else obj
 
 
 def _error(status: int, reason: str, message: str) -> kmock.KubernetesError:
@@ -278,7 +304,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 raise _error(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
             meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
             meta.pop("resourceVersion", None)
-            obj = await self._write(key, obj, created=True)
+            obj = await self._write(key, stored_form(obj, res.group), created=True)
             if meta.get("ownerReferences") and not self._owner_exists(meta["ownerReferences"]):
                 await self._delete(key)  # the GC collects children of owners that are gone
             return obj
@@ -332,6 +358,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             new["status"] = current.get("status")
             if new["status"] is None:
                 new.pop("status")
+        new = stored_form(new, key[0].group)
         meta = new.setdefault("metadata", {})
         for fixed in ("uid", "creationTimestamp", "name", "namespace"):
             if fixed in current.get("metadata", {}):

@@ -112,8 +112,8 @@ async def sync_engines(
     for u in added:
         await scheduler.add_engine(SGLangEngine(u, **engine_kwargs))
     for u in wanted:
-        if u in current:
-            current[u].draining = False
+        if u in current and current[u].draining:
+            scheduler.undrain_engine(current[u].name)
     drained = [u for u, st in current.items() if u not in wanted and not st.draining]
     for u in drained:
         scheduler.drain_engine(current[u].name)

@@ -14,12 +14,19 @@ trimmed so the cache never grows with the batch's history.
 Log-probs: sampling uses ``softmax(logits / temperature)`` (with top-p filtering), but the
 reported ``output_logprobs`` are ``log_softmax(logits)`` of the raw logits at the sampled token,
 i.e. the log-probs of the policy itself (temperature 1.0), which is what the trainer recomputes.
+
+Sampling is per request, not per batch: every request has a 64-bit key (from its
+``GenerateRequest.seed``, else drawn from the engine's generator when it arrives) and its k-th
+token is the inverse-CDF draw of the uniform SplitMix64(key, k). So which rows share a decode
+step - which depends on arrival order, tool latency and admission - never changes what a
+seeded request samples, while the step stays one batched tensor operation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import random
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,7 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kuberl.rollout.engine import Engine, EngineLoad, GenerateOutput, GenerateRequest
+from kuberl.rollout.engine import (
+    GENERATED_TOKENS,
+    Engine,
+    EngineLoad,
+    GenerateOutput,
+    GenerateRequest,
+    mix64,
+)
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -38,6 +52,7 @@ class _Seq:
     req: GenerateRequest
     future: asyncio.Future
     limit: int  # max new tokens after clamping to the context length
+    key: int  # sampling key: token k is drawn from the uniform seeded_uniform(key, k)
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -52,17 +67,25 @@ class _Seq:
         return len(self.req.input_ids) + len(self.out_ids)
 
 
+def seeded_uniform(key: int, k: int) -> float:
+    """The k-th output of SplitMix64 started at ``key``: a uniform in [0, 1) with 53 bits."""
+    return (mix64((key + k * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 11) * 2.0**-53
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
     top_p: torch.Tensor,
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens [B], log_softmax(logits) at the tokens [B]).
 
     ``temperature`` and ``top_p`` are per-row [B] tensors; rows with temperature <= 0 are greedy.
     Nucleus filtering keeps the smallest prefix of the sorted distribution whose mass reaches
-    ``top_p`` (the most likely token is always kept).
+    ``top_p`` (the most likely token is always kept). Each sampled row takes the first token
+    whose cumulative probability exceeds its uniform: ``uniforms`` [B] in [0, 1) when given
+    (per-request draws), else fresh ones from ``generator``.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -78,7 +101,13 @@ def sample_tokens(
             before = sorted_probs.cumsum(dim=-1) - sorted_probs
             sorted_probs = sorted_probs.masked_fill(before >= p[:, None], 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        picked = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if uniforms is None:
+            u = torch.rand(len(idx), generator=generator, dtype=torch.float64)
+        else:
+            u = uniforms.to(dtype=torch.float64, device="cpu")[idx.cpu()]
+        cdf = probs.double().cumsum(dim=-1)
+        x = u.to(cdf.device)[:, None] * cdf[:, -1:]  # < total mass, so a token with mass > 0 is hit
+        picked = torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
         tokens = tokens.clone()
         tokens[idx] = picked
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -186,8 +215,7 @@ class LocalEngine(Engine):
         self.context_length = int(context_length or getattr(cfg, "block_size", 0) or 1 << 30)
         self.max_batch = max_batch
         self._max_total_tokens = max_total_tokens
-        self._generator = torch.Generator(device=self.device)
-        self._generator.manual_seed(seed if seed is not None else torch.seed() % (1 << 62))
+        self._rng = random.Random(seed)  # keys of requests that come without a seed
         self._lock = threading.Lock()  # serializes forward passes and weight updates
         self._pending: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -198,6 +226,8 @@ class LocalEngine(Engine):
         self._driver: asyncio.Task | None = None
         self.steps = 0  # decode steps run (batched forwards), for tests and benchmarks
         self.prefills = 0
+        self.generated_tokens = 0  # also kuberl_rollout_generated_tokens_total{engine=name}
+        self._tokens_metric = GENERATED_TOKENS.labels(engine=name)
         self.fast_decode = _fast_decode_ok(self.model)
         self.last_error: BaseException | None = None
 
@@ -209,7 +239,8 @@ class LocalEngine(Engine):
         if limit <= 0:
             return GenerateOutput([], [], "length")
         loop = asyncio.get_running_loop()
-        seq = _Seq(req=req, future=loop.create_future(), limit=limit)
+        key = mix64(req.seed) if req.seed is not None else self._rng.getrandbits(64)
+        seq = _Seq(req=req, future=loop.create_future(), limit=limit, key=key)
         self._pending.append(seq)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive(), name=f"{self.name}-driver")
@@ -251,8 +282,8 @@ class LocalEngine(Engine):
     load_state_dict = set_weights
 
     def reseed(self, seed: int) -> None:
-        """Restart the sampling RNG (reproducible rollouts per RL step)."""
-        self._generator.manual_seed(seed)
+        """Restart the generator that keys requests without a seed (in arrival order)."""
+        self._rng.seed(seed)
 
     # -- batching -----------------------------------------------------------------------------
 
@@ -379,16 +410,21 @@ class LocalEngine(Engine):
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         top_p = torch.tensor([s.req.top_p for s in seqs], dtype=torch.float32, device=logits.device)
-        tokens, lps = sample_tokens(logits, temps, top_p, self._generator)
+        u = torch.tensor([seeded_uniform(s.key, len(s.out_ids)) for s in seqs], dtype=torch.float64)
+        tokens, lps = sample_tokens(logits, temps, top_p, uniforms=u)
+        produced = 0
         for s, tok, lp in zip(seqs, tokens.tolist(), lps.tolist(), strict=True):
             if s.finish is not None:
                 continue
+            produced += 1
             s.out_ids.append(tok)
             s.out_lps.append(lp)
             if tok in s.req.stop_token_ids:
                 s.finish = "stop"
             elif len(s.out_ids) >= s.limit:
                 s.finish = "length"
+        self.generated_tokens += produced
+        self._tokens_metric.inc(produced)
         return tokens
 
     def _evict(self) -> list[_Seq]:

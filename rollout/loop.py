@@ -10,17 +10,24 @@ paper. Token ids are never re-tokenized, so the trainer sees exactly what the po
 
 The response budget ``max_response_tokens`` counts every response token, including tool
 responses; tool-response tokens that do not fit are cut and the rollout is marked truncated.
+
+An engine that fails a request (an HTTP error, a dead server) ends only that rollout, with
+finish_reason "abort" and the error recorded; the other rollouts of the step go on, and the
+trainer drops aborted rollouts before selecting the group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kuberl.rollout import template
-from kuberl.rollout.engine import GenerateRequest
+from kuberl.rollout.engine import GenerateRequest, derive_seed
 from kuberl.rollout.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -52,7 +59,9 @@ class Trajectory:
 
     ``finish_reason``: "answer" (an <answer> block was written), "no_tool_call" (a turn ended
     without calling a tool), "max_turns", "length" (response budget or context exhausted) or
-    "abort" (the engine dropped the request).
+    "abort" (the engine dropped or failed the request; ``error`` says why when it failed).
+    ``answer_tags`` counts "<answer>" in the model's own turns only: tool output that happens to
+    print the tag is not the model's formatting (RoC's p_format, paper eq. 5).
     """
 
     prompt_ids: list[int]
@@ -67,6 +76,8 @@ class Trajectory:
     truncated: bool
     finish_reason: str
     text: str = field(default="", repr=False)
+    answer_tags: int = 0
+    error: str | None = None
 
     @property
     def response_text(self) -> str:
@@ -97,8 +108,12 @@ async def rollout_one(
     max_response_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    seed: int | None = None,
 ) -> Trajectory:
-    """Run one multi-turn rollout of ``prompt_text`` (already rendered with the template)."""
+    """Run one multi-turn rollout of ``prompt_text`` (already rendered with the template).
+
+    With ``seed``, turn t samples with ``derive_seed(seed, t)``: the rollout is reproducible.
+    """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_response_tokens < 1:
@@ -108,8 +123,9 @@ async def rollout_one(
     mask: list[int] = []
     logprobs: list[float] = []
     texts: list[str] = []
-    turns = tool_calls = tool_errors = format_errors = 0
+    turns = tool_calls = tool_errors = format_errors = answer_tags = 0
     answer: str | None = None
+    error: str | None = None
     truncated = False
     finish = "max_turns"
     async with scheduler.session(len(prompt_ids), max_response_tokens) as engine:
@@ -118,15 +134,21 @@ async def rollout_one(
             if budget <= 0:
                 truncated, finish = True, "length"
                 break
-            out = await engine.generate(
-                GenerateRequest(
-                    input_ids=prompt_ids + response,
-                    max_new_tokens=budget,
-                    temperature=temperature,
-                    top_p=top_p,
-                    stop_token_ids=(tokenizer.eos_id,),
+            try:
+                out = await engine.generate(
+                    GenerateRequest(
+                        input_ids=prompt_ids + response,
+                        max_new_tokens=budget,
+                        temperature=temperature,
+                        top_p=top_p,
+                        stop_token_ids=(tokenizer.eos_id,),
+                        seed=None if seed is None else derive_seed(seed, turns),
+                    )
                 )
-            )
+            except Exception as err:  # one failed request must not cancel the whole step
+                error, finish = f"{engine.name}: {type(err).__name__}: {err}", "abort"
+                log.warning("rollout aborted after %d turns: %s", turns, error)
+                break
             turns += 1
             response += out.output_ids
             mask += [1] * len(out.output_ids)
@@ -139,6 +161,7 @@ async def rollout_one(
             calls = template.parse_tool_calls(turn_text)
             bad = sum(isinstance(c, template.ToolCallError) for c in calls)
             format_errors += bad + int(template.has_unclosed_tool_call(turn_text))
+            answer_tags += turn_text.count("<answer>")
             if "<answer>" in turn_text:
                 answer = template.extract_answer(turn_text)
             if out.finish_reason == "length":
@@ -183,6 +206,8 @@ async def rollout_one(
         truncated=truncated,
         finish_reason=finish,
         text="".join(texts),
+        answer_tags=answer_tags,
+        error=error,
     )
 
 
@@ -192,20 +217,26 @@ async def rollout_group(
     executor: ToolExecutor,
     prompts: list[str],
     n: int,
+    seed: int | None = None,
     **kwargs,
 ) -> list[list[Trajectory]]:
     """``n`` rollouts of every prompt, all concurrently; result[i][j] is rollout j of prompt i.
 
-    The scheduler decides how many run at once (KV capacity); a failure cancels the rest.
+    The scheduler decides how many run at once (KV capacity). A failed engine request aborts
+    only its rollout (see :class:`Trajectory`); any other failure cancels the rest.
+    With ``seed``, rollout (i, j) gets ``derive_seed(seed, i, j)``, independent of timing.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if not prompts:
         return []
     scheduler.start_batch(len(prompts) * n)
+    seeds = [
+        [None if seed is None else derive_seed(seed, i, j) for j in range(n)] for i in range(len(prompts))
+    ]
     async with asyncio.TaskGroup() as tg:
         tasks = [
-            [tg.create_task(rollout_one(scheduler, tokenizer, executor, p, **kwargs)) for _ in range(n)]
-            for p in prompts
+            [tg.create_task(rollout_one(scheduler, tokenizer, executor, p, seed=s, **kwargs)) for s in row]
+            for p, row in zip(prompts, seeds, strict=True)
         ]
     return [[t.result() for t in row] for row in tasks]

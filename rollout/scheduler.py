@@ -21,6 +21,25 @@ The capacity-blind policies admit immediately unless ``max_inflight_per_engine``
 which case they wait for a free slot. Reservations are tracked for every policy, so overflow
 (reserved > capacity) is observable; only ``kv-aware`` prevents it.
 
+Shared fleets: reservations only cover this scheduler's own rollouts, so two jobs on one fleet
+would each assume the whole KV cache. For engines marked ``shared`` (SGLang servers), the
+scheduler therefore polls ``load_metrics()`` (sglang:token_usage) every ``load_refresh_s``
+seconds while it has work, and counts the tokens in use beyond its own reservations as taken
+by someone else: ``external = max(0, token_usage * capacity - reserved)`` at the time of the
+poll, and ``kv-aware`` admits only into ``capacity - reserved - external``. With one job on the
+fleet its own usage never exceeds its reservations, so ``external`` is 0 and nothing changes.
+It is a floor, not a guarantee: usage by others that hides inside this job's unused
+reservation headroom cannot be told apart from its own, and it is up to ``load_refresh_s``
+old. An engine whose metrics cannot be read (SGLang without --enable-metrics) counts as
+having no external load, with a warning.
+
+Capacities are read before the first assignment and again whenever an engine's
+``capacity_version`` changes (SGLang: new weights loaded from disk).
+
+If every engine is drained or gone (a scale-to-zero, an empty EndpointSlice), waiting rollouts
+fail with :class:`NoEngineError` after ``no_engine_timeout_s`` without one, instead of waiting
+forever; ``None`` waits forever.
+
 Per-engine gauges in the prometheus-client default registry:
 ``kuberl_rollout_kv_cache_utilization{engine}`` (reserved / capacity) and
 ``kuberl_rollout_requests_inflight{engine}``.
@@ -30,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -40,6 +60,8 @@ from prometheus_client import Gauge
 from kuberl.rollout.engine import Engine
 
 POLICIES = ("kv-aware", "least-requests", "round-robin", "static")
+
+log = logging.getLogger(__name__)
 
 KV_UTILIZATION = Gauge(
     "kuberl_rollout_kv_cache_utilization",
@@ -63,11 +85,14 @@ class EngineStats:
     peak_reserved: int = 0
     overflow_events: int = 0  # admissions that pushed reserved above capacity
     draining: bool = False  # gets no new rollouts; removed once its in-flight ones finish
+    capacity_version: int = 0  # the engine's capacity_version when capacity was read
+    external: int = 0  # KV tokens others use on a shared engine (see the module docstring)
+    load_error: str | None = None  # why load_metrics() last failed
     engine: Engine | None = field(default=None, repr=False, compare=False)
 
     @property
     def free(self) -> int:
-        return self.capacity - self.reserved
+        return self.capacity - self.reserved - self.external
 
     @property
     def utilization(self) -> float:
@@ -81,6 +106,10 @@ class _Waiter:
     future: asyncio.Future
 
 
+class NoEngineError(RuntimeError):
+    """Rollouts waited ``no_engine_timeout_s`` while no engine was in service."""
+
+
 class Scheduler:
     """Assigns rollouts to engines; see the module docstring for the policies."""
 
@@ -91,6 +120,8 @@ class Scheduler:
         max_response_tokens_default: int = 4096,
         *,
         max_inflight_per_engine: int | None = None,
+        no_engine_timeout_s: float | None = 300.0,
+        load_refresh_s: float = 5.0,
     ):
         if not engines:
             raise ValueError("Scheduler needs at least one engine")
@@ -101,10 +132,16 @@ class Scheduler:
             raise ValueError(f"engine names must be unique, got {names}")
         if max_inflight_per_engine is not None and max_inflight_per_engine < 1:
             raise ValueError(f"max_inflight_per_engine must be >= 1, got {max_inflight_per_engine}")
+        if no_engine_timeout_s is not None and no_engine_timeout_s < 0:
+            raise ValueError(f"no_engine_timeout_s must be >= 0 or None, got {no_engine_timeout_s}")
+        if load_refresh_s <= 0:
+            raise ValueError(f"load_refresh_s must be > 0, got {load_refresh_s}")
         self.engines = list(engines)
         self.policy = policy
         self.max_response_tokens_default = max_response_tokens_default
         self.max_inflight_per_engine = max_inflight_per_engine
+        self.no_engine_timeout_s = no_engine_timeout_s
+        self.load_refresh_s = load_refresh_s
         self.stats = [EngineStats(e.name, engine=e) for e in self.engines]
         self._refresh_lock = asyncio.Lock()
         self._capacities_known = False
@@ -112,17 +149,89 @@ class Scheduler:
         self._counter = itertools.count()
         self._batch_total: int | None = None
         self._batch_start = 0
+        self._no_engine_timer: asyncio.TimerHandle | None = None
+        self._poller: asyncio.Task | None = None
+        self._loads_known = False
 
     async def refresh_capacities(self) -> list[int]:
-        """Ask every engine for its KV capacity (done lazily before the first assignment)."""
-        caps = await asyncio.gather(*(e.max_total_tokens() for e in self.engines))
-        for st, cap in zip(self.stats, caps, strict=True):
+        """Ask every engine for its KV capacity (before the first assignment, and after an
+        engine's ``capacity_version`` changed)."""
+        stats = list(self.stats)
+        engines = [st.engine for st in stats]
+        assert all(e is not None for e in engines)
+        versions = [e.capacity_version for e in engines]
+        caps = await asyncio.gather(*(e.max_total_tokens() for e in engines))
+        for st, cap, version in zip(stats, caps, versions, strict=True):
             if cap < 1:
                 raise ValueError(f"engine {st.name} reports max_total_tokens={cap}")
-            st.capacity = int(cap)
+            st.capacity, st.capacity_version = int(cap), version
             self._export(st)
         self._capacities_known = True
+        self._dispatch()  # a larger capacity may admit waiting rollouts
         return [st.capacity for st in self.stats]
+
+    def _capacities_stale(self) -> bool:
+        return not self._capacities_known or any(
+            st.engine is not None and st.engine.capacity_version != st.capacity_version for st in self.stats
+        )
+
+    async def refresh_loads(self) -> None:
+        """Read the observed KV usage of shared engines (see the module docstring)."""
+        stats = [st for st in self.stats if st.engine is not None and st.engine.shared]
+        loads = await asyncio.gather(*(st.engine.load_metrics() for st in stats), return_exceptions=True)
+        for st, load in zip(stats, loads, strict=True):
+            if isinstance(load, asyncio.CancelledError):
+                raise load
+            if isinstance(load, BaseException):
+                if st.load_error is None:
+                    log.warning(
+                        "engine %s: cannot read its load, so its use by others is unknown: %s", st.name, load
+                    )
+                st.load_error, st.external = str(load), 0
+                continue
+            st.load_error = None
+            used = round(min(max(load.kv_cache_utilization, 0.0), 1.0) * st.capacity)
+            st.external = max(0, used - st.reserved)
+        self._loads_known = True
+        self._dispatch()
+
+    def _busy(self) -> bool:
+        return bool(self._queue) or any(st.inflight for st in self.stats)
+
+    async def _poll_loads(self) -> None:
+        """While this scheduler has work: re-read capacities that changed and shared engines' loads."""
+        try:
+            while self._busy():
+                await asyncio.sleep(self.load_refresh_s)
+                try:
+                    if self._capacities_stale():
+                        async with self._refresh_lock:
+                            if self._capacities_stale():
+                                await self.refresh_capacities()
+                    await self.refresh_loads()
+                except Exception as err:  # keep polling: waiters depend on fresh numbers
+                    log.warning("rollout scheduler: refreshing engine capacities/loads failed: %s", err)
+        finally:
+            self._poller = None
+
+    def _has_shared(self) -> bool:
+        return any(st.engine is not None and st.engine.shared for st in self.stats)
+
+    def _start_poller(self) -> None:
+        if self._poller is None and self._has_shared():
+            self._poller = asyncio.get_running_loop().create_task(self._poll_loads())
+
+    async def close(self) -> None:
+        """Stop the background load polling and the no-engine clock (engines are the caller's)."""
+        if self._no_engine_timer is not None:
+            self._no_engine_timer.cancel()
+            self._no_engine_timer = None
+        if self._poller is not None:
+            self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
 
     def start_batch(self, total: int) -> None:
         """Announce that the next ``total`` sessions form one batch (used by ``static``)."""
@@ -158,7 +267,9 @@ class Scheduler:
         cap = await engine.max_total_tokens()
         if cap < 1:
             raise ValueError(f"engine {engine.name} reports max_total_tokens={cap}")
-        st = EngineStats(engine.name, capacity=int(cap), engine=engine)
+        st = EngineStats(
+            engine.name, capacity=int(cap), capacity_version=engine.capacity_version, engine=engine
+        )
         self.engines.append(engine)
         self.stats.append(st)
         self._export(st)
@@ -166,10 +277,18 @@ class Scheduler:
 
     def drain_engine(self, name: str) -> None:
         """Stop assigning rollouts to ``name`` (scale-down, failed health checks)."""
+        self._stats_of(name).draining = True
+        self._dispatch()  # with no engine left in service, the no-engine clock starts
+
+    def undrain_engine(self, name: str) -> None:
+        """Put a draining engine back into service; waiting rollouts may start on it at once."""
+        self._stats_of(name).draining = False
+        self._dispatch()
+
+    def _stats_of(self, name: str) -> EngineStats:
         for st in self.stats:
             if st.name == name:
-                st.draining = True
-                return
+                return st
         raise KeyError(f"no engine named {name!r}")
 
     def remove_drained(self) -> list[Engine]:
@@ -187,10 +306,15 @@ class Scheduler:
         waiter = _Waiter(need, next(self._counter), asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
         try:
-            if not self._capacities_known:
+            if self._capacities_stale():
                 async with self._refresh_lock:
-                    if not self._capacities_known:
+                    if self._capacities_stale():
                         await self.refresh_capacities()
+            if not self._loads_known and self._has_shared():
+                async with self._refresh_lock:
+                    if not self._loads_known:
+                        await self.refresh_loads()
+            self._start_poller()
             if self.policy == "kv-aware":
                 biggest = max((st.capacity for st in self.stats if not st.draining), default=need)
                 if need > biggest:
@@ -217,7 +341,7 @@ class Scheduler:
         One pass per admission or release, so thousands of waiting rollouts cost O(1) each
         instead of waking every waiter on every release.
         """
-        if not self._capacities_known:
+        if not self._capacities_known or (not self._loads_known and self._has_shared()):
             return
         while self._queue:
             head = self._queue[0]
@@ -226,7 +350,7 @@ class Scheduler:
                 continue
             index = self._pick(head.need, head.seq)
             if index is None:
-                return
+                break
             self._queue.popleft()
             st = self.stats[index]
             assert not st.draining
@@ -238,6 +362,38 @@ class Scheduler:
                 st.overflow_events += 1
             self._export(st)
             head.future.set_result(st)
+        self._watch_no_engines()
+
+    def _watch_no_engines(self) -> None:
+        """Start the no-engine clock when rollouts wait and no engine is in service; stop it otherwise."""
+        idle = (
+            self.no_engine_timeout_s is None or any(not st.draining for st in self.stats) or not self.waiting
+        )
+        if idle:
+            if self._no_engine_timer is not None:
+                self._no_engine_timer.cancel()
+                self._no_engine_timer = None
+            return
+        if self._no_engine_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # called outside the event loop: the next dispatch starts it
+                return
+            self._no_engine_timer = loop.call_later(self.no_engine_timeout_s, self._fail_waiters)
+
+    def _fail_waiters(self) -> None:
+        self._no_engine_timer = None
+        if any(not st.draining for st in self.stats):
+            return
+        waiting = [w for w in self._queue if not w.future.done()]
+        self._queue.clear()
+        for w in waiting:
+            w.future.set_exception(
+                NoEngineError(
+                    f"no inference engine in service for {self.no_engine_timeout_s:g} s "
+                    f"(all drained or gone); {len(waiting)} rollouts were waiting for one"
+                )
+            )
 
     def _release(self, st: EngineStats, need: int) -> None:
         st.reserved -= need
@@ -295,6 +451,7 @@ class Scheduler:
                 "sessions_total": st.sessions_total,
                 "peak_reserved": st.peak_reserved,
                 "overflow_events": st.overflow_events,
+                "external": st.external,
             }
             for st in self.stats
         ]

@@ -1,6 +1,6 @@
 """Async HTTP client for a real SGLang server (one RolloutFleet replica).
 
-Wire shapes (SGLang native API):
+Wire shapes (SGLang native API, python/sglang/srt/entrypoints/http_server.py):
 
 * ``POST /generate`` ``{"input_ids": [...], "sampling_params": {"max_new_tokens", "temperature",
   "top_p", "stop_token_ids"}, "return_logprob": true, "rid": ...}`` ->
@@ -8,18 +8,31 @@ Wire shapes (SGLang native API):
   "output_token_logprobs": [[logprob, token_id, text|null], ...], ...}}``.
   The ``output_token_logprobs`` triples are the authoritative record of what was sampled
   (they include the matched stop token); ``output_ids`` is checked against them.
-* ``GET /server_info`` (older servers: ``/get_server_info``) -> ``max_total_num_tokens`` at the
-  top level, or inside ``internal_states[0]``.
+  SGLang's tokenizer manager answers HTTP 400 ``{"error": {"message": ...}}`` when
+  ``len(input_ids) >= context_len`` or ``len(input_ids) + max_new_tokens >= context_len``
+  (unless started with --allow-auto-truncate), so the client clamps ``max_new_tokens`` to
+  ``context_len - len(input_ids) - 1`` and answers a request with no room left itself
+  (finish_reason "length", no tokens) instead of sending it.
+* ``GET /get_server_info`` (very old servers: ``/server_info``) -> the server args merged with
+  the scheduler's info: ``max_total_num_tokens`` at the top level (older: inside
+  ``internal_states[0]``) and ``context_length`` (the --context-length argument, null when the
+  model's own length applies).
+* ``GET /v1/models`` -> ``{"data": [{"max_model_len": context_len, ...}]}``: the context length
+  the server enforces, used when ``context_length`` is null.
 * ``GET /metrics`` (Prometheus text, server started with ``--enable-metrics``) ->
   ``sglang:token_usage``, ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``; label sets vary
   between versions, so samples are aggregated over all labels (max for usage, sum for counts).
-* ``POST /update_weights_from_disk`` ``{"model_path": ...}`` -> ``{"success": bool, "message": str}``.
+* ``POST /update_weights_from_disk`` ``{"model_path": ...}`` -> 200 ``{"success": true,
+  "message": str, "num_paused_requests": int}``, or HTTP 400 with ``"success": false``.
 * ``GET /health`` -> 200 when healthy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json as jsonlib
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -32,6 +45,15 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class SGLangError(RuntimeError):
     """The server answered, but not with something the engine contract can use."""
+
+
+class SGLangHTTPError(SGLangError):
+    """The server answered with an HTTP error status; ``body`` is the (truncated) answer."""
+
+    def __init__(self, message: str, status: int, body: str):
+        super().__init__(message)
+        self.status = status
+        self.body = body
 
 
 def build_generate_payload(req: GenerateRequest) -> dict[str, Any]:
@@ -50,6 +72,15 @@ def build_generate_payload(req: GenerateRequest) -> dict[str, Any]:
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+
+
+def clamp_max_new_tokens(input_len: int, max_new_tokens: int, context_len: int) -> int:
+    """The largest max_new_tokens SGLang accepts for ``input_len`` input tokens (may be <= 0).
+
+    SGLang rejects ``input_len + max_new_tokens >= context_len``, so at most
+    ``context_len - input_len - 1`` new tokens fit.
+    """
+    return min(max_new_tokens, context_len - input_len - 1)
 
 
 def parse_generate_response(body: dict[str, Any]) -> GenerateOutput:
@@ -80,16 +111,34 @@ def parse_generate_response(body: dict[str, Any]) -> GenerateOutput:
     return GenerateOutput(logprob_ids, lps, _FINISH[ftype])  # type: ignore[arg-type]
 
 
+def _positive_int(value: Any) -> int | None:
+    return (
+        int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
+    )
+
+
 def parse_max_total_tokens(info: dict[str, Any]) -> int:
-    """max_total_num_tokens from /server_info (top level or internal_states[0])."""
+    """max_total_num_tokens from /get_server_info (top level or internal_states[0])."""
     value = info.get("max_total_num_tokens")
     if value is None:
         states = info.get("internal_states")
         if isinstance(states, list) and states and isinstance(states[0], dict):
             value = states[0].get("max_total_num_tokens")
-    if not isinstance(value, int | float) or value <= 0:
+    if _positive_int(value) is None:
         raise SGLangError("server_info has no positive max_total_num_tokens")
     return int(value)
+
+
+def parse_context_length(info: dict[str, Any], models: dict[str, Any] | None = None) -> int | None:
+    """The context length SGLang enforces: --context-length from /get_server_info when set,
+    else ``max_model_len`` of the first model in /v1/models; None when neither says."""
+    value = _positive_int(info.get("context_length"))
+    if value is not None:
+        return value
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        return _positive_int(data[0].get("max_model_len"))
+    return None
 
 
 def parse_metrics(text: str) -> EngineLoad:
@@ -109,8 +158,31 @@ def parse_metrics(text: str) -> EngineLoad:
     return EngineLoad(max(usage), int(running), int(queued))
 
 
+def _error_message(body: str) -> str:
+    """SGLang's own message out of an error body ({"message"} or {"error": {"message"}})."""
+    try:
+        doc = jsonlib.loads(body)
+    except ValueError:
+        return body
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(doc.get("message"), str):
+            return doc["message"]
+    return body
+
+
 class SGLangEngine(Engine):
-    """One SGLang server. Connection errors and 5xx answers are retried with backoff."""
+    """One SGLang server.
+
+    Connection errors and 5xx answers are retried with backoff, all attempts together within
+    ``request_timeout`` seconds. A /generate that timed out is not retried: the server may still
+    be running it, and a retry would double the load (and reuse its rid, which SGLang may reject
+    while the first request lives); retries of /generate get a fresh rid.
+    """
+
+    shared = True  # a fleet's servers can serve other jobs too: their load counts
 
     def __init__(
         self,
@@ -124,6 +196,8 @@ class SGLangEngine(Engine):
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"SGLang base_url must start with http:// or https://, got {base_url!r}")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url.split("://", 1)[1]
         self.request_timeout = request_timeout
@@ -132,52 +206,119 @@ class SGLangEngine(Engine):
         self._session = session
         self._own_session = session is None
         self._capacity: int | None = None
+        self._context_len: int | None = None
+        self.capacity_version = 0
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout),
-                connector=aiohttp.TCPConnector(limit=0),
-            )
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._own_session = True
         return self._session
 
-    async def _request(self, method: str, path: str, *, json: Any = None, want: str = "json") -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        body_for_attempt: Callable[[int], Any] | None = None,
+        want: str = "json",
+        retry_timeouts: bool = True,
+    ) -> Any:
         session = await self._http()
         url = self.base_url + path
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
         for attempt in range(self.retries + 1):
+            remaining = deadline - loop.time()
+            body = body_for_attempt(attempt) if body_for_attempt is not None else json
             try:
-                async with session.request(method, url, json=json) as resp:
+                async with session.request(
+                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=remaining)
+                ) as resp:
                     if resp.status >= 500 and attempt < self.retries:
                         raise aiohttp.ClientResponseError(
                             resp.request_info, resp.history, status=resp.status, message=await resp.text()
                         )
                     if resp.status >= 400:
-                        raise SGLangError(
-                            f"{method} {url} -> HTTP {resp.status}: {(await resp.text())[:500]}"
+                        text = (await resp.text())[:2000]
+                        raise SGLangHTTPError(
+                            f"{method} {url} -> HTTP {resp.status}: {_error_message(text)[:500]}",
+                            resp.status,
+                            text,
                         )
                     return await (resp.json(content_type=None) if want == "json" else resp.text())
-            except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
+            except TimeoutError as err:  # includes aiohttp's ServerTimeoutError
+                if not retry_timeouts or attempt >= self.retries:
+                    raise SGLangError(
+                        f"{method} {url} timed out (attempt {attempt + 1}, {self.request_timeout:g} s budget)"
+                    ) from err
+                error: Exception = err
+            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
                 if attempt >= self.retries:
                     raise SGLangError(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                error = err
+            pause = self.backoff_s * 2**attempt
+            if loop.time() + pause >= deadline:
+                raise SGLangError(
+                    f"{method} {url} failed and the {self.request_timeout:g} s budget leaves no time to retry: "
+                    f"{error!r}"
+                ) from error
+            await asyncio.sleep(pause)
         raise AssertionError("unreachable")
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         req.validate()
-        body = await self._request("POST", "/generate", json=build_generate_payload(req))
-        return parse_generate_response(body)
+        room = clamp_max_new_tokens(len(req.input_ids), req.max_new_tokens, await self.context_length())
+        if room <= 0:  # the context is full (or nothing was asked for): SGLang would answer 400
+            return GenerateOutput([], [], "length")
+        sent = dataclasses.replace(req, max_new_tokens=room)
+
+        def body(attempt: int) -> dict[str, Any]:
+            rid = sent.rid if attempt == 0 else f"{sent.rid}-retry{attempt}"
+            return build_generate_payload(dataclasses.replace(sent, rid=rid))
+
+        out = parse_generate_response(
+            await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
+        )
+        return out
+
+    async def _server_info(self) -> dict[str, Any]:
+        try:
+            info = await self._request("GET", "/get_server_info")
+        except SGLangHTTPError as err:
+            if err.status != 404:
+                raise
+            info = await self._request("GET", "/server_info")
+        if not isinstance(info, dict):
+            raise SGLangError(f"{self.name}: server info is {type(info).__name__}, expected a JSON object")
+        return info
+
+    async def _read_limits(self) -> None:
+        info = await self._server_info()
+        capacity = parse_max_total_tokens(info)
+        context = parse_context_length(info)
+        if context is None:
+            context = parse_context_length(info, await self._request("GET", "/v1/models"))
+        if context is None:
+            raise SGLangError(
+                f"{self.name}: neither /get_server_info context_length nor /v1/models max_model_len "
+                "gives the context length"
+            )
+        self._capacity, self._context_len = capacity, context
 
     async def max_total_tokens(self) -> int:
         if self._capacity is None:
-            try:
-                info = await self._request("GET", "/server_info")
-            except SGLangError as err:
-                if "HTTP 404" not in str(err):
-                    raise
-                info = await self._request("GET", "/get_server_info")
-            self._capacity = parse_max_total_tokens(info)
+            await self._read_limits()
+        assert self._capacity is not None
         return self._capacity
+
+    async def context_length(self) -> int:
+        """The longest sequence (input + output) the server accepts."""
+        if self._context_len is None:
+            await self._read_limits()
+        assert self._context_len is not None
+        return self._context_len
 
     async def health(self) -> bool:
         session = await self._http()
@@ -192,11 +333,21 @@ class SGLangEngine(Engine):
 
     async def update_weights_from_disk(self, model_path: str) -> None:
         """Make the server load new weights (a checkpoint the trainer wrote to shared storage)."""
-        body = await self._request("POST", "/update_weights_from_disk", json={"model_path": model_path})
+        try:
+            body = await self._request("POST", "/update_weights_from_disk", json={"model_path": model_path})
+        except SGLangHTTPError as err:
+            if err.status != 400:
+                raise
+            raise SGLangError(
+                f"{self.name}: update_weights_from_disk({model_path!r}) failed: {_error_message(err.body)}"
+            ) from err
         if not isinstance(body, dict) or not body.get("success"):
             message = body.get("message") if isinstance(body, dict) else body
             raise SGLangError(f"{self.name}: update_weights_from_disk({model_path!r}) failed: {message}")
-        self._capacity = None  # a new model may come with a different KV budget
+        # A new model may come with a different KV budget and context length: re-read both, and
+        # tell the scheduler (capacity_version) to re-read its copy.
+        self._capacity = self._context_len = None
+        self.capacity_version += 1
 
     async def close(self) -> None:
         if self._session is not None and self._own_session and not self._session.closed:

@@ -7,14 +7,17 @@ clock instantly), against simulated engines that model what matters for scheduli
 * decode speed that slows with batch size (roofline: a step takes ``t0`` seconds up to
   ``b_sat`` sequences, then grows linearly, so throughput saturates at ``b_sat / t0`` tok/s);
 * prefill of the tokens that are not in the prefix cache (first turn: the prompt; later turns:
-  the tool response; after an eviction: the whole context again);
-* a finite KV cache managed like SGLang's: a waiting request is admitted when the running
-  requests' contexts plus ``new_token_ratio`` times their remaining ``max_new_tokens`` (and the
-  same estimate for the newcomer) fit. The ratio starts at 0.7 and decays towards 0.1 while
-  decoding goes well, so the engine admits optimistically; when the running requests' growing
-  contexts overflow the cache it evicts half of them (paper section 3.2; the most recently
-  admitted), re-queues them for recomputation and resets the ratio. Each eviction is an
-  overflow event.
+  the tool response, plus whatever of the rollout's earlier context was evicted meanwhile;
+  after a retraction: everything past the cached prefix);
+* a finite KV cache managed like SGLang's (details in :class:`SimEngine`): a finished turn's
+  tokens stay in a radix cache, evictable least-recently-used, so a rollout that waits on a
+  tool while others need the space loses its prefix and prefills it again; admission is
+  optimistic (SGLang's ``new_token_ratio`` estimate of how much of ``max_new_tokens`` running
+  requests will still use, not their budget); when decode runs out of KV the engine retracts
+  requests and recomputes them later. A scheduler that relies on the engine's own admission
+  (static, round-robin, least-requests) can therefore overcommit an engine and pay
+  recomputation; one that reserves each rollout's whole budget (kv-aware) keeps every live
+  rollout's context resident.
 
 Rollouts are driven exactly like :func:`kuberl.rollout.loop.rollout_one` drives them: one
 scheduler session for the whole rollout, one ``generate`` per turn, a tool call between turns
@@ -30,9 +33,9 @@ from __future__ import annotations
 import asyncio
 import math
 import selectors
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -82,6 +85,9 @@ def run_virtual(coro_factory: Callable[[], object]):
 
 # -- engines ------------------------------------------------------------------------------------
 
+CLIP_MAX_NEW_TOKENS = 4096  # SGLang's SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION default
+RETRACT_DECODE_STEPS = 20  # SGLang's retract_decode_steps: room kept per request after retracting
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -105,18 +111,24 @@ class EngineSpec:
         """Decode tokens per second at or beyond saturation."""
         return self.b_sat / self.t0
 
+    def scaled(self, b_sat_scale: float) -> EngineSpec:
+        """The same engine with ``b_sat`` scaled, prefill cost per token scaled to match (prefill is
+        compute-bound like saturated decode, so its token rate grows with the same compute)."""
+        b_sat = max(1, round(self.b_sat * b_sat_scale))
+        return replace(self, b_sat=b_sat, prefill_per_token=self.prefill_per_token * self.b_sat / b_sat)
+
 
 @dataclass
 class _SimReq:
     rid: str
     session: str
-    context: int  # tokens in the KV cache once prefilled
+    context: int  # tokens of input + output so far (all in the KV cache while running)
     remaining: int  # tokens still to generate (known to the workload, not to the engine)
     max_new: int  # what the engine knows: the request's max_new_tokens
     output: int = 0
+    hit: int = 0  # prefix found in the cache at admission (locked while running)
     prefill: int = 0  # tokens to prefill before the next decode step
     future: asyncio.Future | None = None
-    admitted_at: int = 0
 
 
 @dataclass
@@ -124,15 +136,32 @@ class EngineStats:
     busy_s: float = 0.0
     decode_tokens: int = 0
     prefill_tokens: int = 0
-    recomputed_tokens: int = 0
-    overflow_events: int = 0
-    evicted_requests: int = 0
-    peak_kv_tokens: int = 0
+    recomputed_tokens: int = 0  # prefilled again: retracted requests, prefixes evicted mid-rollout
+    overflow_events: int = 0  # decode ran out of KV and requests were retracted
+    evicted_requests: int = 0  # requests retracted
+    prefix_evictions: int = 0  # a rollout came back from a tool call to find its prefix evicted
+    peak_kv_tokens: int = 0  # tokens held by running requests
     last_busy_end: float = 0.0
 
 
 class SimEngine(Engine):
-    """A simulated continuous-batching engine (see the module docstring for the model).
+    """A simulated continuous-batching engine with SGLang's KV management.
+
+    * Radix cache: a finished request's tokens stay in the KV cache, evictable, until space is
+      needed; eviction is least-recently-used and from the tail of a sequence. A rollout's next
+      turn (same session, the rid before its last "/") reuses what is left of its prefix and
+      prefills the rest; prefix tokens it lost to eviction count as recomputed.
+    * Admission (SGLang's PrefillAdder): a waiting request, first come first served, is admitted
+      when ``extend + min(max_new_tokens, 4096)`` is below the free plus evictable tokens minus
+      ``new_token_ratio * min(remaining max_new_tokens, 4096)`` of every running request (and
+      the full estimate of those admitted in the same round). ``new_token_ratio`` starts at 0.7
+      and decays by 0.001 per decode step to 0.1, so admission becomes optimistic.
+    * Retraction (SGLang's retract_decode): when a decode step finds fewer free plus evictable
+      tokens than running requests, requests with the fewest output tokens (longest input on
+      ties) are retracted until every remaining one has 20 steps of room; their KV beyond the
+      cached prefix is freed and they return to the head of the queue to be prefilled again.
+      ``new_token_ratio`` becomes (decoded + 20 per request) / max_new_tokens of the remaining
+      ones. Each retraction is an overflow event.
 
     How many tokens the "model" generates for a request comes from ``oracle(req)``: the
     workload decides, the engine only enforces ``max_new_tokens``.
@@ -145,12 +174,12 @@ class SimEngine(Engine):
         self.stats = EngineStats()
         self._waiting: deque[_SimReq] = deque()
         self._running: list[_SimReq] = []
-        self._cached: dict[str, int] = {}  # session -> context length still in the prefix cache
+        self._cache: OrderedDict[str, int] = OrderedDict()  # session -> cached tokens, LRU first
+        self._cached_tokens = 0
+        self._lost: dict[str, int] = {}  # session -> prefix tokens evicted since it last ran
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._admissions = 0
         self._ratio = spec.init_new_token_ratio
-        self._admit_blocked = False  # after an eviction: no admissions until a request finishes
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         want = max(1, self.oracle(req))
@@ -159,11 +188,7 @@ class SimEngine(Engine):
         if n <= 0:
             return GenerateOutput([], [], "length")
         session = req.rid.rsplit("/", 1)[0]
-        context = len(req.input_ids)
-        cached = self._cached.pop(session, 0)
-        sim = _SimReq(
-            req.rid, session, context, n, req.max_new_tokens, prefill=context - min(cached, context)
-        )
+        sim = _SimReq(req.rid, session, len(req.input_ids), n, req.max_new_tokens)
         sim.future = asyncio.get_running_loop().create_future()
         self._waiting.append(sim)
         self._wake.set()
@@ -171,7 +196,6 @@ class SimEngine(Engine):
             self._task = asyncio.get_running_loop().create_task(self._run())
         if await sim.future == "abort":  # a single sequence outgrew the whole cache
             return GenerateOutput([0] * sim.output, [0.0] * sim.output, "abort")
-        self._cached[session] = context + n
         return GenerateOutput([0] * n, [0.0] * n, finish)  # type: ignore[arg-type]
 
     async def max_total_tokens(self) -> int:
@@ -187,45 +211,91 @@ class SimEngine(Engine):
         if self._task is not None:
             self._task.cancel()
 
+    # KV book-keeping: capacity = running (locked) + cached (evictable) + free.
+
     def _usage(self) -> int:
         return sum(r.context for r in self._running)
 
-    def _estimate(self, r: _SimReq) -> float:
-        return r.context + self._ratio * max(0, r.max_new - r.output)
+    def _free(self) -> int:
+        return self.spec.capacity - self._usage() - self._cached_tokens
+
+    def _evict(self, tokens: int) -> None:
+        """Free ``tokens`` cached tokens, least recently used first, from the tail of each entry."""
+        while tokens > 0 and self._cache:
+            session, held = next(iter(self._cache.items()))
+            take = min(held, tokens)
+            tokens -= take
+            self._cached_tokens -= take
+            self._lost[session] = self._lost.get(session, 0) + take
+            if take == held:
+                del self._cache[session]
+            else:
+                self._cache[session] = held - take
+
+    def _allocate(self, tokens: int) -> None:
+        short = tokens - self._free()
+        if short > 0:
+            self._evict(short)
+        assert self._free() >= tokens, "allocation beyond the KV cache"
+
+    def _cache_put(self, session: str, tokens: int) -> None:
+        self._cached_tokens -= self._cache.pop(session, 0)
+        if tokens > 0:
+            self._cache[session] = tokens
+            self._cached_tokens += tokens
 
     def _admit(self) -> None:
-        if self._admit_blocked and self._running:
-            return
-        self._admit_blocked = False
-        planned = sum(self._estimate(r) for r in self._running)
-        while self._waiting and len(self._running) < self.spec.max_running:
+        """One scheduling round of SGLang's PrefillAdder (see the class docstring)."""
+        spec = self.spec
+        offset = sum(self._ratio * min(r.max_new - r.output, CLIP_MAX_NEW_TOKENS) for r in self._running)
+        rem = self._free() + self._cached_tokens - offset
+        while self._waiting and len(self._running) < spec.max_running:
             req = self._waiting[0]
-            need = self._estimate(req)
-            if self._running and planned + need > self.spec.capacity:
+            hit = min(self._cache.get(req.session, 0), req.context)
+            extend = req.context - hit
+            need = extend + min(req.max_new - req.output, CLIP_MAX_NEW_TOKENS)
+            if need >= rem - hit and self._running:
                 break
             self._waiting.popleft()
-            planned += need
-            self._admissions += 1
-            req.admitted_at = self._admissions
-            self._running.append(req)
+            if extend > self._free() + self._cached_tokens - hit:  # larger than the whole cache
+                assert req.future is not None
+                req.future.set_result("abort")
+                continue
+            rem -= need + hit
+            held = self._cache.pop(req.session, 0)
+            self._cached_tokens -= held
+            if held > hit:  # a cached tail beyond this request's input: give it back
+                self._cache_put(req.session, held - hit)
+            lost = min(self._lost.pop(req.session, 0), extend)
+            if lost:  # prefix tokens evicted while the rollout waited (on a tool, or retracted)
+                self.stats.prefix_evictions += req.output == 0
+                self.stats.recomputed_tokens += lost
+            req.hit, req.prefill = hit, extend
+            self._running.append(req)  # holds its hit now; the extend tokens are allocated below
+            req_context, req.context = req.context, hit
+            self._allocate(extend)
+            req.context = req_context
 
-    def _evict_half(self) -> None:
-        """KV overflow: retract the most recently admitted half; they recompute later."""
+    def _retract(self) -> None:
+        """Out of KV in decode: retract requests until the rest have RETRACT_DECODE_STEPS of room."""
         self.stats.overflow_events += 1
-        self._admit_blocked = True
-        if len(self._running) == 1:
-            r = self._running.pop()
-            assert r.future is not None
-            r.future.set_result("abort")
-            return
-        victims = sorted(self._running, key=lambda r: r.admitted_at)[len(self._running) // 2 :]
-        for r in victims:
+        order = sorted(self._running, key=lambda r: (r.output, -(r.context - r.output)), reverse=True)
+        retracted: list[_SimReq] = []
+        while len(order) > 1 and (
+            not retracted or self._free() + self._cached_tokens < len(order) * RETRACT_DECODE_STEPS
+        ):
+            r = order.pop()
             self._running.remove(r)
-            r.prefill = r.context  # the KV is gone: prefill everything again
-            self.stats.recomputed_tokens += r.context
-            self.stats.evicted_requests += 1
-        self._waiting.extendleft(reversed(victims))
-        self._ratio = self.spec.init_new_token_ratio
+            retracted.append(r)
+            self.stats.recomputed_tokens += r.context - r.hit
+            self._cache_put(r.session, r.hit)  # the cached prefix stays, unlocked; the rest is freed
+            self._lost.pop(r.session, None)
+        self.stats.evicted_requests += len(retracted)
+        self._waiting.extendleft(reversed(retracted))
+        decoded = sum(r.output for r in self._running)
+        budget = sum(r.max_new for r in self._running)
+        if budget:
+            self._ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self._running)) / budget)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -236,18 +306,23 @@ class SimEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            b = len(self._running)
+            room = self._free() + self._cached_tokens
+            if room < b:
+                if b == 1:  # one sequence outgrew the whole cache: SGLang aborts it
+                    r = self._running.pop()
+                    self._cache_put(r.session, r.hit)
+                    assert r.future is not None
+                    r.future.set_result("abort")
+                    continue
+                self._retract()
+                continue
             # Prefill what was just admitted, as part of the next step.
             prefill = sum(r.prefill for r in self._running)
             self.stats.prefill_tokens += prefill
             for r in self._running:
                 r.prefill = 0
-            b = len(self._running)
             dt = spec.step_time(b)
-            usage = self._usage()
-            room = spec.capacity - usage
-            if room < b:
-                self._evict_half()
-                continue
             # Run k decode steps at once: until the first request finishes or the KV is full.
             k = min(min(r.remaining for r in self._running), room // b)
             if self._waiting:  # re-check admission regularly while requests wait
@@ -269,6 +344,7 @@ class SimEngine(Engine):
             self.stats.last_busy_end = loop.time()
             self.stats.decode_tokens += done * b
             self._ratio = max(spec.min_new_token_ratio, self._ratio - spec.new_token_ratio_decay * done)
+            self._allocate(done * b)
             finished = []
             for r in self._running:
                 r.context += done
@@ -279,7 +355,7 @@ class SimEngine(Engine):
             self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, self._usage())
             for r in finished:
                 self._running.remove(r)
-                self._admit_blocked = False
+                self._cache_put(r.session, r.context)  # stays cached (evictable) for the next turn
                 assert r.future is not None
                 r.future.set_result("done")
 
@@ -389,8 +465,9 @@ class SimResult:
     policy: str
     makespan_s: float
     idle_fraction: float  # share of engine-seconds in [0, makespan] with nothing running
-    overflow_events: int  # engine KV overflows (evictions)
-    recomputed_tokens: int
+    overflow_events: int  # decode ran out of KV and the engine retracted requests
+    recomputed_tokens: int  # prefilled again after a retraction or an evicted prefix
+    prefix_evictions: int  # turns that found their rollout's earlier context evicted
     scheduler_overflow_events: int  # reservations beyond capacity (kv-aware: always 0)
     per_engine: list[dict] = field(default_factory=list)
 
@@ -452,6 +529,7 @@ async def _simulate(
         idle_fraction=idle,
         overflow_events=sum(s.stats.overflow_events for s in sims),
         recomputed_tokens=sum(s.stats.recomputed_tokens for s in sims),
+        prefix_evictions=sum(s.stats.prefix_evictions for s in sims),
         scheduler_overflow_events=sched.overflow_events,
         per_engine=[
             {
@@ -460,6 +538,7 @@ async def _simulate(
                 "busy_s": s.stats.busy_s,
                 "decode_tokens": s.stats.decode_tokens,
                 "overflow_events": s.stats.overflow_events,
+                "recomputed_tokens": s.stats.recomputed_tokens,
                 "peak_kv_tokens": s.stats.peak_kv_tokens,
                 "capacity": s.spec.capacity,
             }

@@ -2,9 +2,16 @@
 
 - ``worker``: a warm fork-server per core (numpy, sympy, scipy, math-verify preloaded and
   frozen); every call is one fork into a contained child (setsid, rlimits, seccomp, slot uid,
-  slot cgroup from ``cgroups``), with a wall deadline and a sweep of whatever it left behind.
+  slot cgroup from ``cgroups``, writes confined by ``landlock``), with a wall deadline, a disk
+  quota and a sweep of whatever it left behind.
 - ``server``: the HTTP/JSON service (``kuberl sandbox serve``): bounded queue, batching
-  dispatch, exactly-once answers by idempotency id, 429 backpressure, /metrics, /readyz.
+  dispatch, exactly-once answers by idempotency key (``idempotency``), 429 backpressure,
+  replacement of lost workers, /metrics, /readyz.
 - ``client``: the async client with retries; ``local``: start the service as a subprocess.
 - ``types``: the four outcomes of the paper plus memory-limit and truncation flags.
+
+Exactly-once is a property of one service process. Behind a SandboxPool's Kubernetes Service
+each connection may reach another pod: a retry after a lost response can then run the call a
+second time on another pod. The caller still gets exactly one answer per call; only the work
+is duplicated (tool calls have no side effects outside their pod).
 """

@@ -28,7 +28,10 @@ class SandboxClient:
     Backpressure answers (429/503) are retried without consuming ``retries`` until
     ``request_timeout`` has passed; transport errors consume ``retries``. Because the server
     remembers results by id, a retry after a lost response gets the original result instead
-    of running the code twice.
+    of running the code twice. That memory is per pod: ``base_url`` should name one service
+    process (or a Service whose retries may land on another pod, which then runs the call
+    again; the answer is still delivered once). A 409 (an id reused for a different call) is
+    a bug of the caller and raised, not retried.
     """
 
     def __init__(self, base_url: str, *, retries: int = 5, request_timeout: float = 60.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -24,20 +25,23 @@ def running_sandbox(
     port: int = 0,
     startup_timeout: float = 120.0,
     extra_args: Sequence[str] = (),
+    wrapper: Sequence[str] = (),
 ) -> Iterator[str]:
     """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200.
 
-    ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``).
+    ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``); ``wrapper``
+    is a command prefix it runs under (e.g. one that drops to a non-root uid, like a pod).
+    The limits travel as ``KUBERL_SANDBOX_LIMITS``, the way a SandboxPool pod gets them.
     """
     lim = limits or SandboxLimits()
     cmd = [
-        sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
-        "--workers", str(workers), "--pool", pool,
-        "--timeout-seconds", str(lim.timeout_seconds), "--memory-mb", str(lim.memory_mb),
-        "--max-output-bytes", str(lim.max_output_bytes), "--max-processes", str(lim.max_processes),
-        *extra_args,
+        *wrapper, sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
+        "--workers", str(workers), "--pool", pool, *extra_args,
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True)
+    env = dict(os.environ, KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=env
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

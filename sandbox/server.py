@@ -1,8 +1,15 @@
 """HTTP/JSON sandbox service: central bounded queue, batching dispatch to warm fork-servers.
 
-Every accepted call is answered exactly once: calls carry an idempotency id, results are
-remembered (bounded LRU) and a retried id joins the in-flight future instead of running
-again. A full queue answers 429 with Retry-After (backpressure, not unbounded memory).
+Every accepted call is answered exactly once: calls carry an idempotency id, answers are
+remembered by (operation, id) and payload digest (``idempotency``), a retried id joins the
+in-flight call instead of running again and an id reused for a different call gets 409.
+A full queue answers 429 with Retry-After (backpressure, not unbounded memory).
+
+A worker that dies or stops answering is replaced (with backoff while it cannot start): the
+call it was running is answered with an error, the calls queued behind it in its batch run
+again once on the new worker, and /readyz says 503 while fewer workers are up than
+configured. The server is a child subreaper, so whatever a dead worker's calls left behind
+is reparented to it and killed before the replacement starts.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -19,6 +27,7 @@ import shutil
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +36,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.cgroups import remove_cgroup_dirs
+from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
 from kuberl.sandbox.types import ExecResult
+from kuberl.sandbox.worker import kill_children
 
 log = logging.getLogger("kuberl.sandbox")
 
@@ -40,6 +51,11 @@ TOOL_LATENCY = Histogram(
 TOOL_CALLS = Counter("kuberl_tool_calls", "Tool calls answered", ["pool", "outcome"])
 QUEUE_DEPTH = Gauge("kuberl_sandbox_queue_depth", "Calls waiting for a worker", ["pool"])
 WORKERS_BUSY = Gauge("kuberl_sandbox_workers_busy", "Workers executing a call", ["pool"])
+VERIFY_CALLS = Counter(
+    "kuberl_sandbox_verify_calls",
+    "Answer verifications by result (correct, wrong, timeout, error)",
+    ["pool", "outcome"],
+)
 
 # Every call forks the ~100 MB preloaded worker; fork and exit cost scales with the number of
 # anonymous pages mapped. glibc malloc on transparent huge pages (instead of pymalloc's 4 KiB
@@ -58,7 +74,15 @@ class ServiceConfig:
     flush_ms: float = 0.0
     queue_limit: int = 4096
     remember: int = 200_000
+    remember_bytes: int = 256 * 2**20
+    remember_ttl_s: float = 1800.0
     verify_timeout_seconds: float = 5.0
+    # beyond a call's own deadline, what a worker may take to kill, sweep and clean a slot
+    # before the server gives up on it, kills it and starts another
+    run_margin_s: float = 15.0
+    # kill this process's non-worker children after a worker died: only where the service owns
+    # its process (``kuberl sandbox serve``), never inside someone else's
+    sweep_orphans: bool = False
     # "full": namespaces, slot uids and cgroups where this process may create them (root);
     # "basic": only what an unprivileged container allows (rlimits, setsid, seccomp, the
     # subreaper sweep) - what a SandboxPool pod running as non-root gets anyway.
@@ -77,6 +101,9 @@ def build_result(raw: dict[str, Any], timeout: float) -> ExecResult:
     duration = float(raw.get("duration_s", 0.0))
     stdout = raw.get("stdout", "")
     truncated = bool(raw.get("stdout_truncated")) or bool(meta.get("truncated"))
+    if raw.get("disk_exceeded_mb"):
+        msg = f"OSError: disk quota exceeded: the call's files grew beyond {raw['disk_exceeded_mb']} MB"
+        return ExecResult("error", f"{stdout}{msg}" if stdout else msg, truncated, duration)
     if raw.get("timed_out"):
         msg = f"TimeoutError: execution exceeded {timeout:g} s"
         return ExecResult("timeout", f"{stdout}{msg}" if stdout else msg, truncated, duration)
@@ -111,8 +138,24 @@ def integer_fast_path(prediction: str, gold: str) -> bool | None:
 
     p, g = clean(prediction), clean(gold)
     if _INT_RE.match(p) and _INT_RE.match(g):
-        return int(p) == int(g)
+        # digit strings, not int(): CPython refuses to convert more than 4300 digits
+        return _canonical_int(p) == _canonical_int(g)
     return None
+
+
+def _canonical_int(s: str) -> str:
+    """``"+007"`` -> ``"7"``, ``"-0"`` -> ``"0"``: equal integers get equal strings."""
+    sign = "-" if s[0] == "-" else ""
+    digits = s.lstrip("+-").lstrip("0") or "0"
+    return digits if digits == "0" else sign + digits
+
+
+class WorkerLost(RuntimeError):
+    """A worker died or stopped answering; ``blame``: it was running the first pending call."""
+
+    def __init__(self, message: str, blame: bool) -> None:
+        super().__init__(message)
+        self.blame = blame
 
 
 class WorkerProc:
@@ -122,10 +165,12 @@ class WorkerProc:
         self.slot = slot
         self.cfg = cfg
         self.proc: asyncio.subprocess.Process | None = None
+        self.pid: int | None = None  # the worker itself (proc is `unshare` in a namespace)
+        self.up = False
         self.protections: dict[str, bool] = {}
         self.leftovers: dict[str, Any] = {}
 
-    async def start(self) -> None:
+    async def start(self, spawn_lock: asyncio.Lock | None = None) -> None:
         lim = self.cfg.lim
         wcfg = {
             "slot": self.slot,
@@ -134,6 +179,7 @@ class WorkerProc:
             "memory_mb": lim.memory_mb,
             "max_output_bytes": lim.max_output_bytes,
             "max_processes": lim.max_processes,
+            "disk_mb": lim.disk_mb,
         }
         ns = _namespace_prefix() if self.cfg.isolation == "full" else []
         wcfg["in_namespace"] = bool(ns)
@@ -143,9 +189,14 @@ class WorkerProc:
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         for key, value in FORK_FRIENDLY_MALLOC.items():
             env.setdefault(key, value)
-        self.proc = await asyncio.create_subprocess_exec(
-            *(ns + cmd), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env
-        )
+        async with spawn_lock or contextlib.nullcontext():  # the orphan sweep must see our pid
+            self.proc = await asyncio.create_subprocess_exec(
+                *(ns + cmd),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=env,
+                limit=2**26,  # one answer line carries a call's stdout, stderr and traceback
+            )
         assert self.proc.stdout is not None
         line = await self.proc.stdout.readline()
         if not line:
@@ -153,19 +204,36 @@ class WorkerProc:
         hello = json.loads(line)
         self.protections = dict(hello.get("protections", {}), namespaces=bool(ns))
         self.leftovers = hello.get("leftovers", {})
+        self.pid = self.proc.pid if ns else int(hello.get("pid", self.proc.pid))
+        self.up = True
 
-    async def run(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"calls": calls}).encode() + b"\n")
-        await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("sandbox worker died")
-        return json.loads(line)["results"]
+    async def run(self, calls: list[dict[str, Any]], protect: list[int]) -> AsyncIterator[dict[str, Any]]:
+        """Send a batch; yield each call's raw report as the worker finishes it.
+
+        Raises WorkerLost when the worker is gone or silent for a call's deadline plus
+        ``run_margin_s`` (``blame``: the call then being run is the one that was running)."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None or proc.stdin is None or proc.stdout is None:
+            raise WorkerLost("sandbox worker is not running", blame=False)
+        try:
+            proc.stdin.write(json.dumps({"calls": calls, "protect": protect}).encode() + b"\n")
+            await proc.stdin.drain()
+        except (ConnectionError, RuntimeError) as err:
+            raise WorkerLost(f"sandbox worker is gone ({err})", blame=False) from err
+        for call in calls:
+            limit = float(call["timeout"]) + self.cfg.run_margin_s
+            try:
+                line = await asyncio.wait_for(proc.stdout.readline(), limit)
+            except TimeoutError as err:
+                raise WorkerLost(f"sandbox worker gave no answer within {limit:g} s", blame=True) from err
+            if not line:
+                raise WorkerLost("sandbox worker died", blame=True)
+            yield json.loads(line)["result"]
 
     async def stop(self, grace: float = 3.0) -> None:
         """Let the worker clean up (EOF on its protocol pipe), kill it after ``grace`` seconds,
         then remove what a killed worker could not: its slot cgroups and scratch directory."""
+        self.up = False
         proc = self.proc
         if proc is not None and proc.returncode is None:
             if proc.stdin is not None:
@@ -179,7 +247,8 @@ class WorkerProc:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(proc.wait(), 5)
         if self.leftovers:
-            await asyncio.to_thread(_remove_leftovers, self.leftovers)
+            # not in a thread: a call may signal none of the server's threads, so it has one
+            _remove_leftovers(self.leftovers)
             self.leftovers = {}
 
 
@@ -213,12 +282,23 @@ def _namespace_prefix() -> list[str]:
     return prefix
 
 
+class ServiceUnavailable(RuntimeError):
+    """The service stopped before it could answer the call (the client retries elsewhere)."""
+
+
 @dataclass
 class _Call:
-    id: str
+    key: Key
+    digest: str
     payload: dict[str, Any]
     future: asyncio.Future
     submitted: float
+    retried: bool = False
+
+
+def _failure(why: str) -> dict[str, Any]:
+    """A worker-style raw report for a call the worker could not answer."""
+    return {"meta": {"status": "error", "traceback": f"RuntimeError: {why}\n"}}
 
 
 class SandboxService:
@@ -228,16 +308,18 @@ class SandboxService:
         self.cfg = cfg
         self.queue: collections.deque[_Call] = collections.deque()
         self.nonempty = asyncio.Event()
-        self.inflight: dict[str, asyncio.Future] = {}
-        self.done: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.inflight: dict[Key, _Call] = {}
+        self.memory = ResultMemory(cfg.remember, cfg.remember_bytes, cfg.remember_ttl_s)
         self.workers: list[WorkerProc] = []
         self.tasks: list[asyncio.Task] = []
         self.ready = False
         self.busy = 0
+        self.restarts = 0
+        self._spawn_lock = asyncio.Lock()
 
     async def start(self) -> None:
         self.workers = [WorkerProc(i, self.cfg) for i in range(self.cfg.workers)]
-        await asyncio.gather(*(w.start() for w in self.workers))
+        await asyncio.gather(*(w.start(self._spawn_lock) for w in self.workers))
         self.tasks = [asyncio.create_task(self._worker_loop(w)) for w in self.workers]
         self.ready = True
         log.warning(
@@ -250,34 +332,62 @@ class SandboxService:
     def protections(self) -> dict[str, bool]:
         return self.workers[0].protections if self.workers else {}
 
+    def workers_up(self) -> int:
+        return sum(1 for w in self.workers if w.up)
+
+    def is_ready(self) -> bool:
+        return self.ready and self.workers_up() == self.cfg.workers
+
     async def stop(self) -> None:
         self.ready = False
         for t in self.tasks:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for call in list(self.inflight.values()):
+            if not call.future.done():
+                call.future.set_exception(ServiceUnavailable("the sandbox service is stopping"))
+        self.inflight.clear()
+        self.queue.clear()
         await asyncio.gather(*(w.stop() for w in self.workers), return_exceptions=True)
 
     def capacity_left(self) -> int:
         return self.cfg.queue_limit - len(self.queue)
 
-    def submit(self, call_id: str, payload: dict[str, Any]) -> asyncio.Future:
-        """Enqueue (or join/recall) one call; caller has checked capacity."""
+    def lookup(self, key: Key, payload: dict[str, Any]) -> tuple[str, Any]:
+        """("done", answer), ("inflight", future) or ("new", digest); raises Conflict when the
+        key is known with a different payload. No side effects: a batch is checked whole first."""
+        digest = payload_digest(payload)
+        found, value = self.memory.recall(key, digest)
+        if found:
+            return "done", value
+        call = self.inflight.get(key)
+        if call is not None:
+            if call.digest != digest:
+                raise Conflict(f"{key[0]} id {key[1]!r} is already running a different call")
+            return "inflight", call.future
+        return "new", digest
+
+    def submit(self, key: Key, payload: dict[str, Any]) -> asyncio.Future:
+        """Enqueue (or join/recall) one call; caller has checked conflicts and capacity."""
         loop = asyncio.get_running_loop()
-        if call_id in self.done:
-            fut = loop.create_future()
-            fut.set_result(self.done[call_id])
-            return fut
-        if call_id in self.inflight:
-            return self.inflight[call_id]
+        state, found = self.lookup(key, payload)
+        if state == "inflight":
+            return found
         fut = loop.create_future()
-        self.inflight[call_id] = fut
-        self.queue.append(_Call(call_id, payload, fut, time.monotonic()))
+        if state == "done":
+            fut.set_result(found)
+            return fut
+        call = _Call(key, found, payload, fut, time.monotonic())
+        if payload["op"] == "verify":
+            fast = _fast_verify(payload)
+            if fast is not None:
+                self._finish(call, {"meta": {"status": "ok", "correct": fast}})
+                return fut
+        self.inflight[key] = call
+        self.queue.append(call)
         QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
         self.nonempty.set()
         return fut
-
-    def needs_slot(self, call_id: str) -> bool:
-        return call_id not in self.done and call_id not in self.inflight
 
     async def _take_batch(self) -> list[_Call]:
         while not self.queue:
@@ -303,50 +413,142 @@ class SandboxService:
         QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
         return batch
 
+    def _protected_pids(self) -> list[int]:
+        """What no call may signal: this process and its threads, and every worker."""
+        pids = {os.getpid()}
+        with contextlib.suppress(OSError):
+            pids |= {int(t) for t in os.listdir("/proc/self/task")}
+        for w in self.workers:
+            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None) if p}
+        return sorted(pids)
+
+    async def _work_or_death(self, w: WorkerProc) -> bool:
+        """Wait until calls are queued (True) or ``w`` dies while idle (False)."""
+        while not self.queue:
+            if w.proc is None or w.proc.returncode is not None:
+                return False
+            self.nonempty.clear()
+            waiters = {asyncio.ensure_future(self.nonempty.wait()), asyncio.ensure_future(w.proc.wait())}
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in waiters:
+                    t.cancel()
+        return True
+
     async def _worker_loop(self, w: WorkerProc) -> None:
         while True:
+            if not await self._work_or_death(w):
+                await self._replace(w, WorkerLost("sandbox worker died while idle", blame=False))
+                continue
             batch = await self._take_batch()
             self.busy += 1
             WORKERS_BUSY.labels(self.cfg.pool).set(self.busy)
             try:
-                raws = await w.run([c.payload for c in batch])
-            except Exception as err:  # noqa: BLE001 - worker died: answer, restart, go on
-                log.warning("sandbox worker %d failed (%s); restarting", w.slot, err)
-                raws = [
-                    {
-                        "meta": {
-                            "status": "error",
-                            "traceback": f"RuntimeError: sandbox worker failed: {err}\n",
-                        }
-                    }
-                    for _ in batch
-                ]
-                await w.stop()
-                await w.start()
+                lost = await self._dispatch(w, batch)
             finally:
                 self.busy -= 1
                 WORKERS_BUSY.labels(self.cfg.pool).set(self.busy)
-            for call, raw in zip(batch, raws, strict=True):
-                self._finish(call, raw)
+            if lost is not None:
+                await self._replace(w, lost)
+
+    async def _dispatch(self, w: WorkerProc, batch: list[_Call]) -> Exception | None:
+        """Run ``batch`` on ``w``; every call of it is answered or requeued, whatever happens."""
+        answered = 0
+        try:
+            async for raw in w.run([c.payload for c in batch], self._protected_pids()):
+                self._finish(batch[answered], raw)
+                answered += 1
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a dead worker, or a bug: never strand the batch
+            blame = err.blame if isinstance(err, WorkerLost) else True
+            self._worker_lost(batch[answered:], err, blame)
+            return err
+
+    def _worker_lost(self, pending: list[_Call], err: Exception, blame: bool) -> None:
+        """The call that was running is answered with an error (it may have killed the worker;
+        running it again could kill the next one); those behind it run once more elsewhere."""
+        retry = []
+        for i, call in enumerate(pending):
+            if call.future.done():
+                continue
+            if i == 0 and blame:
+                self._finish(call, _failure(f"the sandbox worker died running this call: {err}"))
+            elif call.retried:
+                self._finish(call, _failure(f"the sandbox worker died twice before this call ran: {err}"))
+            else:
+                call.retried = True
+                retry.append(call)
+        self.queue.extendleft(reversed(retry))
+        if retry:
+            self.nonempty.set()
+        QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
+
+    async def _replace(self, w: WorkerProc, err: Exception) -> None:
+        """Kill ``w``, sweep what its calls left, start a new one; back off while that fails."""
+        log.warning("sandbox worker %d lost (%s); replacing it", w.slot, err)
+        self.restarts += 1
+        delay = 0.5
+        while True:
+            await w.stop(grace=1.0)
+            await self.sweep_orphans()
+            try:
+                await w.start(self._spawn_lock)
+                return
+            except Exception as start_err:  # noqa: BLE001 - keep trying; /readyz says 503 meanwhile
+                log.error(
+                    "sandbox worker %d failed to start (%s); retrying in %.1f s", w.slot, start_err, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    async def sweep_orphans(self) -> int:
+        """Kill our children that are not workers: a dead worker's calls (setsid daemons
+        included) are reparented to us, the subreaper."""
+        if not self.cfg.sweep_orphans:
+            return 0
+        async with self._spawn_lock:
+            keep = frozenset(
+                w.proc.pid for w in self.workers if w.proc is not None and w.proc.returncode is None
+            )
+            killed = kill_children(keep)
+        if killed:
+            log.warning("killed %d processes a lost sandbox worker left behind", killed)
+        return killed
 
     def _finish(self, call: _Call, raw: dict[str, Any]) -> None:
         if call.payload["op"] == "exec":
-            result: Any = build_result(raw, float(call.payload["timeout"]))
-            outcome = result.outcome
+            result = build_result(raw, float(call.payload["timeout"]))
             value: Any = result.to_json()
+            TOOL_LATENCY.labels(self.cfg.pool, result.outcome).observe(time.monotonic() - call.submitted)
+            TOOL_CALLS.labels(self.cfg.pool, result.outcome).inc()
         else:
             meta = raw.get("meta") or {}
-            value = bool(meta.get("correct", False))
-            outcome = "verify_timeout" if raw.get("timed_out") else "verify"
-        if call.payload["op"] == "exec":
-            TOOL_LATENCY.labels(self.cfg.pool, outcome).observe(time.monotonic() - call.submitted)
-            TOOL_CALLS.labels(self.cfg.pool, outcome).inc()
-        self.inflight.pop(call.id, None)
-        self.done[call.id] = value
-        while len(self.done) > self.cfg.remember:
-            self.done.popitem(last=False)
+            timed_out = bool(raw.get("timed_out"))
+            correct = bool(meta.get("correct", False)) and not timed_out
+            value = {"correct": correct, "timed_out": timed_out}
+            if timed_out:
+                outcome = "timeout"
+            elif meta.get("status") != "ok":
+                outcome = "error"
+            else:
+                outcome = "correct" if correct else "wrong"
+            VERIFY_CALLS.labels(self.cfg.pool, outcome).inc()
+        self.inflight.pop(call.key, None)
+        self.memory.remember(call.key, call.digest, value, answer_size(value))
         if not call.future.done():
             call.future.set_result(value)
+
+
+def _fast_verify(payload: dict[str, Any]) -> bool | None:
+    """Integer answers without a worker; any surprise just sends the pair to math-verify."""
+    try:
+        return integer_fast_path(payload["prediction"], payload["gold"])
+    except Exception:  # noqa: BLE001 - one odd pair must not fail its batch
+        log.exception("integer fast path failed; using math-verify")
+        return None
 
 
 def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
@@ -374,33 +576,44 @@ def make_app(svc: SandboxService) -> web.Application:
     def too_busy() -> web.Response:
         return web.json_response({"error": "queue full"}, status=429, headers={"Retry-After": "0.05"})
 
-    async def run_many(items: list[tuple[str, dict[str, Any]]]) -> list[Any] | web.Response:
-        if not svc.ready:
-            return web.json_response({"error": "not ready"}, status=503, headers={"Retry-After": "1"})
-        new = sum(1 for cid, _ in items if svc.needs_slot(cid))
-        if new > svc.capacity_left():
-            return too_busy()
-        futs = []
-        for cid, payload in items:
-            if payload["op"] == "verify":
-                fast = integer_fast_path(payload["prediction"], payload["gold"])
-                if fast is not None:
-                    f = asyncio.get_running_loop().create_future()
-                    f.set_result(fast)
-                    futs.append(f)
-                    continue
-            futs.append(svc.submit(cid, payload))
-        return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
+    def unavailable(why: str) -> web.Response:
+        return web.json_response({"error": why}, status=503, headers={"Retry-After": "1"})
 
-    def call_id(item: dict[str, Any]) -> str:
+    async def run_many(items: list[tuple[Key, dict[str, Any]]]) -> list[Any] | web.Response:
+        if not svc.ready:
+            return unavailable("not ready")
+        # check the whole request before admitting any of it: a conflict or a full queue
+        # leaves nothing half-submitted
+        conflicts: list[str] = []
+        new: dict[Key, str] = {}  # keys this request would add to the queue, by digest
+        for key, payload in items:
+            try:
+                state, digest = svc.lookup(key, payload)
+            except Conflict as err:
+                conflicts.append(str(err))
+                continue
+            if state == "new" and new.setdefault(key, digest) != digest:
+                conflicts.append(f"{key[0]} id {key[1]!r} appears twice in the request with different calls")
+        if conflicts:
+            body = {"error": "an idempotency id was reused for a different call", "conflicts": conflicts}
+            return web.json_response(body, status=409)
+        if len(new) > svc.capacity_left():
+            return too_busy()
+        futs = [svc.submit(key, payload) for key, payload in items]
+        try:
+            return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
+        except ServiceUnavailable as err:
+            return unavailable(str(err))
+
+    def call_key(op: str, item: dict[str, Any]) -> Key:
         cid = item.get("id")
-        return str(cid) if cid is not None else uuid.uuid4().hex
+        return (op, str(cid) if cid is not None else uuid.uuid4().hex)
 
     async def execute(request: web.Request) -> web.StreamResponse:
         item = await body(request)
         if not isinstance(item, dict):
             raise web.HTTPBadRequest(text="expected a JSON object")
-        res = await run_many([(call_id(item), _exec_payload(item, lim))])
+        res = await run_many([(call_key("exec", item), _exec_payload(item, lim))])
         return res if isinstance(res, web.Response) else web.json_response(res[0])
 
     async def execute_batch(request: web.Request) -> web.StreamResponse:
@@ -408,7 +621,7 @@ def make_app(svc: SandboxService) -> web.Application:
         calls = data.get("calls") if isinstance(data, dict) else None
         if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
             raise web.HTTPBadRequest(text="expected {'calls': [{'code': ..., 'stdin': ..., 'id': ...}, ...]}")
-        res = await run_many([(call_id(c), _exec_payload(c, lim)) for c in calls])
+        res = await run_many([(call_key("exec", c), _exec_payload(c, lim)) for c in calls])
         return res if isinstance(res, web.Response) else web.json_response({"results": res})
 
     def verify_payload(item: dict[str, Any]) -> dict[str, Any]:
@@ -421,8 +634,8 @@ def make_app(svc: SandboxService) -> web.Application:
         item = await body(request)
         if not isinstance(item, dict):
             raise web.HTTPBadRequest(text="expected a JSON object")
-        res = await run_many([(call_id(item), verify_payload(item))])
-        return res if isinstance(res, web.Response) else web.json_response({"correct": res[0]})
+        res = await run_many([(call_key("verify", item), verify_payload(item))])
+        return res if isinstance(res, web.Response) else web.json_response(res[0])
 
     async def verify_batch(request: web.Request) -> web.StreamResponse:
         data = await body(request)
@@ -431,26 +644,33 @@ def make_app(svc: SandboxService) -> web.Application:
             raise web.HTTPBadRequest(
                 text="expected {'pairs': [{'prediction': ..., 'gold': ..., 'id': ...}, ...]}"
             )
-        res = await run_many([(call_id(p), verify_payload(p)) for p in pairs])
-        return res if isinstance(res, web.Response) else web.json_response({"correct": res})
+        res = await run_many([(call_key("verify", p), verify_payload(p)) for p in pairs])
+        if isinstance(res, web.Response):
+            return res
+        return web.json_response(
+            {"correct": [r["correct"] for r in res], "timed_out": [r["timed_out"] for r in res]}
+        )
 
     async def healthz(_: web.Request) -> web.StreamResponse:
         return web.json_response({"ok": True})
 
     async def readyz(_: web.Request) -> web.StreamResponse:
-        status = 200 if svc.ready else 503
+        ready = svc.is_ready()  # not while a lost worker is being replaced
         uids = [svc.cfg.uid_base + w.slot for w in svc.workers] if svc.protections().get("uid") else []
         info = {
-            "ready": svc.ready,
+            "ready": ready,
             "uids": uids,
             "workers": len(svc.workers),
+            "workers_up": svc.workers_up(),
+            "server_pid": os.getpid(),
+            "worker_restarts": svc.restarts,
             "worker_pids": [w.proc.pid for w in svc.workers if w.proc is not None],
             "isolation": svc.cfg.isolation,
             "pool": svc.cfg.pool,
             "protections": svc.protections(),
             "queue_depth": len(svc.queue),
         }
-        return web.json_response(info, status=status)
+        return web.json_response(info, status=200 if ready else 503)
 
     async def metrics(_: web.Request) -> web.StreamResponse:
         QUEUE_DEPTH.labels(svc.cfg.pool).set(len(svc.queue))
@@ -488,6 +708,29 @@ async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
         await runner.cleanup()
 
 
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _guard_this_process(loop: asyncio.AbstractEventLoop) -> None:
+    """Process-wide settings of the service (not of a library user's process).
+
+    Subreaper: a dead worker's orphans come to us, not to init, so sweep_orphans can kill
+    them. Not dumpable: a call under our uid cannot open /proc/<us>/mem or fd. A pidfd child
+    watcher: asyncio's default one (Python < 3.12) runs a thread per worker, and every thread
+    id is one more pid a call could SIGKILL the whole server through."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with contextlib.suppress(Exception):
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
+        with contextlib.suppress(OSError):
+            os.close(os.pidfd_open(os.getpid()))
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(loop)
+            asyncio.set_child_watcher(watcher)
+
+
 def serve(
     host: str,
     port: int,
@@ -514,8 +757,10 @@ def serve(
         queue_limit=max(1, queue_limit),
         verify_timeout_seconds=verify_timeout_seconds,
         isolation=isolation,
+        sweep_orphans=True,
     )
     loop = asyncio.new_event_loop()
+    _guard_this_process(loop)
     main = loop.create_task(_serve(host, port, cfg))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, main.cancel)

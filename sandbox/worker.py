@@ -2,12 +2,19 @@
 
 Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
 ``unshare --net --pid --fork --mount-proc --kill-child`` when available), it preloads and
-warms numpy, sympy, scipy and math-verify, calls ``gc.freeze()`` and then answers one JSON
-line per request on its protocol pipe. Per call the cost is one ``fork``: the child does
-setsid, joins the slot's cgroup (memory, pids), sets rlimits (AS, CPU, FSIZE, NOFILE, CORE,
-NPROC), drops to the slot's non-root uid, installs a seccomp filter and runs the code. The
-parent enforces the wall deadline and afterwards kills everything left in the slot (cgroup
-members, the process group and every process of the slot uid), so daemons cannot outlive a call.
+warms numpy, sympy, scipy and math-verify, calls ``gc.freeze()`` and then reads one JSON
+request (a batch of calls) per line on its protocol pipe and answers one JSON line per call,
+as soon as that call is done (so the server knows which call was running if the worker dies).
+Per call the cost is one ``fork``: the child does setsid, joins the slot's cgroup (memory,
+pids), sets rlimits (AS, CPU, FSIZE, NOFILE, CORE, NPROC), drops to the slot's non-root uid,
+confines its writes to the slot directory (Landlock), installs a seccomp filter and runs the
+code. The parent enforces the wall deadline and the slot's disk quota and afterwards kills
+everything left in the slot (cgroup members, the process group, its orphans and every process
+of the slot uid), so daemons cannot outlive a call.
+
+The worker and the server are not dumpable (``PR_SET_DUMPABLE`` 0): a call running under
+their uid (``--isolation basic``) can then neither open their ``/proc/PID/mem`` or ``fd``
+nor ptrace them, and the seccomp filter refuses to signal them (see :class:`SeccompProgram`).
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+from kuberl.sandbox import landlock
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 
 DEFAULT_UID_BASE = 61000
+_PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
 
 
 @dataclass
@@ -50,6 +60,7 @@ class WorkerConfig:
     max_output_bytes: int = 16384
     max_processes: int = 32
     max_file_mb: int = 64
+    disk_mb: int = 256
     verify_timeout_seconds: float = 5.0
     in_namespace: bool = False
     isolation: str = "full"  # "basic": no slot uid, no cgroups (see ServiceConfig.isolation)
@@ -112,16 +123,27 @@ def _preload() -> None:
 
     x = sympy.Symbol("x")
     sympy.simplify((x**2 - 1) / (x - 1))
-    verify(parse("$\\frac{1}{2}$"), parse("0.5"))
+    # no math-verify alarms: the worker's outer kill is the one deadline (see _child_verify);
+    # math-verify warns once that its own timeout is off, which is the point
+    import logging
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    verify(
+        parse("$\\frac{1}{2}$", parsing_timeout=None),
+        parse("0.5", parsing_timeout=None),
+        timeout_seconds=None,
+    )
 
 
 class Slot:
-    """The cgroup, uid and scratch directory one worker's calls run in."""
+    """The cgroup, uid, scratch directory and seccomp filter one worker's calls run in."""
 
     def __init__(self, cfg: WorkerConfig, python_readable: bool) -> None:
         self.cfg = cfg
         full = cfg.isolation == "full"
-        uid_ok = full and os.geteuid() == 0 and python_readable
+        # a root worker always drops calls to a slot uid where the interpreter allows it: as
+        # root a call would ignore RLIMIT_NPROC and could signal or ptrace anything
+        uid_ok = os.geteuid() == 0 and python_readable
         self.uid = cfg.uid_base + cfg.slot if uid_ok else None
         # unique even across services: in a PID namespace every worker is pid 1
         self.dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{cfg.pool}-{cfg.slot}-")
@@ -131,16 +153,43 @@ class Slot:
         memory = cfg.memory_mb * 2**20 + 64 * 2**20  # the interpreter's own pages on top
         name = os.path.basename(self.dir)
         self.cgroup = slot_cgroup(name, memory, cfg.max_processes) if full else SlotCgroup()
-        self.seccomp = SeccompProgram.compile()
+        # the worker itself (and its threads, if a library started any), and outside a PID
+        # namespace the server (our parent); the server adds its threads and the other
+        # workers with every batch (see protect())
+        own = {1, os.getpid()} | {int(t) for t in os.listdir("/proc/self/task")}
+        self.own_pids = frozenset(own | (set() if cfg.in_namespace else {os.getppid()}))
+        self.protected = self.own_pids
+        self.seccomp = SeccompProgram.compile(self.protected)
+        self.landlock_abi = landlock.abi_version()
         self.protections = {
             "cgroup_memory": self.cgroup.memory,
             "cgroup_pids": self.cgroup.pids,
             "uid": self.uid is not None,
+            # a per-call process cap: the pids cgroup, or RLIMIT_NPROC under a non-root uid
+            # (root ignores it: a root call in basic isolation has no cap, and says so)
+            "pids": self.cgroup.pids or self.uid is not None or os.geteuid() != 0,
             "seccomp": self.seccomp is not None,
+            "landlock": self.landlock_abi >= 1,
+            "disk_quota": True,
             "rlimits": True,
             "setsid": True,
             "home_hidden": python_readable and cfg.in_namespace,
         }
+
+    def protect(self, pids: list[int]) -> None:
+        """Also refuse signals to ``pids`` (host pids: meaningless inside a PID namespace).
+
+        Recompiles the filter only when the set changes (worker restarts), ~10 ms."""
+        if self.cfg.in_namespace or self.seccomp is None:
+            return
+        wanted = self.own_pids | {p for p in pids if isinstance(p, int) and 0 < p < 2**31}
+        if wanted != self.protected:
+            self.seccomp = SeccompProgram.compile(wanted) or self.seccomp
+            self.protected = wanted
+
+    def disk_usage(self) -> int:
+        """Bytes allocated beneath the slot directory (what counts against the disk quota)."""
+        return _dir_bytes(self.dir)
 
     def join(self) -> None:
         self.cgroup.join(os.getpid())
@@ -165,7 +214,7 @@ class Slot:
             time.sleep(0.002)
         tracked = emptied and self.cgroup.pids
         if not tracked:
-            _kill_descendants()
+            kill_children()
         if self.uid is not None and (not tracked or _uid_has_processes(self.uid)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -212,40 +261,94 @@ def _children_of(pid: int) -> list[int]:
     return kids
 
 
-def _kill_descendants(rounds: int = 100) -> None:
-    """Kill whatever a call left behind when no cgroup tracks it.
+def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
+    """Kill every child of this process but ``keep``; returns how many were killed.
 
-    The worker is a child subreaper (or PID-namespace init), so a call's orphans, however many
-    times they setsid and double-fork, are reparented to it: kill its children until none is
-    left (grandchildren of a killed process show up as children in the next round)."""
+    Used where no cgroup tracks a call: this process (the worker, or the server after a worker
+    died) is a child subreaper or PID-namespace init, so orphans, however many times they
+    setsid and double-fork, are reparented to it; grandchildren of a killed process show up
+    as children in the next round. Only the killed pids are reaped: the others' exit status
+    belongs to whoever waits for them (asyncio, in the server)."""
     me = os.getpid()
+    killed = 0
     for _ in range(rounds):
-        kids = _children_of(me)
+        kids = [k for k in _children_of(me) if k not in keep]
         if not kids:
-            return
+            break
         for pid in kids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        _reap_zombies(patience=0.05)
+        killed += len(kids)
+        _reap(kids, patience=0.05)
+    return killed
 
 
-def _uid_process_count(uid: int) -> int:
+def _reap(pids: list[int], patience: float) -> None:
+    deadline = time.monotonic() + patience
+    left = set(pids)
+    while left:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                left.discard(pid)
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
+
+
+def _dir_bytes(path: str) -> int:
+    """Allocated bytes of every file beneath ``path`` (sparse holes are free; links not followed)."""
+    total = 0
+    stack = [path]
+    while stack:
+        with contextlib.suppress(OSError), os.scandir(stack.pop()) as it:
+            for entry in it:
+                with contextlib.suppress(OSError):
+                    st = entry.stat(follow_symlinks=False)
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+    return total
+
+
+def _real_uid_and_threads(pid: str) -> tuple[int, int] | None:
+    """From /proc/PID/status: /proc/PID itself is owned by root for a non-dumpable process
+    (ours, and every call after a uid change), so its owner says nothing about the uid."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    uid = threads = None
+    for line in text.splitlines():
+        if line.startswith(b"Uid:"):
+            uid = int(line.split()[1])
+        elif line.startswith(b"Threads:"):
+            threads = int(line.split()[1])
+    return (uid, threads or 1) if uid is not None else None
+
+
+def _uid_task_count(uid: int) -> int:
+    """Tasks (threads included: RLIMIT_NPROC counts them) of real uid ``uid`` in /proc."""
     count = 0
     for name in os.listdir("/proc"):
         if name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    count += len(os.listdir(f"/proc/{name}/task"))  # RLIMIT_NPROC counts threads
+            found = _real_uid_and_threads(name)
+            if found is not None and found[0] == uid:
+                count += found[1]
     return count
 
 
 def _uid_has_processes(uid: int) -> bool:
-    """Is any process of ``uid`` alive (/proc/PID is owned by the process's uid)?"""
+    """Is any process of real uid ``uid`` alive?"""
     for name in os.listdir("/proc"):
         if name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    return True
+            found = _real_uid_and_threads(name)
+            if found is not None and found[0] == uid:
+                return True
     return False
 
 
@@ -287,7 +390,23 @@ _SECCOMP_DENY = (
     "ptrace", "mount", "umount2", "unshare", "setns", "reboot", "kexec_load", "init_module",
     "finit_module", "delete_module", "swapon", "swapoff", "pivot_root", "chroot", "bpf",
     "perf_event_open", "process_vm_readv", "process_vm_writev", "keyctl", "add_key", "request_key",
+    # a pidfd for any pid can also come from open("/proc/PID"): no signals through pidfds at all
+    "pidfd_send_signal",
 )  # fmt: skip
+# syscalls that signal a pid given in argument N (tgkill checks that its tid belongs to tgid)
+_SIGNAL_PID_ARGS = {
+    "kill": 0,
+    "tkill": 0,
+    "tgkill": 0,
+    "rt_sigqueueinfo": 0,
+    "rt_tgsigqueueinfo": 0,
+    "pidfd_open": 0,
+}
+# fcntl/ioctl commands that make the kernel signal an arbitrary pid or group on I/O (SIGIO,
+# or any signal chosen with F_SETSIG, SIGKILL included)
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
+_PID_MASK = 0xFFFFFFFF  # pid_t is 32 bits: compare only what the kernel reads of the register
 
 
 class _SockFprog(ctypes.Structure):
@@ -301,6 +420,12 @@ class SeccompProgram:
     the worker compiles it at start and each child only hands the ready program to the kernel
     (two prctl calls). Denies network sockets, ptrace, mounts, namespaces and kernel-level calls
     with EPERM; everything else is allowed.
+
+    Without a slot uid (basic isolation) a call may signal every process of its uid, the server
+    and the workers included; the filter therefore also refuses kill/tkill/tgkill/
+    rt_(tg)sigqueueinfo/pidfd_open aimed at a protected pid (the worker, the server and its
+    threads, the other workers, pid 1) or at a negative pid (a process group, or -1: everyone),
+    any pidfd_send_signal, and the fcntl/ioctl commands that route SIGIO to another process.
     """
 
     def __init__(self, bpf: bytes) -> None:
@@ -309,7 +434,7 @@ class SeccompProgram:
         self._prog = _SockFprog(len(bpf) // 8, bpf)
 
     @classmethod
-    def compile(cls) -> SeccompProgram | None:
+    def compile(cls, protected: frozenset[int] = frozenset()) -> SeccompProgram | None:
         """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it)."""
         try:
             import pyseccomp as sc
@@ -324,6 +449,15 @@ class SeccompProgram:
         for name in _SECCOMP_DENY:
             with contextlib.suppress(Exception):  # a syscall this arch does not have
                 f.add_rule(deny, name)
+        for name, arg in _SIGNAL_PID_ARGS.items():
+            with contextlib.suppress(Exception):
+                f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, 0x80000000, 0x80000000))  # pid < 0
+                for pid in sorted(protected):
+                    f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, _PID_MASK, pid))
+        for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
+            f.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, cmd))
+        for cmd in (_FIOSETOWN, _SIOCSPGRP):
+            f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, _PID_MASK, cmd))
         with tempfile.TemporaryFile() as fh:
             f.export_bpf(fh)
             fh.seek(0)
@@ -363,13 +497,19 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
     if slot.uid is not None:
         resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
     elif os.geteuid() != 0:  # shared uid (unprivileged pod): cap what this call may add to it
-        nproc = _uid_process_count(os.geteuid()) + cfg.max_processes
+        nproc = _uid_task_count(os.getuid()) + cfg.max_processes
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
     if slot.uid is not None:
         os.setgroups([])
         os.setgid(slot.uid)
         os.setuid(slot.uid)
     os.environ["HOME"] = slot.dir
+    os.environ["TMPDIR"] = slot.dir  # the only place it may write
+    _libc = ctypes.CDLL(None, use_errno=True)
+    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if slot.landlock_abi >= 1:
+        landlock.restrict_writes([slot.dir], [os.devnull], slot.landlock_abi)
     if slot.seccomp is not None:
         slot.seccomp.load()
 
@@ -448,11 +588,14 @@ def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: in
         # answers arrive extracted from \boxed{} (rollout.template.extract_answer); re-box bare
         # ones so the LaTeX extractor sees the whole expression ("1+x" alone parses as 1)
         if "$" in text or "\\boxed" in text:
-            return parse(text)
-        return parse(f"\\boxed{{{text}}}") or parse(text)
+            return parse(text, parsing_timeout=None)
+        return parse(f"\\boxed{{{text}}}", parsing_timeout=None) or parse(text, parsing_timeout=None)
 
+    # math-verify's own SIGALRM timeouts (5 s per parse and per comparison, whole seconds only)
+    # are off: they would race the outer deadline, or stretch a verify to 3x their value; the
+    # parent's kill at req["timeout"] is the single deadline and is reported as a timeout
     try:
-        ok = bool(verify(parse_any(req["gold"]), parse_any(req["prediction"])))
+        ok = bool(verify(parse_any(req["gold"]), parse_any(req["prediction"]), timeout_seconds=None))
     except Exception:  # noqa: BLE001 - unparsable answers are simply wrong
         ok = False
     _write_meta(meta_w, {"status": "ok", "correct": ok}, 1024)
@@ -481,17 +624,26 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
     pidfd = os.pidfd_open(pid)
     chunks: list[bytes] = []
     deadline = start + timeout
-    timed_out = False
+    quota = cfg.disk_mb * 2**20
+    next_disk_check = start + DISK_POLL_SECONDS
+    timed_out = disk_exceeded = False
     meta_open = True
     status = None
     try:
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 timed_out = True
                 break
+            if now >= next_disk_check:
+                if slot.disk_usage() > quota:
+                    disk_exceeded = True
+                    break
+                # a slot full of small files takes long to scan: never spend over 1/4 of the call on it
+                next_disk_check = time.monotonic() + max(DISK_POLL_SECONDS, 3 * (time.monotonic() - now))
             watch = [pidfd, meta_r] if meta_open else [pidfd]
-            ready, _, _ = select.select(watch, [], [], left)
+            ready, _, _ = select.select(watch, [], [], max(0.0, min(left, next_disk_check - now)))
             if meta_r in ready:
                 data = os.read(meta_r, 65536)
                 if data:
@@ -500,7 +652,7 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
                     meta_open = False
             if pidfd in ready:
                 break
-        if timed_out:
+        if timed_out or disk_exceeded:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)
             with contextlib.suppress(OSError):
@@ -520,11 +672,15 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
         duration = time.monotonic() - start
         slot.kill_all()
     oom = slot.cgroup.hit_memory_limit()
+    # what the call left when it ended counts too (it may have written it faster than one poll)
+    disk_exceeded = disk_exceeded or slot.disk_usage() > quota
     meta: dict[str, Any] = {}
     if chunks:
         with contextlib.suppress(ValueError):
             meta = json.loads(b"".join(chunks))
     out = {"duration_s": duration, "timed_out": timed_out, "meta": meta, "oom": oom}
+    if disk_exceeded:
+        out["disk_exceeded_mb"] = cfg.disk_mb
     if status is not None:
         out["signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         out["exit_code"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
@@ -555,8 +711,10 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
+    libc = ctypes.CDLL(None, use_errno=True)
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     readable = False
     if cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0:
@@ -582,9 +740,10 @@ def main(argv: list[str]) -> int:
     try:
         for line in proto_in:
             req = json.loads(line)
-            results = [run_forked(slot, cfg, r) for r in req["calls"]]
-            proto_out.write(json.dumps({"results": results}).encode() + b"\n")
-            proto_out.flush()
+            slot.protect(req.get("protect", []))
+            for call in req["calls"]:
+                proto_out.write(json.dumps({"result": run_forked(slot, cfg, call)}).encode() + b"\n")
+                proto_out.flush()
     finally:
         slot.kill_all()
         slot.remove()

@@ -1,13 +1,17 @@
 """Helm chart charts/kuberl: render offline (helm-python-sdk) and validate every object.
 
 Core objects go through kubernetes-validate (strict, Kubernetes 1.33); prometheus-operator
-objects through minimal JSON schemas written from the monitoring.coreos.com/v1 API reference
-(only the fields the chart uses, unknown fields rejected); alert expressions through
-``promtool check rules``; the chart's CRDs, RBAC and dashboards must equal their sources.
+objects through the real openAPIV3Schemas of their CRDs, vendored under
+tests/data/prometheus-operator/ (upstream version and URL in each file), made strict the way the
+API server's field validation is (unknown fields rejected); alert expressions through
+``promtool check rules`` and every alert's behaviour through ``promtool test rules``; the
+chart's CRDs, RBAC and dashboards must equal their sources.
 """
 
 from __future__ import annotations
 
+import base64
+import copy
 import json
 import shutil
 import subprocess
@@ -21,130 +25,81 @@ import yaml
 
 from kuberl.dashboards.cli import rendered as rendered_dashboards
 from kuberl.dashboards.metrics_catalog import check_expression
-from kuberl.operator.builders import operator_rbac_rules
+from kuberl.operator.builders import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
+from kuberl.operator.main import ServiceWebhookServer, webhook_server_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kuberl"
-
-DURATION = {"type": "string", "pattern": r"^(0|(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"}
-STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-LABEL_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "matchLabels": STR_MAP,
-        "matchExpressions": {"type": "array", "items": {"type": "object"}},
-    },
+CRD_SCHEMAS = ROOT / "tests" / "data" / "prometheus-operator"
+CRD_SCHEMA_FILES = {
+    "ServiceMonitor": "servicemonitors.schema.yaml",
+    "PodMonitor": "podmonitors.schema.yaml",
+    "PrometheusRule": "prometheusrules.schema.yaml",
 }
-NS_SELECTOR = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}},
-}
-ENDPOINT = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "port": {"type": "string", "minLength": 1},
-        "path": {"type": "string", "pattern": "^/"},
-        "interval": DURATION,
-        "scrapeTimeout": DURATION,
-        "honorLabels": {"type": "boolean"},
-        "scheme": {"enum": ["http", "https"]},
-    },
-    "required": ["port"],
-}
-METADATA = {
+# The API server validates ObjectMeta itself (the CRD schema only says `type: object`).
+OBJECT_META = {
     "type": "object",
     "required": ["name", "namespace"],
     "properties": {
-        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253}
+        "name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", "maxLength": 253},
+        "namespace": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "labels": {"type": "object", "additionalProperties": {"type": "string", "maxLength": 63}},
+        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
 
 
-def _kind(kind: str, spec: dict) -> dict:
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "kind": {"const": kind},
-            "metadata": METADATA,
-            "spec": spec,
-        },
-    }
+def python_pattern(go_pattern: str) -> str:
+    """A CRD ``pattern`` (Go RE2 syntax) as Python ``re`` accepts it.
+
+    RE2 allows a flag group such as ``(?i)`` after ``^`` (upstream writes ``^(?i)(abort|warn)?$``);
+    Python only accepts global flags at the very start, where they mean the same here.
+    """
+    head, flags, rest = go_pattern.partition("(?i)")
+    if not flags or not head:
+        return go_pattern
+    if head.strip("^"):
+        raise ValueError(f"cannot translate the Go pattern {go_pattern!r}")
+    return f"(?i){head}{rest}"
 
 
-MONITORING_SCHEMAS = {
-    "ServiceMonitor": _kind(
-        "ServiceMonitor",
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": LABEL_SELECTOR,
-                "namespaceSelector": NS_SELECTOR,
-                "endpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
-            },
-        },
-    ),
-    "PodMonitor": _kind(
-        "PodMonitor",
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": LABEL_SELECTOR,
-                "namespaceSelector": NS_SELECTOR,
-                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": ENDPOINT},
-            },
-        },
-    ),
-    "PrometheusRule": _kind(
-        "PrometheusRule",
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["groups"],
-            "properties": {
-                "groups": {
-                    "type": "array",
-                    "minItems": 1,
-                    "items": {
-                        "type": "object",
-                        "additionalProperties": False,
-                        "required": ["name", "rules"],
-                        "properties": {
-                            "name": {"type": "string", "minLength": 1},
-                            "interval": DURATION,
-                            "rules": {
-                                "type": "array",
-                                "items": {
-                                    "type": "object",
-                                    "additionalProperties": False,
-                                    "required": ["expr"],
-                                    "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-                                    "properties": {
-                                        "alert": {"type": "string", "minLength": 1},
-                                        "record": {"type": "string", "minLength": 1},
-                                        "expr": {"type": "string", "minLength": 1},
-                                        "for": DURATION,
-                                        "labels": STR_MAP,
-                                        "annotations": STR_MAP,
-                                    },
-                                },
-                            },
-                        },
-                    },
-                }
-            },
-        },
-    ),
-}
+def strict(schema: dict) -> dict:
+    """A CRD schema as ``kubectl apply`` sees it with field validation Strict (the default since 1.27).
+
+    The API server rejects fields that a structural schema does not declare unless the node has
+    ``x-kubernetes-preserve-unknown-fields``; JSON Schema allows them, so every object node with
+    ``properties`` and no ``additionalProperties`` gets ``additionalProperties: false``. Patterns
+    are translated from Go to Python syntax.
+    """
+    out = copy.deepcopy(schema)
+    nodes = [out]
+    while nodes:
+        node = nodes.pop()
+        if (
+            "properties" in node
+            and "additionalProperties" not in node
+            and not node.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            node["additionalProperties"] = False
+        if "pattern" in node:
+            node["pattern"] = python_pattern(node["pattern"])
+        nodes.extend(node.get("properties", {}).values())
+        nodes.extend(node[k] for k in ("items", "additionalProperties") if isinstance(node.get(k), dict))
+        nodes.extend(s for k in ("anyOf", "allOf", "oneOf") for s in node.get(k, []))
+    return out
+
+
+def crd_schema(kind: str) -> dict:
+    """The vendored openAPIV3Schema of one monitoring.coreos.com/v1 kind, strict, with ObjectMeta checks."""
+    schema = strict(yaml.safe_load((CRD_SCHEMAS / CRD_SCHEMA_FILES[kind]).read_text())["openAPIV3Schema"])
+    schema["properties"]["apiVersion"] = {"const": "monitoring.coreos.com/v1"}
+    schema["properties"]["kind"] = {"const": kind}
+    schema["properties"]["metadata"] = OBJECT_META
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata"})
+    return schema
+
+
+MONITORING_SCHEMAS = {kind: crd_schema(kind) for kind in CRD_SCHEMA_FILES}
 
 
 def render(values: dict | None = None) -> list[dict]:
@@ -155,7 +110,9 @@ def render(values: dict | None = None) -> list[dict]:
 
 def _validate(obj: dict) -> None:
     if obj["apiVersion"] == "monitoring.coreos.com/v1":
-        jsonschema.validate(obj, MONITORING_SCHEMAS[obj["kind"]])
+        if obj["kind"] not in MONITORING_SCHEMAS:
+            raise jsonschema.ValidationError(f"no monitoring.coreos.com/v1 kind {obj['kind']!r} in this test")
+        jsonschema.Draft7Validator(MONITORING_SCHEMAS[obj["kind"]]).validate(obj)
     else:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
@@ -176,30 +133,108 @@ def test_every_rendered_object_is_valid(objects):
             "ServiceMonitor",
             "PrometheusRule",
         ]
-        + ["PodMonitor"] * 2
+        + ["PodMonitor"] * 3
         + ["ConfigMap"] * 3
     )
     for obj in objects:
         _validate(obj)
 
 
+def test_vendored_crd_schemas_are_the_upstream_ones():
+    """The vendored files name their upstream version and carry the fields the chart relies on."""
+    for kind, name in CRD_SCHEMA_FILES.items():
+        text = (CRD_SCHEMAS / name).read_text()
+        assert "github.com/prometheus-operator/prometheus-operator/blob/" in text, name
+        doc = yaml.safe_load(text)
+        assert doc["x-prometheus-operator-version"].startswith("0."), name
+        jsonschema.Draft7Validator.check_schema(MONITORING_SCHEMAS[kind])
+    spec = MONITORING_SCHEMAS["ServiceMonitor"]["properties"]["spec"]
+    assert spec["required"] == ["endpoints", "selector"]
+    endpoint = spec["properties"]["endpoints"]["items"]["properties"]
+    assert {"port", "path", "interval", "honorLabels", "tlsConfig", "relabelings"} <= set(endpoint)
+    rule = MONITORING_SCHEMAS["PrometheusRule"]["properties"]["spec"]["properties"]["groups"]["items"]
+    assert rule["required"] == ["name"] and rule["properties"]["rules"]["items"]["required"] == ["expr"]
+
+
 def test_monitoring_schemas_reject_malformed_objects(objects):
     by_kind = {o["kind"]: o for o in objects}
-    bad = json.loads(json.dumps(by_kind["ServiceMonitor"]))
-    bad["spec"]["endpoints"][0]["interval"] = "often"
-    bad2 = json.loads(json.dumps(by_kind["PodMonitor"]))
-    del bad2["spec"]["selector"]
-    bad3 = json.loads(json.dumps(by_kind["PrometheusRule"]))
-    bad3["spec"]["groups"][0]["rules"][0]["exprs"] = bad3["spec"]["groups"][0]["rules"][0].pop("expr")
-    bad4 = json.loads(json.dumps(by_kind["PrometheusRule"]))
-    bad4["spec"]["groups"][0]["rules"][0]["record"] = "x"
-    for b in (bad, bad2, bad3, bad4):
+
+    def broken(kind: str, edit) -> dict:
+        obj = json.loads(json.dumps(by_kind[kind]))
+        edit(obj)
+        return obj
+
+    bad = [
+        broken("ServiceMonitor", lambda o: o["spec"]["endpoints"][0].update(interval="often")),
+        broken("ServiceMonitor", lambda o: o["spec"]["endpoints"][0].update(scheme="ftp")),
+        broken(
+            "ServiceMonitor", lambda o: o["spec"]["endpoints"][0].update(intervall="15s")
+        ),  # unknown field
+        broken("ServiceMonitor", lambda o: o["spec"].pop("endpoints")),
+        broken("PodMonitor", lambda o: o["spec"].pop("selector")),
+        broken("PodMonitor", lambda o: o["spec"]["podMetricsEndpoints"][0].update(portNumber=70000)),
+        broken("PodMonitor", lambda o: o["spec"]["selector"].update(matchLabels={"a": 1})),
+        broken("PodMonitor", lambda o: o.update(kind="PodMonitors")),
+        broken(
+            "PrometheusRule",
+            lambda o: o["spec"]["groups"][0]["rules"][0].update(
+                exprs=o["spec"]["groups"][0]["rules"][0].pop("expr")
+            ),
+        ),  # fmt: skip
+        broken("PrometheusRule", lambda o: o["spec"]["groups"][0]["rules"][0].update({"for": "10 minutes"})),
+        broken("PrometheusRule", lambda o: o["spec"]["groups"][0].update(name="")),
+        broken("PrometheusRule", lambda o: o["metadata"].update(name="Kuberl_Rules")),
+    ]
+    for b in bad:
         with pytest.raises(jsonschema.ValidationError):
             _validate(b)
-    broken = json.loads(json.dumps(by_kind["Deployment"]))
-    broken["spec"]["replicas"] = "one"
+    dep = json.loads(json.dumps(by_kind["Deployment"]))
+    dep["spec"]["replicas"] = "one"
     with pytest.raises(kubernetes_validate.ValidationError):
-        _validate(broken)
+        _validate(dep)
+
+
+def test_go_patterns_keep_their_meaning(objects):
+    """Upstream's RE2 ``^(?i)(abort|warn)?$`` still matches case-insensitively after translation."""
+    rule = next(o for o in objects if o["kind"] == "PrometheusRule")
+    for value, ok in (("warn", True), ("ABORT", True), ("", True), ("maybe", False)):
+        obj = json.loads(json.dumps(rule))
+        obj["spec"]["groups"][0]["partial_response_strategy"] = value
+        if ok:
+            _validate(obj)
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                _validate(obj)
+    assert python_pattern("^(?i)(a|b)$") == "(?i)^(a|b)$"
+    assert python_pattern("^[a-z]+$") == "^[a-z]+$"
+    with pytest.raises(ValueError):
+        python_pattern("x(?i)y")
+
+
+def test_operator_pod_monitor_selects_the_operator_pods(objects):
+    mon = next(
+        o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"].endswith("-operator")
+    )
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    template_labels = dep["spec"]["template"]["metadata"]["labels"]
+    selector = mon["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= template_labels.items()
+    assert selector["app.kubernetes.io/component"] == "operator"
+    assert mon["spec"]["namespaceSelector"] == {"matchNames": [dep["metadata"]["namespace"]]}
+    # The other kuberl monitors must not pick the operator up (and this one no workload pods).
+    for other in objects:
+        if other["kind"] in ("PodMonitor", "ServiceMonitor") and other is not mon:
+            assert not other["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    (endpoint,) = mon["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    ports = [p for c in dep["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])]
+    if ports:  # the Deployment declares its ports: the scraped one must be among them
+        assert "metrics" in {p.get("name") for p in ports}, ports
+    off = render({"monitoring": {"operatorMonitor": {"enabled": False}}})
+    assert not any(
+        o["metadata"]["name"].endswith("-kuberl-operator") and o["kind"] == "PodMonitor" for o in off
+    )
+    assert sum(o["kind"] == "PodMonitor" for o in off) == 2
 
 
 def test_chart_crds_equal_generated_crds():
@@ -272,13 +307,130 @@ def test_release_label_and_namespaces_are_configurable():
         _validate(obj)
 
 
+def test_watching_some_namespaces_grants_roles_there_only():
+    objs = render({"operator": {"watchAllNamespaces": False, "namespaces": ["rl-a", "rl-b"]}})
+    for obj in objs:
+        _validate(obj)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"rl-a", "rl-b"}
+    for ns, role in roles.items():
+        assert role["rules"] == operator_namespaced_rules()
+        assert bindings[ns]["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert bindings[ns]["subjects"] == [
+            {"kind": "ServiceAccount", "name": sa, "namespace": "kuberl-system"}
+        ]
+    # The ClusterRole keeps only what has no namespace: kopf's scans of namespaces and CRDs.
+    cluster = next(o for o in objs if o["kind"] == "ClusterRole")
+    assert cluster["rules"] == operator_cluster_rules(admission=False)
+    assert {r for rule in cluster["rules"] for r in rule["resources"]} == {
+        "namespaces",
+        "customresourcedefinitions",
+    }
+    # No namespaces listed: the release namespace is watched, with its Role.
+    objs = render({"operator": {"watchAllNamespaces": False}})
+    assert [o["metadata"]["namespace"] for o in objs if o["kind"] == "Role"] == ["kuberl-system"]
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=kuberl-system"]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_operator_metrics_are_exposed_and_scraped(objects):
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in c["ports"]
+    assert _env(c)["KUBERL_OPERATOR_METRICS_PORT"] == "8080"
+    mon = next(
+        o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"].endswith("-operator")
+    )
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert mon["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert mon["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    # The workloads' monitors carry the instance label KEDA queries select on.
+    for o in objects:
+        if o["kind"] in ("ServiceMonitor", "PodMonitor") and not o["metadata"]["name"].endswith("-operator"):
+            assert o["spec"]["podTargetLabels"] == ["app.kubernetes.io/instance"]
+
+
+def test_admission_is_off_by_default(objects):
+    assert not any(o["kind"] in ("Service", "Secret") for o in objects)
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    assert not any("validatingwebhookconfigurations" in r["resources"] for r in role["rules"])
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    assert not any(
+        k.startswith("KUBERL_WEBHOOK") for k in _env(dep["spec"]["template"]["spec"]["containers"][0])
+    )
+
+
+def test_admission_enabled_is_deployable():
+    from cryptography import x509
+
+    objs = render({"admission": {"enabled": True}})
+    for obj in objs:
+        _validate(obj)
+    by_kind = {o["kind"]: o for o in objs}
+    svc, secret, dep = by_kind["Service"], by_kind["Secret"], by_kind["Deployment"]
+    pod = dep["spec"]["template"]
+    c = pod["spec"]["containers"][0]
+    # The Service reaches the operator pod's webhook port.
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [
+        {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
+    ]
+    assert {"name": "webhook", "containerPort": 9443, "protocol": "TCP"} in c["ports"]
+    # The operator, started with this environment, announces exactly this Service.
+    server = webhook_server_from_env(_env(c))
+    assert isinstance(server, ServiceWebhookServer)
+    assert (server.service, server.namespace, server.service_port, server.port) == (
+        svc["metadata"]["name"],
+        "kuberl-system",
+        443,
+        9443,
+    )
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "webhook-tls")
+    assert all(
+        _env(c)[f"KUBERL_WEBHOOK_{k}"].startswith(mount["mountPath"] + "/") for k in ("CERT", "KEY", "CA")
+    )
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+    # The generated certificate is for the Service's DNS names and signed by the bundled CA.
+    decode = lambda k: x509.load_pem_x509_certificate(base64.b64decode(secret["data"][k]))  # noqa: E731
+    cert, ca = decode("tls.crt"), decode("ca.crt")
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"{svc['metadata']['name']}.kuberl-system.svc" in sans
+    cert.verify_directly_issued_by(ca)
+    # Webhook configurations are cluster-scoped and kopf keeps them current: granted only now.
+    role = by_kind["ClusterRole"]
+    assert role["rules"] == operator_rbac_rules(admission=True)
+    # A Secret of one's own (e.g. from cert-manager) replaces the generated one.
+    objs = render({"admission": {"enabled": True, "certSecret": "webhook-cert"}})
+    assert not any(o["kind"] == "Secret" for o in objs)
+    dep = next(o for o in objs if o["kind"] == "Deployment")
+    vol = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert vol["secret"]["secretName"] == "webhook-cert"
+
+
 @pytest.mark.parametrize(
     "values",
     [
         {"monitoring": {"interval": "often"}},
         {"operator": {"replicas": 2}},
         {"monitoring": {"prometheusRule": {"kvCacheSaturation": 1.5}}},
+        {"monitoring": {"operatorMonitor": {"enabled": "yes"}}},
         {"operator": {"imagee": {}}},
+        {"admission": {"enabled": "yes"}},
+        {"admission": {"port": 70000}},
+        {"operator": {"metricsPort": "http"}},
     ],
 )
 def test_values_schema_rejects_bad_values(values):
@@ -291,20 +443,210 @@ def test_lint_is_clean():
     assert report["errors"] == [] and not [m for m in report["messages"] if m["severity"] >= 2], report
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) missing")
+NEEDS_PROMTOOL = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool (Debian package prometheus) missing"
+)
+
+
+def rule_groups(objects: list[dict]) -> list[dict]:
+    return next(o for o in objects if o["kind"] == "PrometheusRule")["spec"]["groups"]
+
+
+def promtool(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+
+@NEEDS_PROMTOOL
 def test_alert_rules_pass_promtool_and_use_catalogued_metrics(objects, tmp_path):
-    rule = next(o for o in objects if o["kind"] == "PrometheusRule")
-    names = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    groups = rule_groups(objects)
+    names = {r["alert"] for g in groups for r in g["rules"]}
     assert names == {"KuberlSandboxErrorRatioHigh", "KuberlKVCacheSaturated", "KuberlRewardCollapse"}
-    for g in rule["spec"]["groups"]:
+    for g in groups:
         for r in g["rules"]:
             assert check_expression(r["expr"]) == [], r["expr"]
     f = tmp_path / "rules.yaml"
-    f.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    res = subprocess.run(["promtool", "check", "rules", str(f)], capture_output=True, text=True, timeout=60)
+    f.write_text(yaml.safe_dump({"groups": groups}))
+    res = promtool(tmp_path, "check", "rules", str(f))
     assert res.returncode == 0, res.stdout + res.stderr
-    f.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [{"alert": "A", "expr": "rate(x[5m]"}]}]}))
-    assert (
-        subprocess.run(["promtool", "check", "rules", str(f)], capture_output=True, timeout=60).returncode
-        != 0
-    )
+    broken = json.loads(json.dumps(groups))
+    broken[0]["rules"][0]["record"] = "kuberl:both"  # an alert and a record at once
+    for bad in ([{"name": "x", "rules": [{"alert": "A", "expr": "rate(x[5m]"}]}], broken):
+        f.write_text(yaml.safe_dump({"groups": bad}))
+        assert promtool(tmp_path, "check", "rules", str(f)).returncode != 0, bad
+
+
+# promtool unit tests of every alert, for the chart's default thresholds (sandbox error ratio 0.2,
+# KV cache 0.95, reward below 0.5 of its 1h max and that max above 0.1; `for: 10m` each). Samples
+# are one minute apart; `a+bxN` is N+1 samples a, a+b, ...; an alert is listed only once firing.
+def _description(groups: list[dict], alert: str) -> str:
+    return next(r for g in groups for r in g["rules"] if r.get("alert") == alert)["annotations"][
+        "description"
+    ]
+
+
+def alert_tests(groups: list[dict]) -> list[dict]:
+    """(input series, expected firing alerts) per alert: fires above threshold after `for:`, not below."""
+    sandbox, kv, reward = "KuberlSandboxErrorRatioHigh", "KuberlKVCacheSaturated", "KuberlRewardCollapse"
+
+    def firing(alert: str, labels: dict, summary: str) -> dict:
+        return {"exp_labels": labels, "exp_annotations": {"summary": summary, "description": _description(groups, alert)}}  # fmt: skip
+
+    calls = "kuberl_tool_calls_total"
+    return [
+        {  # pool a: (20 errors + 10 timeouts + 5 memory kills) of 95 calls a minute = 36.8% > 20%
+            "interval": "1m",
+            "input_series": [
+                {"series": f'{calls}{{pool="a",outcome="stdout"}}', "values": "0+60x40"},
+                {"series": f'{calls}{{pool="a",outcome="error"}}', "values": "0+20x40"},
+                {"series": f'{calls}{{pool="a",outcome="timeout"}}', "values": "0+10x40"},
+                {"series": f'{calls}{{pool="a",outcome="memory_limit"}}', "values": "0+5x40"},
+                {"series": f'{calls}{{pool="b",outcome="stdout"}}', "values": "0+95x40"},
+                {"series": f'{calls}{{pool="b",outcome="error"}}', "values": "0+5x40"},
+            ],
+            "alert_rule_test": [
+                # true from 1m (rate needs two samples): pending until 11m
+                {"eval_time": "10m", "alertname": sandbox, "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": sandbox,
+                    "exp_alerts": [
+                        firing(
+                            sandbox,
+                            {"severity": "warning", "pool": "a"},
+                            "Sandbox pool a: 36.84% of tool calls fail",
+                        )
+                    ],
+                },  # fmt: skip
+                {
+                    "eval_time": "40m",
+                    "alertname": sandbox,
+                    "exp_alerts": [
+                        firing(
+                            sandbox,
+                            {"severity": "warning", "pool": "a"},
+                            "Sandbox pool a: 36.84% of tool calls fail",
+                        )
+                    ],
+                },  # fmt: skip
+            ],
+        },
+        {  # 10% errors, and verifier/no_stdout outcomes, never count as failing
+            "interval": "1m",
+            "input_series": [
+                {"series": f'{calls}{{pool="c",outcome="stdout"}}', "values": "0+80x60"},
+                {"series": f'{calls}{{pool="c",outcome="no_stdout"}}', "values": "0+10x60"},
+                {"series": f'{calls}{{pool="c",outcome="error"}}', "values": "0+10x60"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": t, "alertname": sandbox, "exp_alerts": []} for t in ("15m", "60m")
+            ],
+        },
+        {  # e0 at 97% for 30 minutes; e1 at 50%
+            "interval": "1m",
+            "input_series": [
+                {"series": 'kuberl_rollout_kv_cache_utilization{engine="e0"}', "values": "0.97x30"},
+                {"series": 'kuberl_rollout_kv_cache_utilization{engine="e1"}', "values": "0.5x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": kv, "exp_alerts": []},
+                {
+                    "eval_time": "11m",
+                    "alertname": kv,
+                    "exp_alerts": [
+                        firing(
+                            kv,
+                            {"severity": "warning", "engine": "e0"},
+                            "Rollout engine e0: KV cache 97% reserved",
+                        )
+                    ],
+                },  # fmt: skip
+            ],
+        },
+        {  # e2 at 90% (below 95%) all along; e3 at 99% for only 6 minutes, then 50%
+            "interval": "1m",
+            "input_series": [
+                {"series": 'kuberl_rollout_kv_cache_utilization{engine="e2"}', "values": "0.9x30"},
+                {"series": 'kuberl_rollout_kv_cache_utilization{engine="e3"}', "values": "0.99x5 0.5x24"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": t, "alertname": kv, "exp_alerts": []} for t in ("8m", "12m", "30m")
+            ],
+        },
+        {  # run-a: reward 0.6 for 21 minutes, then 0.2 (< 0.5 x 0.6): true from 21m, firing from 31m
+            "interval": "1m",
+            "input_series": [{"series": 'kuberl_train_reward_mean{job="run-a"}', "values": "0.6x20 0.2x40"}],
+            "alert_rule_test": [
+                {"eval_time": "30m", "alertname": reward, "exp_alerts": []},
+                {
+                    "eval_time": "32m",
+                    "alertname": reward,
+                    "exp_alerts": [
+                        firing(
+                            reward,
+                            {"severity": "critical", "job": "run-a"},
+                            "Job run-a: reward collapsed to 0.2",
+                        )
+                    ],
+                },  # fmt: skip
+            ],
+        },
+        {  # run-b drops only to 0.35 (> 0.3); run-c never exceeded the 0.1 floor
+            "interval": "1m",
+            "input_series": [
+                {"series": 'kuberl_train_reward_mean{job="run-b"}', "values": "0.6x20 0.35x40"},
+                {"series": 'kuberl_train_reward_mean{job="run-c"}', "values": "0.08x20 0.01x40"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": t, "alertname": reward, "exp_alerts": []} for t in ("35m", "60m")
+            ],
+        },
+    ]
+
+
+def run_rule_tests(tmp_path: Path, groups: list[dict], tests: list[dict]) -> subprocess.CompletedProcess:
+    """``promtool test rules`` of `tests` against the chart's rendered rule groups."""
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    spec = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return promtool(tmp_path, "test", "rules", "tests.yaml")
+
+
+@NEEDS_PROMTOOL
+def test_every_alert_fires_above_threshold_after_its_for_duration_and_not_below(objects, tmp_path):
+    groups = rule_groups(objects)
+    assert {r["for"] for g in groups for r in g["rules"]} == {"10m"}
+    tests = alert_tests(groups)
+    alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
+    fired = {c["alertname"] for t in tests for c in t["alert_rule_test"] if c["exp_alerts"]}
+    silent = {c["alertname"] for t in tests for c in t["alert_rule_test"] if not c["exp_alerts"]}
+    assert fired == silent == alerts, "every alert needs a firing and a silent case"
+    res = run_rule_tests(tmp_path, groups, tests)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@NEEDS_PROMTOOL
+def test_alert_thresholds_and_for_come_from_values(objects, tmp_path):
+    """e2's 90% KV cache is below the default 95% (a test expecting it to fire fails), above 85%."""
+    case = {
+        "interval": "1m",
+        "input_series": [{"series": 'kuberl_rollout_kv_cache_utilization{engine="e2"}', "values": "0.9x30"}],
+        "alert_rule_test": [
+            {"eval_time": "4m", "alertname": "KuberlKVCacheSaturated", "exp_alerts": []},
+            {
+                "eval_time": "6m",
+                "alertname": "KuberlKVCacheSaturated",
+                "exp_alerts": [{"exp_labels": {"severity": "warning", "engine": "e2"}}],
+            },
+        ],
+    }
+    custom = rule_groups(render({"monitoring": {"prometheusRule": {"kvCacheSaturation": 0.85, "for": "5m"}}}))
+    kv_rule = next(r for g in custom for r in g["rules"] if r["alert"] == "KuberlKVCacheSaturated")
+    kv_rule.pop("annotations")  # this case is about the threshold and `for:`, not the wording
+    res = run_rule_tests(tmp_path, custom, [case])
+    assert res.returncode == 0, res.stdout + res.stderr
+    defaults = json.loads(json.dumps(rule_groups(objects)))
+    for g in defaults:
+        for r in g["rules"]:
+            r.pop("annotations")
+    res = run_rule_tests(tmp_path, defaults, [case])
+    assert res.returncode != 0 and "KuberlKVCacheSaturated" in res.stdout + res.stderr, res.stdout

@@ -21,6 +21,7 @@ COMPONENT_MODULES = {
     "rollout": ["kuberl.rollout.scheduler"],
     "trainer": ["kuberl.trainer.metrics"],
     "sandbox": ["kuberl.sandbox.server"],
+    "operator": ["kuberl.operator.metrics"],
 }
 KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
 

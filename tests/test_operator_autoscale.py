@@ -8,8 +8,11 @@ from kuberl.operator.autoscale import (
     FleetLoad,
     PoolLoad,
     Recommendation,
+    compact,
     decide,
     fleet_load,
+    history_from_status,
+    history_to_status,
     parse_gauges,
     pool_load,
     recommend_fleet,
@@ -117,3 +120,27 @@ def test_metrics_parsing() -> None:
     fl = fleet_load([SGLANG_TEXT, SGLANG_TEXT.replace("0.5", "0.9")])
     assert fl is not None and abs(fl.mean_token_usage - 0.7) < 1e-9 and fl.queued_per_engine == 3.0
     assert fleet_load([]) is None
+
+
+def test_compact_history_keeps_every_possible_window_maximum() -> None:
+    hist = [Recommendation(t, r) for t, r in [(0, 3), (10, 5), (20, 2), (30, 4), (40, 1)]]
+    kept = compact(hist)
+    assert kept == (Recommendation(10, 5), Recommendation(30, 4), Recommendation(40, 1))
+    # For any later decision time and window, the maximum over the kept entries is the same.
+    for now in range(40, 120, 5):
+        for window in (0, 5, 15, 25, 35, 60):
+            full = [r.replicas for r in hist if now - r.time <= window]
+            small = [r.replicas for r in kept if now - r.time <= window]
+            assert max(full, default=None) == max(small, default=None), (now, window)
+
+
+def test_history_round_trips_through_status_and_survives_hand_edits() -> None:
+    hist = (Recommendation(100.25, 6), Recommendation(160.5, 2))
+    raw = history_to_status(hist)
+    assert raw == [{"time": 100.25, "replicas": 6}, {"time": 160.5, "replicas": 2}]
+    assert history_from_status(raw) == hist
+    messy = [*raw, {"time": "x", "replicas": 1}, {"replicas": 3}, "junk"]
+    assert history_from_status(messy) == hist
+    assert history_from_status(None) == () and history_from_status({"a": 1}) == ()
+    # A restarted operator that reads this back still holds 6 until the entry ages out.
+    assert _decide(6, 1, history_from_status(raw), now=200.0, window=300).desired == 6

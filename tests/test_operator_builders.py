@@ -10,8 +10,10 @@ import yaml
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
 from kuberl.operator.builders import (
     ANNOTATION_AUTOSCALER,
+    CHILD_KINDS,
     build_for,
     build_keda_scaled_object,
+    engine_selector,
     resolved_job_document,
     selector_string,
 )
@@ -161,6 +163,38 @@ def test_fleet_spanning_nodes_is_a_leaderworkerset() -> None:
     assert "--nnodes" in leader["command"] and "$(LWS_LEADER_ADDRESS):20000" in leader["command"]
     assert "readinessProbe" in leader and "readinessProbe" not in worker
     assert svc["spec"]["selector"]["kuberl.io/role"] == "leader"
+    assert svc["spec"]["selector"] == engine_selector(fleet)
+    assert engine_selector(_fleet()) == _by_kind(build_for(_fleet()))["Service"]["spec"]["selector"]
+
+
+@pytest.mark.parametrize("profile", ["mi300x", "h100", "cpu"])
+def test_engines_return_temperature_1_logprobs(profile: str) -> None:
+    """GRPO-RoC's importance ratio divides by the sampler's logprob of the policy at T=1."""
+    for tp, count in ((1, 1), (16, 8)):
+        fleet = _fleet(engine={"tensorParallel": tp}, accelerator={"profile": profile, "count": count})
+        for obj in build_for(fleet):
+            templates = (
+                [obj["spec"]["template"]]
+                if obj["kind"] == "Deployment"
+                else [obj["spec"]["leaderWorkerTemplate"][t] for t in ("leaderTemplate", "workerTemplate")]
+                if obj["kind"] == "LeaderWorkerSet"
+                else []
+            )
+            for t in templates:
+                env = {e["name"]: e.get("value") for e in t["spec"]["containers"][0]["env"]}
+                assert env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+
+
+def test_child_kinds_cover_everything_the_builders_emit() -> None:
+    """The operator deletes stale children by kind: a kind missing here would never be pruned."""
+    resources = [
+        *(r for path in EXAMPLES for r in load_manifests(path)),
+        _fleet(engine={"tensorParallel": 16}, accelerator={"profile": "h100", "count": 8}),
+        _job(rollout={"fleet": {"replicas": 1}}, sandbox={"pool": {"replicas": 1}}),
+    ]
+    for res in resources:
+        emitted = {(o["apiVersion"], o["kind"]) for o in build_for(res) if o["kind"] != "ScaledObject"}
+        assert emitted <= set(CHILD_KINDS[res.KIND]), (res.KIND, emitted - set(CHILD_KINDS[res.KIND]))
 
 
 def test_job_trainer_rendezvous_and_config() -> None:
@@ -265,14 +299,24 @@ def test_keda_scaled_objects() -> None:
         "name": "p",
     }
     assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 10)
-    trig = so["spec"]["triggers"][0]
-    assert trig["type"] == "prometheus" and "kuberl_sandbox_queue_depth" in trig["metadata"]["query"]
-    assert trig["metadata"]["threshold"] == "2"
+    queue, busy = so["spec"]["triggers"]
+    assert queue["type"] == "prometheus" and queue["metricType"] == "AverageValue"
+    # One pool's series only: same-named pools in other namespaces are not summed in.
+    assert queue["metadata"]["query"] == 'sum(kuberl_sandbox_queue_depth{namespace="default",pool="p"}) / 8'
+    assert queue["metadata"]["threshold"] == "2"
+    # Work in flight keeps its pods, as in autoscale.recommend_pool: ceil(busy / workersPerPod).
+    assert busy["metadata"]["query"] == 'sum(kuberl_sandbox_workers_busy{namespace="default",pool="p"})'
+    assert busy["metricType"] == "AverageValue" and busy["metadata"]["threshold"] == "8"
     fleet = _fleet(autoscaling={"minReplicas": 1, "maxReplicas": 8, "scaleDownStabilizationSeconds": 120})
     fso = build_keda_scaled_object(fleet, "ns")
     validate_manifest(fso)
-    queries = " ".join(t["metadata"]["query"] for t in fso["spec"]["triggers"])
-    assert "sglang:token_usage" in queries and "sglang:num_queue_reqs" in queries
+    queries = [t["metadata"]["query"] for t in fso["spec"]["triggers"]]
+    # By the instance label the chart's monitors copy onto the series: a pod-name regex
+    # ("f-.*") would also match a fleet called "f-x".
+    assert queries == [
+        'avg(sglang:token_usage{namespace="ns",app_kubernetes_io_instance="f"})',
+        'sum(sglang:num_queue_reqs{namespace="ns",app_kubernetes_io_instance="f"})',
+    ]
     assert fso["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
         "stabilizationWindowSeconds": 120
     }
@@ -317,4 +361,10 @@ def test_operator_deployment_and_rbac() -> None:
             plural = {"NetworkPolicy": "networkpolicies"}.get(obj["kind"], obj["kind"].lower() + "s")
             assert (group, plural) in granted, obj["kind"]
     assert ("kuberl.io", "sandboxpools/scale") in granted and ("", "events") in granted
-    assert objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "kuberl-operator"
+    # Webhook configurations only when admission is on (it is off in this Deployment).
+    assert ("admissionregistration.k8s.io", "validatingwebhookconfigurations") not in granted
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "kuberl-operator"
+    c = pod["containers"][0]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
+    assert {"name": "KUBERL_OPERATOR_METRICS_PORT", "value": "8080"} in c["env"]

@@ -71,7 +71,8 @@ async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0,
 
 
 @contextlib.asynccontextmanager
-async def cluster_and_operator(**config: Any) -> AsyncIterator[Cluster]:
+async def emulated_cluster() -> AsyncIterator[Cluster]:
+    """The API emulator serving over HTTP, with the test namespace."""
     async with (
         ClusterEmulator(namespaces={NS}) as emu,
         kmock.Server(emu) as srv,
@@ -82,22 +83,37 @@ async def cluster_and_operator(**config: Any) -> AsyncIterator[Cluster]:
             url + "/api/v1/namespaces",
             json={"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
         )
-        cfg = OperatorConfig(
-            reconcile_interval=config.pop("reconcile_interval", 0.5),
-            autoscale_interval=config.pop("autoscale_interval", 0.5),
-            login=lambda **_: kopf.ConnectionInfo(server=url, default_namespace=NS),
-            admission=False,
-            **config,
-        )
-        stop, ready = asyncio.Event(), asyncio.Event()
-        task = asyncio.create_task(operate(cfg, namespaces=[NS], stop_flag=stop, ready_flag=ready, fast=True))
-        try:
-            await asyncio.wait_for(ready.wait(), 15)
-            yield Cluster(emu, url, session)
-        finally:
-            stop.set()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(task, 10)
+        yield Cluster(emu, url, session)
+
+
+@contextlib.asynccontextmanager
+async def running_operator(k: Cluster, **config: Any) -> AsyncIterator[Cluster]:
+    """The kuberl operator (real kopf runtime) against ``k`` until the block ends."""
+    webhook = config.pop("webhook", None)
+    cfg = OperatorConfig(
+        reconcile_interval=config.pop("reconcile_interval", 0.5),
+        autoscale_interval=config.pop("autoscale_interval", 0.5),
+        login=lambda **_: kopf.ConnectionInfo(server=k.url, default_namespace=NS),
+        admission=webhook is not None,
+        **config,
+    )
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        operate(cfg, namespaces=[NS], stop_flag=stop, ready_flag=ready, fast=True, webhook=webhook)
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 15)
+        yield k
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(task, 10)
+
+
+@contextlib.asynccontextmanager
+async def cluster_and_operator(**config: Any) -> AsyncIterator[Cluster]:
+    async with emulated_cluster() as k, running_operator(k, **config):
+        yield k
 
 
 def pool(name: str = "tools", **spec: Any) -> dict[str, Any]:
@@ -144,8 +160,12 @@ async def test_pool_lifecycle_create_update_drift_scale_delete() -> None:
 
         await eventually(workers_updated, what="Deployment args updated")
 
-        # child deleted -> recreated (drift repair)
+        # A new object is no drift: nothing was "missing" before the operator created it.
+        assert not [e for e in await k.events("tools") if e["reason"] == "ChildRecreated"]
+
+        # child deleted -> recreated (drift repair), and reported by an event posted after that
         old_uid = (await k.get(dep_path))["metadata"]["uid"]
+        before = {e["metadata"]["name"] for e in await k.events("tools")}
         await k.delete(dep_path)
 
         async def recreated() -> bool:
@@ -153,7 +173,16 @@ async def test_pool_lifecycle_create_update_drift_scale_delete() -> None:
             return bool(d) and d["metadata"]["uid"] != old_uid
 
         await eventually(recreated, what="Deployment recreated")
-        assert any(e["reason"] == "ChildRecreated" for e in await k.events("tools"))
+
+        async def reported() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in await k.events("tools")
+                if e["metadata"]["name"] not in before and e["reason"] == "ChildRecreated"
+            ]
+
+        (event,) = await eventually(reported, what="ChildRecreated event after the deletion")
+        assert event["message"] == "Deployment/tools was missing and has been recreated"
 
         # scale subresource (kubectl scale sandboxpool/tools --replicas=5)
         scale = await k.patch(f"{API}/sandboxpools/tools/scale", {"spec": {"replicas": 5}})
@@ -485,8 +514,13 @@ async def test_fleet_autoscaling_on_sglang_metrics_with_stabilization() -> None:
             return probe
 
         await eventually(await replicas(3), what="scale-up to maxReplicas")  # ceil(2*0.95/0.8) = 3
-        st = await _status(k, f"{API}/rolloutfleets/gen")
-        assert st["kvCacheUtilization"] == 0.95 and st["engines"] == ["127.0.0.1:30000"] * 2
+
+        async def reported() -> bool:
+            # status is written right after the scale (autoscaler) and at the next resync (engines)
+            st = await _status(k, f"{API}/rolloutfleets/gen")
+            return st.get("kvCacheUtilization") == 0.95 and st.get("engines") == ["127.0.0.1:30000"] * 2
+
+        await eventually(reported, what="load and engines in status")
         load.update(usage=0.1)
         t0 = time.monotonic()
         await eventually(await replicas(1), timeout=10, what="scale-down after the window")
@@ -642,7 +676,12 @@ async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
                 }
             )
         )
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KUBERL_RECONCILE_INTERVAL": "0.5"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "KUBERL_RECONCILE_INTERVAL": "0.5",
+            "KUBERL_OPERATOR_METRICS_PORT": "0",  # any free port: the machine is shared
+        }
         env.pop("KUBERL_WEBHOOK_PORT", None)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,

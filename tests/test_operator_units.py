@@ -7,7 +7,7 @@ import kmock
 import kopf
 import pytest
 
-from kuberl.operator import admission, status
+from kuberl.operator import admission, children, main, status
 from kuberl.operator.handlers import OperatorConfig, build_registry, train_progress
 from kuberl.operator.kube import KubeClient, is_subset, kind_of
 from kuberl.operator.testing import ClusterEmulator, matches_selector, merge_patch
@@ -139,10 +139,15 @@ def test_train_progress_from_trainer_metrics() -> None:
 
 
 async def test_admission_validation_rules() -> None:
-    existing = {("RolloutFleet", "ns", "f"), ("SandboxPool", "ns", "p")}
+    existing = {
+        ("RolloutFleet", "ns", "f"): {"spec": {"engine": {}}},
+        ("RolloutFleet", "ns", "short"): {"spec": {"engine": {"contextLength": 8192}}},
+        ("RolloutFleet", "ns", "long"): {"spec": {"engine": {"contextLength": 16384}}},
+        ("SandboxPool", "ns", "p"): {"spec": {}},
+    }
 
-    async def lookup(kind: str, ns: str, name: str) -> bool:
-        return (kind, ns, name) in existing
+    async def lookup(kind: str, ns: str, name: str) -> dict | None:
+        return existing.get((kind, ns, name))
 
     def job(**spec):
         return {
@@ -164,6 +169,26 @@ async def test_admission_validation_rules() -> None:
         job(stages=[{"name": "a", "type": "rl", "steps": 1}] * 2), lookup
     )
     assert "stage names must be unique" in err
+    # SGLang rejects prompt + max_new_tokens >= context length: the fleet must leave room for a
+    # prompt beyond every RL stage's maxResponseTokens (8192 by default; sft stages generate nothing).
+    stages = [
+        {"name": "sft", "type": "sft", "steps": 1, "maxResponseTokens": 99999},
+        {"name": "s1", "type": "rl", "steps": 1},
+        {"name": "s2", "type": "rl", "steps": 1, "maxResponseTokens": 12288},
+    ]
+    errs = await admission.validation_errors(job(rollout={"fleetRef": "short"}, stages=stages), lookup)
+    assert len(errs) == 2, errs  # s1 (the rollout default, 8192) and s2 (12288); not sft
+    assert errs[0].startswith("spec.rollout.fleetRef: RolloutFleet ns/short has engine.contextLength 8192")
+    assert "stage 's1' maxResponseTokens 8192" in errs[0] and "HTTP 400" in errs[0]
+    assert "stage 's2' maxResponseTokens 12288" in errs[1]
+    errs = await admission.validation_errors(job(rollout={"fleetRef": "long"}, stages=stages), lookup)
+    assert errs == []
+    errs = await admission.validation_errors(
+        job(rollout={"fleetRef": "long", "maxResponseTokens": 16384}, stages=stages[:2]), lookup
+    )
+    assert len(errs) == 1 and "stage 's1' maxResponseTokens 16384" in errs[0]
+    # Without contextLength the model's own limit applies, which admission cannot know.
+    assert await admission.validation_errors(job(rollout={"fleetRef": "f"}, stages=stages), lookup) == []
     pool = {
         "apiVersion": "kuberl.io/v1alpha1",
         "kind": "SandboxPool",
@@ -297,3 +322,68 @@ async def test_emulator_generation_status_subresource_and_gc() -> None:
         # An object created for an owner that is already gone is collected at once.
         assert (await s.post("/api/v1/namespaces/default/configmaps", json=child)).status == 200
         assert (await s.get("/api/v1/namespaces/default/configmaps/c")).status == 404
+
+
+def test_orphans_are_owned_children_no_longer_built() -> None:
+    def obj(kind: str, name: str, uid: str) -> dict:
+        return {"kind": kind, "metadata": {"name": name, "ownerReferences": [{"uid": uid}]}}
+
+    live = [
+        obj("Deployment", "big", "u1"),
+        obj("LeaderWorkerSet", "big", "u1"),
+        obj("Deployment", "big", "u2"),
+    ]
+    wanted = {("LeaderWorkerSet", "big"), ("Service", "big")}
+    assert children.orphans(live, wanted, "u1") == [live[0]]  # not another owner's object
+    assert children.orphans(live, wanted, "") == []  # no uid, no certainty: delete nothing
+    assert children.orphans([{"kind": "Deployment", "metadata": {"name": "x"}}], set(), "u1") == []
+
+
+def test_inline_replicas_belong_to_the_autoscaler_between_create_and_suspend() -> None:
+    auto = {"minReplicas": 1, "maxReplicas": 4}
+    wanted = {"replicas": 2, "autoscaling": auto}
+    assert children.inline_replicas(wanted, None) == 2  # create
+    assert children.inline_replicas(wanted, {"replicas": 3, "autoscaling": auto}) == 3  # the autoscaler's
+    assert children.inline_replicas(wanted, {"replicas": 9, "autoscaling": {"maxReplicas": 9}}) == 4  # bounds
+    assert children.inline_replicas(wanted, {"replicas": 0}) == 2  # resume: suspended children have none
+    suspended = {"replicas": 0}
+    assert children.inline_replicas(suspended, {"replicas": 3, "autoscaling": auto}) == 0  # suspend
+    assert children.inline_replicas({"replicas": 5}, {"replicas": 3}) == 5  # not autoscaled: the job's
+
+
+def test_webhook_server_from_env() -> None:
+    assert main.webhook_server_from_env({}) is None
+    url = main.webhook_server_from_env({"KUBERL_WEBHOOK_PORT": "9443", "KUBERL_WEBHOOK_HOST": "op.example"})
+    assert type(url) is kopf.WebhookServer and (url.port, url.host) == (9443, "op.example")
+    env = {
+        "KUBERL_WEBHOOK_PORT": "9443",
+        "KUBERL_WEBHOOK_SERVICE": "kuberl-webhook",
+        "KUBERL_WEBHOOK_NAMESPACE": "kuberl-system",
+        "KUBERL_WEBHOOK_CERT": "/etc/kuberl/webhook/tls.crt",
+        "KUBERL_WEBHOOK_KEY": "/etc/kuberl/webhook/tls.key",
+        "KUBERL_WEBHOOK_CA": "/etc/kuberl/webhook/ca.crt",
+    }
+    svc = main.webhook_server_from_env(env)
+    assert isinstance(svc, main.ServiceWebhookServer)
+    assert (svc.service, svc.namespace, svc.service_port, svc.port) == (
+        "kuberl-webhook",
+        "kuberl-system",
+        443,
+        9443,
+    )
+    assert svc.host == "kuberl-webhook.kuberl-system.svc" and svc.cafile == env["KUBERL_WEBHOOK_CA"]
+    for bad, message in [
+        ({"KUBERL_WEBHOOK_PORT": "https"}, "must be a port number"),
+        ({"KUBERL_WEBHOOK_PORT": "70000"}, "0-65535"),
+        ({"KUBERL_WEBHOOK_PORT": "1", "KUBERL_WEBHOOK_SERVICE": "s"}, "needs KUBERL_WEBHOOK_NAMESPACE"),
+        ({"KUBERL_WEBHOOK_PORT": "1", "KUBERL_WEBHOOK_CERT": "c"}, "must be set together"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main.webhook_server_from_env(bad)
+
+
+def test_service_client_config_keeps_the_ca_bundle() -> None:
+    cfg = main.service_client_config(
+        {"url": "https://x:9443", "caBundle": "Q0E="}, service="s", namespace="n", port=443
+    )
+    assert cfg == {"service": {"name": "s", "namespace": "n", "port": 443, "path": ""}, "caBundle": "Q0E="}

@@ -6,6 +6,11 @@ the rollout worker runs in-process) during a tiny quickstart-like ``run_job`` an
 sandbox service (``kuberl sandbox serve``) driven with real tool calls. Then every PromQL
 expression of every dashboard panel is evaluated through ``/api/v1/query`` and must return a
 non-empty result. The same endpoints' exposition text must pass ``promtool check metrics``.
+
+The run trains the tiny model with SFT, but its rollouts come from ``ScriptedArithEngine``
+(``run_job(engine_factory=...)``): a tiny policy never calls the tool, so nothing would reach
+the sandbox and no rollout would be correct. The script's tool calls run in the real sandbox
+and its answers are checked by the real verifier, with a known tool-error ratio in positives.
 """
 
 from __future__ import annotations
@@ -60,10 +65,10 @@ def _job_manifest(tmp: Path) -> str:
     spec = doc["spec"]
     spec["model"]["config"] = {"nLayer": 1, "nEmbd": 32, "nHead": 2}
     spec["algorithm"].update(groupSize=2, batchPrompts=2, warmupSteps=1, learningRate=0.001)
-    spec["rollout"]["maxResponseTokens"] = 48
+    spec["rollout"]["maxResponseTokens"] = 160  # room for two tool calls, a traceback and the answer
     spec["stages"] = [
         {"name": "sft", "type": "sft", "steps": 3, "learningRate": 0.003, "batchSize": 4},
-        {"name": "rl", "type": "rl", "steps": 3, "maxResponseTokens": 40},
+        {"name": "rl", "type": "rl", "steps": 3},
     ]
     spec["checkpoint"] = {"uri": "ck", "everySteps": 2, "keep": 1}
     path = tmp / "job.yaml"
@@ -175,10 +180,13 @@ def scraped(tmp_path_factory):
     """Run the stack under Prometheus; yields (prometheus url, {target: metrics url})."""
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
+    from kuberl.trainer import metrics
     from kuberl.trainer.local import run_job
+    from tests.trainer_fakes import ScriptedArithEngine
 
     tmp = tmp_path_factory.mktemp("prom")
-    train_port = _free_port()
+    # one exporter per process: an earlier test in this process may have started it already
+    train_port = metrics._SERVER_PORT or _free_port()  # noqa: SLF001
     mp = pytest.MonkeyPatch()
     mp.setenv("KUBERL_METRICS_PORT", str(train_port))
     with contextlib.ExitStack() as stack:
@@ -203,7 +211,14 @@ def scraped(tmp_path_factory):
             stack.callback(traffic.thread.join, 30)
             stack.callback(traffic.stop.set)
         job = find_one(load_manifests(_job_manifest(tmp)), AgenticRLJob)
-        run_job(job, tmp / "run", use_ray=False, executor_factory=executor_factory, quiet=True)
+        run_job(
+            job,
+            tmp / "run",
+            use_ray=False,
+            executor_factory=executor_factory,
+            engine_factory=lambda model, tokenizer: ScriptedArithEngine(tokenizer),
+            quiet=True,
+        )
         # the run is over but its gauges stay served; wait until Prometheus has them all twice
         deadline = time.time() + 60
         while time.time() < deadline:
@@ -221,19 +236,29 @@ def scraped(tmp_path_factory):
 def test_every_panel_query_has_data(scraped, uid, title, expr):
     if uid == "kuberl-sandbox" and not HAVE_SANDBOX:
         pytest.skip("kuberl.sandbox.local (the sandbox component) is not in this checkout yet")
-    prom, _, tmp = scraped
+    prom, _, _ = scraped
     result = query(prom, concrete(expr))
-    if not result and "tool_error_ratio_positive" in expr:
-        # Undefined (not exported) until some rollout is correct: only acceptable if none was.
-        rl = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-        rl = [r for r in rl if r.get("type") == "rl"]
-        if rl and all(r.get("reward_mean") == 0 and r.get("tool_error_ratio_positive") is None for r in rl):
-            pytest.skip("the tiny run produced no correct rollout, so the ratio is undefined (no series)")
     assert result, f"{uid} / {title}: empty result for {concrete(expr)}"
     values = [float(r["value"][1]) for r in result]
     assert any(math.isfinite(v) for v in values), f"{uid} / {title}: only NaN/Inf for {concrete(expr)}"
     if "rate(" in expr or "histogram_quantile" in expr:
         assert any(v > 0 for v in values if math.isfinite(v)), f"{uid} / {title}: no traffic seen: {values}"
+
+
+def test_tool_error_ratio_in_positives_arrives_through_prometheus(scraped):
+    """The scripted policy's known ratio, computed by the trainer from real sandbox outcomes."""
+    from tests.trainer_fakes import ScriptedArithEngine
+
+    prom, _, tmp = scraped
+    rl = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rl if r.get("type") == "rl"]
+    assert len(rl) == 3 and all(r["reward_mean"] == 0.5 for r in rl), rl  # 2 of every 4 verified correct
+    want = ScriptedArithEngine.ERROR_RATIO_POSITIVE
+    assert all(r["tool_error_ratio_positive"] == pytest.approx(want) for r in rl)
+    got = query(prom, f'kuberl_train_tool_error_ratio_positive{{job="{JOB}"}}')
+    assert [float(s["value"][1]) for s in got] == [pytest.approx(want)]
+    tokens = query(prom, 'kuberl_rollout_generated_tokens_total{engine="scripted-0"}')
+    assert tokens and float(tokens[0]["value"][1]) > 0
 
 
 def test_scraped_series_are_catalogued_with_their_labels(scraped):
@@ -256,8 +281,8 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
                 _, _, name, typ = line.split()
                 declared[name] = typ
     for m in CATALOG.values():
-        if m.component == "sandbox" and not HAVE_SANDBOX:
-            continue
+        if (m.component == "sandbox" and not HAVE_SANDBOX) or m.component == "operator":
+            continue  # the operator's metrics are scraped in tests/test_operator_hardening.py
         # prometheus-client declares counters with or without `_total` depending on its version
         typ = declared.get(m.name) or declared.get(m.name.removesuffix("_total"))
         assert typ == m.type, f"{m.name}: declared {typ!r}, catalog {m.type}"

@@ -5,8 +5,8 @@ import asyncio
 import pytest
 import torch
 
-from kuberl.rollout.engine import GenerateOutput, GenerateRequest
-from kuberl.rollout.local_engine import LocalEngine, sample_tokens
+from kuberl.rollout.engine import GenerateOutput, GenerateRequest, derive_seed
+from kuberl.rollout.local_engine import LocalEngine, sample_tokens, seeded_uniform
 from kuberl.trainer.model import GPT, GPTConfig
 from tests.rollout_helpers import single_torch_thread
 
@@ -177,3 +177,108 @@ async def test_a_failing_forward_fails_the_batch_and_the_engine_recovers(model):
     assert not await engine.health()
     out = await engine.generate(good)
     assert len(out.output_ids) == 3 and await engine.health()
+
+
+async def test_seeded_sampling_does_not_depend_on_the_batch():
+    """A seeded request samples the same tokens alone, in a big batch, or joining a running one."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=48, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()  # not sharp
+    g = torch.Generator().manual_seed(3)
+    reqs = [
+        GenerateRequest(
+            torch.randint(0, 48, (int(torch.randint(1, 16, (1,), generator=g)),), generator=g).tolist(),
+            max_new_tokens=int(torch.randint(5, 30, (1,), generator=g)),
+            temperature=1.0,
+            top_p=0.95 if i % 2 else 1.0,
+            seed=1000 + i,
+        )
+        for i in range(24)
+    ]
+
+    async def run(order: list[int], max_batch: int) -> dict[int, GenerateOutput]:
+        engine = LocalEngine(model, max_batch=max_batch, seed=order[0])  # engine seed is irrelevant
+        outs = await asyncio.gather(*(engine.generate(reqs[i]) for i in order))
+        return dict(zip(order, outs, strict=True))
+
+    big = await run(list(range(24)), 64)
+    joined = await run(list(reversed(range(24))), 5)
+    for i in range(len(reqs)):
+        alone = (await run([i], 1))[i]
+        assert big[i].output_ids == joined[i].output_ids == alone.output_ids, i
+        assert big[i].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-4)
+    assert len({tuple(o.output_ids) for o in big.values()}) > 20  # seeds differ: samples differ
+    again = await run(list(range(24)), 64)
+    other_seed = GenerateRequest(reqs[0].input_ids, reqs[0].max_new_tokens, seed=reqs[0].seed + 1)
+    assert again[0].output_ids == big[0].output_ids
+    assert (await LocalEngine(model).generate(other_seed)).output_ids != big[0].output_ids
+
+
+def test_inverse_cdf_sampling_follows_the_tempered_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(4000, 1)
+    u = torch.tensor([seeded_uniform(12345, k) for k in range(4000)], dtype=torch.float64)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.02
+    for temp, top_p in ((1.0, 1.0), (2.0, 1.0), (1.0, 0.7)):
+        toks, lps = sample_tokens(logits, torch.full((4000,), temp), torch.full((4000,), top_p), uniforms=u)
+        want = torch.softmax(logits[0] / temp, dim=-1)
+        if top_p < 1.0:
+            want = torch.tensor([0.5, 0.3, 0.0, 0.0]) / 0.8  # the nucleus {0, 1}, renormalized
+        freq = torch.bincount(toks, minlength=4).double() / 4000
+        assert torch.allclose(freq, want.double(), atol=0.025), (temp, top_p, freq, want)
+        assert torch.allclose(lps, logits.gather(-1, toks[:, None]).squeeze(-1))  # raw-logit log-probs
+    # a uniform of (almost) 1 still lands on a token with mass, never past the nucleus
+    edge = torch.tensor([1.0 - 2.0**-53], dtype=torch.float64)
+    toks, _ = sample_tokens(logits[:1], torch.ones(1), torch.full((1,), 0.7), uniforms=edge)
+    assert toks.tolist() == [1]
+
+
+def test_derive_seed_is_deterministic_and_separates_its_parts():
+    seeds = {derive_seed(7, i, j) for i in range(20) for j in range(20)}
+    assert len(seeds) == 400 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(7, 1, 2) == derive_seed(7, 1, 2) != derive_seed(7, 2, 1)
+    assert derive_seed(7, 1) != derive_seed(8, 1) and derive_seed(-1, 3) >= 0
+
+
+async def test_generated_tokens_are_counted_per_engine(model):
+    from prometheus_client import REGISTRY
+
+    def exported() -> float:
+        return (
+            REGISTRY.get_sample_value("kuberl_rollout_generated_tokens_total", {"engine": "count-me"}) or 0.0
+        )
+
+    before = exported()
+    engine = LocalEngine(model, name="count-me", seed=0)
+    reqs = [GenerateRequest([1, 2, i + 3], max_new_tokens=5 + i, seed=i) for i in range(6)]
+    outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    total = sum(len(o.output_ids) for o in outs)
+    assert total > 0 and engine.generated_tokens == total
+    assert exported() - before == total
+
+
+async def test_seeded_rollout_groups_do_not_depend_on_batching():
+    """rollout_group(seed=...) seeds rollout (i, j) and its turns: engine batch size is irrelevant."""
+    from kuberl.rollout.loop import rollout_group
+    from kuberl.rollout.scheduler import Scheduler
+    from tests.rollout_helpers import ByteTokenizer, FakeExecutor
+
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=128, n_layer=1, n_head=2, n_embd=32)).eval()
+    with torch.no_grad():  # end turns early, so rollouts have several turns of different lengths
+        m.wte.weight[tok.eos_id] += 0.5 * m.wte.weight[tok.OFFSET + ord("a")]
+    prompts = ["<|im_start|>user\\n12*34=?<|im_end|>\\n<|im_start|>assistant\\n", "a", "bc"]
+
+    async def run(max_batch: int, seed: int):
+        sched = Scheduler([LocalEngine(m, max_batch=max_batch, seed=max_batch)])
+        groups = await rollout_group(
+            sched, tok, FakeExecutor(), prompts, 3, seed=seed, max_turns=3, max_response_tokens=40
+        )
+        return [[(t.response_ids, t.logprobs) for t in g] for g in groups]
+
+    wide, narrow = await run(64, seed=5), await run(2, seed=5)
+    for gw, gn in zip(wide, narrow, strict=True):
+        for (ids_w, lps_w), (ids_n, lps_n) in zip(gw, gn, strict=True):
+            assert ids_w == ids_n
+            assert lps_w == pytest.approx(lps_n, abs=1e-4)
+    assert len({tuple(ids) for g in wide for ids, _ in g}) == 9  # every rollout has its own seed
+    assert await run(64, seed=6) != wide

@@ -9,8 +9,9 @@ from kuberl.rollout import template
 from kuberl.rollout.local_engine import LocalEngine
 from kuberl.rollout.loop import Tokenizer, ToolExecutor, Trajectory, rollout_group, rollout_one
 from kuberl.rollout.scheduler import Scheduler
+from kuberl.rollout.sglang_engine import SGLangError
 from kuberl.trainer.model import GPT, GPTConfig
-from tests.rollout_helpers import ByteTokenizer, FakeExecutor, ScriptedEngine, single_torch_thread
+from tests.rollout_helpers import ByteTokenizer, FakeExecutor, FakeResult, ScriptedEngine, single_torch_thread
 
 TOK = ByteTokenizer()
 END = template.IM_END
@@ -112,6 +113,51 @@ async def test_rollout_group_runs_everything_concurrently_through_the_scheduler(
     assert sched.snapshot()[0]["sessions_total"] == 6 and sched.snapshot()[0]["reserved"] == 0
     with pytest.raises(ValueError, match="max_turns"):
         await rollout_one(sched, TOK, FakeExecutor(), PROMPT, max_turns=0, max_response_tokens=10)
+
+
+class FlakyEngine(ScriptedEngine):
+    """Fails every ``fail_every``-th request, as a dead or erroring server would."""
+
+    def __init__(self, turns: list[str], fail_every: int):
+        super().__init__(TOK, turns, capacity=10_000)
+        self.fail_every = fail_every
+
+    async def generate(self, req):
+        if (len(self.requests) + 1) % self.fail_every == 0:
+            self.requests.append(req)
+            raise SGLangError("POST http://sgl-0/generate -> HTTP 503: overloaded")
+        return await super().generate(req)
+
+
+async def test_an_engine_failure_aborts_only_its_rollout():
+    call = template.render_tool_call("print(1)") + END
+    engine = FlakyEngine([call], fail_every=4)
+    sched = Scheduler([engine])
+    groups = await rollout_group(
+        sched, TOK, FakeExecutor(), [PROMPT], 4, max_turns=2, max_response_tokens=400
+    )
+    trajs = groups[0]
+    aborted = [t for t in trajs if t.finish_reason == "abort"]
+    assert len(trajs) == 4 and len(aborted) >= 1, "the other rollouts of the step carried on"
+    assert all("HTTP 503: overloaded" in t.error for t in aborted)
+    assert all(t.error is None and t.finish_reason == "max_turns" for t in trajs if t not in aborted)
+    for t in trajs:
+        _check_alignment(t)
+    assert sched.snapshot()[0]["reserved"] == 0 and sched.snapshot()[0]["inflight"] == 0
+
+
+class AnswerPrintingExecutor(FakeExecutor):
+    async def execute(self, code: str, stdin: str = ""):
+        await super().execute(code, stdin)
+        return FakeResult("<answer>from the tool</answer>")
+
+
+async def test_answer_tags_count_the_models_turns_only():
+    call = template.render_tool_call("print(1)") + END
+    final = f"<answer>\\boxed{{1}}</answer>{END}"
+    traj, _ = await _run([call, final], AnswerPrintingExecutor())
+    assert traj.response_text.count("<answer>") == 2, "the tool's output carries a tag too"
+    assert traj.answer_tags == 1 and traj.finish_reason == "answer" and traj.answer == "1"
 
 
 async def test_loop_on_local_engine_end_to_end():

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 from prometheus_client import REGISTRY
 
-from kuberl.rollout.scheduler import Scheduler
+from kuberl.rollout.engine import EngineLoad
+from kuberl.rollout.scheduler import NoEngineError, Scheduler
 from tests.rollout_helpers import ByteTokenizer, ScriptedEngine
 
 TOK = ByteTokenizer()
@@ -180,3 +181,106 @@ async def test_engines_join_and_drain_while_rollouts_run():
         await sched.add_engine(new)
     with pytest.raises(KeyError):
         sched.drain_engine("e0")
+
+
+class SharedEngine(ScriptedEngine):
+    """An engine other clients use too: its observed KV usage is whatever the test sets."""
+
+    shared = True
+
+    def __init__(self, capacity: int, usage: float = 0.0, broken: bool = False):
+        super().__init__(TOK, ["x"], name="shared", capacity=capacity)
+        self.usage = usage
+        self.broken = broken
+
+    async def load_metrics(self) -> EngineLoad:
+        if self.broken:
+            raise RuntimeError("/metrics has no sglang:token_usage (start SGLang with --enable-metrics)")
+        return EngineLoad(self.usage, 0, 0)
+
+
+async def test_kv_aware_does_not_double_book_what_others_use_on_a_shared_engine():
+    engine = SharedEngine(capacity=1000, usage=0.6)  # another job holds 600 of the 1000 tokens
+    sched = Scheduler([engine], load_refresh_s=0.02)
+    admitted = asyncio.Event()
+
+    async def rollout():
+        async with sched.session(0, 500):
+            admitted.set()
+
+    task = asyncio.create_task(rollout())
+    await asyncio.sleep(0.1)
+    assert not admitted.is_set() and sched.snapshot()[0]["external"] == 600 and sched.waiting == 1
+    engine.usage = 0.1  # the other job finished: the next poll lets the rollout in
+    await asyncio.wait_for(admitted.wait(), 2)
+    await task
+    await sched.close()
+
+
+async def test_own_usage_is_not_counted_as_someone_elses():
+    engine = SharedEngine(capacity=1000)
+    sched = Scheduler([engine], load_refresh_s=0.01)
+    hold = asyncio.Event()
+
+    async def rollout(need: int):
+        async with sched.session(0, need):
+            await hold.wait()
+
+    ours = [asyncio.create_task(rollout(400)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    engine.usage = 0.7  # 700 tokens in use, all inside our own 800 reserved
+    await asyncio.sleep(0.05)
+    assert sched.snapshot()[0]["external"] == 0
+    third = asyncio.create_task(rollout(200))  # exactly what is left
+    await asyncio.sleep(0.01)
+    assert sched.waiting == 0 and sched.snapshot()[0]["reserved"] == 1000
+    engine.usage = 1.0
+    await asyncio.sleep(0.05)
+    assert sched.snapshot()[0]["external"] == 0, "a full engine that we fully reserved is all ours"
+    hold.set()
+    await asyncio.gather(*ours, third)
+    await sched.close()
+
+
+async def test_an_engine_without_metrics_falls_back_to_reservations():
+    engine = SharedEngine(capacity=1000, broken=True)
+    sched = Scheduler([engine], load_refresh_s=0.01)
+    async with sched.session(0, 900):
+        pass
+    assert sched.stats[0].load_error and "enable-metrics" in sched.stats[0].load_error
+    assert sched.snapshot()[0]["external"] == 0
+    await sched.close()
+
+
+async def test_waiting_rollouts_fail_clearly_once_no_engine_is_left():
+    sched = Scheduler(_engines(100), no_engine_timeout_s=0.05)
+    sched.drain_engine("e0")
+    assert [e.name for e in sched.remove_drained()] == ["e0"]
+    with pytest.raises(NoEngineError, match="no inference engine in service for 0.05 s"):
+        async with sched.session(0, 10):
+            pass
+    assert sched.waiting == 0
+
+
+async def test_an_engine_back_in_service_takes_the_waiting_rollouts_and_stops_the_clock():
+    sched = Scheduler(_engines(100), no_engine_timeout_s=0.1)
+    sched.drain_engine("e0")
+    placed = []
+
+    async def rollout():
+        async with sched.session(0, 10) as engine:
+            placed.append(engine.name)
+
+    task = asyncio.create_task(rollout())
+    await asyncio.sleep(0.03)
+    assert placed == [] and sched.waiting == 1
+    sched.undrain_engine("e0")
+    await asyncio.wait_for(task, 1)
+    assert placed == ["e0"]
+    await asyncio.sleep(0.15)  # past the timeout: nothing fires
+    async with sched.session(0, 10):
+        pass
+    with pytest.raises(ValueError, match="no_engine_timeout_s"):
+        Scheduler(_engines(1), no_engine_timeout_s=-1)
+    with pytest.raises(ValueError, match="load_refresh_s"):
+        Scheduler(_engines(1), load_refresh_s=0)

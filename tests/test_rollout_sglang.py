@@ -1,24 +1,32 @@
 """SGLangEngine against a loopback aiohttp server that serves SGLang's documented shapes."""
 
+import asyncio
+import time
+
+import aiohttp
 import pytest
 from aiohttp import web
 
 from kuberl.rollout.discovery import engines_from_urls, sync_engines
 from kuberl.rollout.engine import GenerateRequest
-from kuberl.rollout.scheduler import Scheduler
+from kuberl.rollout.loop import rollout_one
+from kuberl.rollout.scheduler import NoEngineError, Scheduler
 from kuberl.rollout.sglang_engine import (
     SGLangEngine,
     SGLangError,
     build_generate_payload,
+    clamp_max_new_tokens,
+    parse_context_length,
     parse_generate_response,
     parse_max_total_tokens,
     parse_metrics,
 )
+from tests.rollout_helpers import ByteTokenizer, FakeExecutor
 
-METRICS = """\
+METRICS_TEMPLATE = """\
 # HELP sglang:token_usage The token usage
 # TYPE sglang:token_usage gauge
-sglang:token_usage{model_name="qwen",engine_type="unified",tp_rank="0"} 0.25
+sglang:token_usage{model_name="qwen",engine_type="unified",tp_rank="0"} {usage}
 # HELP sglang:num_running_reqs The number of running requests
 # TYPE sglang:num_running_reqs gauge
 sglang:num_running_reqs{model_name="qwen",engine_type="unified",tp_rank="0"} 7.0
@@ -32,24 +40,70 @@ sglang:gen_throughput{model_name="qwen"} 1234.5
 
 
 class FakeSGLang:
-    """Echo model: continues the prompt with the prompt's tokens + 1 until a stop id or max."""
+    """Echo model: continues the prompt with the prompt's tokens + 1 until a stop id or max.
 
-    def __init__(self, old_api: bool = False, flaky: int = 0):
+    It enforces what SGLang's tokenizer manager enforces (HTTP 400 with SGLang's messages when
+    input >= context_len or input + max_new_tokens >= context_len, and for a rid that is still
+    running), answers a failed weight update with HTTP 400 ``{"success": false, "message"}``,
+    and serves /get_server_info like current SGLang (``old_api``: only /server_info, with the
+    capacity inside ``internal_states`` as older versions had it).
+    """
+
+    def __init__(
+        self,
+        old_api: bool = False,
+        flaky: int = 0,
+        context_len: int = 64,
+        context_arg: int | None = None,
+        capacity: int = 5000,
+        delay: float = 0.0,
+    ):
         self.old_api = old_api
         self.flaky = flaky
+        self.context_len = context_len
+        self.context_arg = context_arg
+        self.capacity = capacity
+        self.delay = delay
         self.requests: list[dict] = []
+        self.rejected: list[str] = []
+        self.live: set[str] = set()
+        self.info_calls = 0
         self.model_path = "base"
+        self.usage = 0.0  # sglang:token_usage: what other clients of the server hold
+
+    def _error(self, message: str) -> web.Response:
+        self.rejected.append(message)
+        return web.json_response({"error": {"message": message}}, status=400)
 
     async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
         if self.flaky:
             self.flaky -= 1
             return web.Response(status=503, text="overloaded")
-        body = await request.json()
-        self.requests.append(body)
-        sp = body["sampling_params"]
-        out, finish = [], {"type": "length", "length": sp["max_new_tokens"]}
-        for tok in body["input_ids"]:
-            if len(out) >= sp["max_new_tokens"]:
+        rid, ids, sp = body.get("rid"), body["input_ids"], body["sampling_params"]
+        if rid in self.live:
+            return self._error(f"Duplicate request ID {rid} is still running")
+        n, ctx, max_new = len(ids), self.context_len, sp.get("max_new_tokens")
+        if n >= ctx:
+            return self._error(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        if max_new is not None and max_new + n >= ctx:
+            return self._error(
+                f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
+                f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        self.live.add(rid)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.live.discard(rid)
+        out, finish = [], {"type": "length", "length": max_new}
+        for tok in ids:
+            if len(out) >= max_new:
                 break
             out.append(tok + 1)
             if tok + 1 in sp.get("stop_token_ids", []):
@@ -61,34 +115,59 @@ class FakeSGLang:
                 "text": "",
                 "output_ids": out,
                 "meta_info": {
-                    "id": body.get("rid"),
+                    "id": rid,
                     "finish_reason": finish,
-                    "prompt_tokens": len(body["input_ids"]),
+                    "prompt_tokens": n,
                     "completion_tokens": len(out),
                     "output_token_logprobs": triples,
                 },
             }
         )
 
-    async def server_info(self, request: web.Request) -> web.Response:
+    async def get_server_info(self, request: web.Request) -> web.Response:
         if self.old_api:
             raise web.HTTPNotFound()
+        self.info_calls += 1
         return web.json_response(
-            {"model_path": self.model_path, "max_total_num_tokens": 5000, "version": "x"}
+            {
+                "model_path": self.model_path,
+                "context_length": self.context_arg,  # the --context-length server arg
+                "max_total_num_tokens": self.capacity,
+                "max_req_input_len": self.capacity - 6,
+                "internal_states": [{"last_gen_throughput": 0.0}],
+                "version": "0.5.x",
+            }
         )
 
-    async def get_server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"internal_states": [{"max_total_num_tokens": 4321}]})
+    async def server_info(self, request: web.Request) -> web.Response:
+        if not self.old_api:
+            raise web.HTTPNotFound()
+        self.info_calls += 1
+        return web.json_response(
+            {"context_length": None, "internal_states": [{"max_total_num_tokens": 4321}]}
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": "qwen", "object": "model", "owned_by": "sglang", "root": "qwen"}
+        return web.json_response({"object": "list", "data": [{**card, "max_model_len": self.context_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=METRICS, content_type="text/plain")
+        return web.Response(
+            text=METRICS_TEMPLATE.replace("{usage}", repr(self.usage)), content_type="text/plain"
+        )
 
     async def update(self, request: web.Request) -> web.Response:
         body = await request.json()
         if body["model_path"].startswith("/missing"):
-            return web.json_response({"success": False, "message": "no such checkpoint"})
+            message = f"Failed to get weights iterator: {body['model_path']} (repo id or path) is invalid."
+            return web.json_response(
+                {"success": False, "message": message, "num_paused_requests": 0}, status=400
+            )
         self.model_path = body["model_path"]
-        return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+        if body["model_path"].endswith("-bigger"):  # a model whose KV budget differs
+            self.capacity *= 2
+        message = "Succeeded to update model weights."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -98,6 +177,7 @@ class FakeSGLang:
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/get_server_info", self.get_server_info)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/update_weights_from_disk", self.update)
         app.router.add_get("/health", self.health)
@@ -139,14 +219,17 @@ async def test_generate_round_trip_and_scheduler_capacity(serve):
         assert out.output_ids == [6, 7] and out.finish_reason == "length"
         assert await engine.max_total_tokens() == 5000
         assert await engine.health()
+        fake.usage = 0.25  # another job on this server holds 1250 of the 5000 KV tokens
         load = await engine.load_metrics()
         assert (load.kv_cache_utilization, load.running, load.queued) == (0.25, 7, 2)
         sched = Scheduler([engine], policy="kv-aware")
-        async with sched.session(100, 4000) as chosen:
+        async with sched.session(100, 3650) as chosen:  # exactly what the other job left
             assert chosen is engine
+        assert sched.snapshot()[0]["external"] == 1250
         with pytest.raises(ValueError, match="largest engine holds 5000"):
             async with sched.session(100, 5000):
                 pass
+        await sched.close()
     finally:
         await engine.close()
 
@@ -156,13 +239,105 @@ async def test_old_server_info_route_retries_and_weight_updates(serve):
     engine = SGLangEngine(await serve(fake), backoff_s=0.01)
     try:
         assert await engine.max_total_tokens() == 4321
-        out = await engine.generate(GenerateRequest([1], max_new_tokens=1))  # two 503s, then OK
+        assert await engine.context_length() == 64  # context_length null: /v1/models max_model_len
+        out = await engine.generate(GenerateRequest([1], max_new_tokens=1, rid="r1"))  # two 503s, then OK
         assert out.output_ids == [2]
+        assert [r["rid"] for r in fake.requests] == ["r1", "r1-retry1", "r1-retry2"], (
+            "retries get a fresh rid"
+        )
         await engine.update_weights_from_disk("/ckpt/step-10")
         assert fake.model_path == "/ckpt/step-10"
-        with pytest.raises(SGLangError, match="no such checkpoint"):
+        with pytest.raises(
+            SGLangError, match=r"failed: Failed to get weights iterator: /missing/step-11 \(repo"
+        ):
             await engine.update_weights_from_disk("/missing/step-11")
+        assert fake.model_path == "/ckpt/step-10"
     finally:
+        await engine.close()
+
+
+async def test_generate_is_clamped_to_the_context_length_sglang_enforces(serve):
+    fake = FakeSGLang(context_len=64, context_arg=48)  # --context-length 48 wins over the model's 64
+    url = await serve(fake)
+    async with aiohttp.ClientSession() as http:  # the fake enforces SGLang's rule ...
+        raw = build_generate_payload(GenerateRequest(list(range(1, 31)), max_new_tokens=4000))
+        async with http.post(url + "/generate", json=raw) as resp:
+            assert resp.status == 400
+            assert "Requested token count exceeds" in (await resp.json())["error"]["message"]
+    fake.rejected.clear()
+    engine = SGLangEngine(url)
+    try:  # ... and the engine never breaks it
+        assert await engine.context_length() == 48
+        out = await engine.generate(GenerateRequest(list(range(1, 31)), max_new_tokens=4000))
+        assert fake.requests[-1]["sampling_params"]["max_new_tokens"] == 48 - 30 - 1
+        assert len(out.output_ids) == 17 and out.finish_reason == "length"
+        sent = len(fake.requests)
+        for n in (47, 48, 60):  # no room for even one token: answered without a request
+            out = await engine.generate(GenerateRequest(list(range(1, n + 1)), max_new_tokens=5))
+            assert out.output_ids == [] and out.finish_reason == "length"
+        assert len(fake.requests) == sent and fake.rejected == []
+        assert clamp_max_new_tokens(10, 5, 48) == 5 and clamp_max_new_tokens(47, 5, 48) == 0
+    finally:
+        await engine.close()
+
+
+async def test_a_multi_turn_rollout_never_sends_sglang_an_oversized_request(serve):
+    tok = ByteTokenizer()
+    fake = FakeSGLang(context_len=20)
+    engine = SGLangEngine(await serve(fake))
+    sched = Scheduler([engine])
+    try:
+        prompt = "abcdefghijkl"  # 12 tokens: 7 more fit under SGLang's limit of 20
+        traj = await rollout_one(sched, tok, FakeExecutor(), prompt, max_turns=4, max_response_tokens=4000)
+        assert fake.rejected == [] and traj.error is None
+        assert traj.finish_reason == "length" and traj.truncated
+        assert traj.response_ids == [t + 1 for t in tok.encode(prompt)[:7]]
+    finally:
+        await sched.close()
+        await engine.close()
+
+
+async def test_a_generate_that_timed_out_is_not_retried(serve):
+    fake = FakeSGLang(delay=1.0)
+    engine = SGLangEngine(await serve(fake), request_timeout=0.3, retries=3, backoff_s=0.01)
+    try:
+        await engine.max_total_tokens()
+        with pytest.raises(SGLangError, match="timed out"):
+            await engine.generate(GenerateRequest([1, 2], max_new_tokens=2))
+        assert len(fake.requests) == 1, "the server may still be running it: no second copy"
+    finally:
+        await engine.close()
+
+
+async def test_retries_stop_when_the_time_budget_is_spent(serve):
+    fake = FakeSGLang(flaky=10**6)
+    engine = SGLangEngine(await serve(fake), request_timeout=0.5, retries=100, backoff_s=0.05)
+    try:
+        await engine.max_total_tokens()
+        start = time.monotonic()
+        with pytest.raises(SGLangError, match="budget leaves no time to retry"):
+            await engine.generate(GenerateRequest([1], max_new_tokens=1))
+        assert time.monotonic() - start < 0.5 + 1.0  # the budget, plus scheduling slack on a busy box
+        assert 2 <= len(fake.requests) < 10
+    finally:
+        await engine.close()
+
+
+async def test_new_weights_refresh_the_schedulers_capacity(serve):
+    fake = FakeSGLang(capacity=5000)
+    engine = SGLangEngine(await serve(fake))
+    sched = Scheduler([engine], policy="kv-aware")
+    try:
+        async with sched.session(100, 4000):
+            pass
+        assert sched.snapshot()[0]["capacity"] == 5000
+        await engine.update_weights_from_disk("/ckpt/step-20-bigger")
+        assert engine.capacity_version == 1
+        async with sched.session(100, 9000) as chosen:  # fits only the new, doubled budget
+            assert chosen is engine
+        assert sched.snapshot()[0]["capacity"] == 10000 and fake.info_calls == 2
+    finally:
+        await sched.close()
         await engine.close()
 
 
@@ -200,6 +375,9 @@ def test_pure_parsers_reject_contract_violations():
         parse_max_total_tokens({"internal_states": []})
     with pytest.raises(SGLangError, match="enable-metrics"):
         parse_metrics("# nothing\n")
+    assert parse_context_length({"context_length": 8192}) == 8192
+    assert parse_context_length({"context_length": None}, {"data": [{"max_model_len": 32768}]}) == 32768
+    assert parse_context_length({"context_length": None}, {"data": []}) is None
 
 
 async def test_sync_engines_follows_the_discovered_urls(serve):
@@ -215,5 +393,24 @@ async def test_sync_engines_follows_the_discovered_urls(serve):
     assert [e.base_url for e in sched.engines] == [b]
     async with sched.session(10, 100) as engine:
         assert engine.base_url == b
+    await sched.close()
+    for e in sched.engines:
+        await e.close()
+
+
+async def test_rollouts_fail_clearly_when_discovery_finds_no_engine(serve):
+    url = await serve(FakeSGLang())
+    sched = Scheduler(engines_from_urls([url]), policy="kv-aware", no_engine_timeout_s=0.1)
+    async with sched.session(10, 100):
+        pass
+    assert await sync_engines(sched, []) == ([], [url])
+    assert sched.engines == []
+    with pytest.raises(NoEngineError, match="no inference engine in service"):
+        async with sched.session(10, 100):
+            pass
+    assert await sync_engines(sched, [url]) == ([url], [])  # the fleet is back
+    async with sched.session(10, 100) as engine:
+        assert engine.base_url == url
+    await sched.close()
     for e in sched.engines:
         await e.close()

@@ -53,7 +53,7 @@ def test_engine_decodes_at_the_modelled_speed_and_batches():
     assert t2 == pytest.approx(50 * 0.02)
 
 
-def test_engine_overflow_evicts_half_and_recomputes():
+def test_engine_out_of_kv_retracts_and_recomputes():
     spec = EngineSpec("tiny", capacity=1_000, t0=0.01, b_sat=8, prefill_per_token=0.0, init_new_token_ratio=0.0,
                       min_new_token_ratio=0.0)  # fmt: skip
 
@@ -63,12 +63,42 @@ def test_engine_overflow_evicts_half_and_recomputes():
             *(engine.generate(GenerateRequest([0] * 50, 500, rid=f"r{i}/0")) for i in range(8))
         )
         await engine.close()
-        return engine.stats, outs
+        return engine, outs
 
-    stats, outs = run_virtual(main)
-    assert all(len(o.output_ids) == 200 for o in outs)
-    assert stats.overflow_events > 0 and stats.recomputed_tokens > 0
+    engine, outs = run_virtual(main)
+    stats = engine.stats
+    assert all(len(o.output_ids) == 200 and o.finish_reason == "stop" for o in outs)
+    assert stats.overflow_events > 0 and stats.evicted_requests > 0 and stats.recomputed_tokens > 0
     assert stats.peak_kv_tokens <= spec.capacity
+    assert engine._ratio > 0.0, "a retraction raises new_token_ratio (admission gets cautious)"
+
+
+def test_a_prefix_evicted_during_a_tool_call_is_prefilled_again():
+    spec = EngineSpec("small", capacity=1_000, t0=0.01, b_sat=8, prefill_per_token=0.0)
+
+    async def main():
+        engine = SimEngine(spec, oracle=lambda req: 100)
+        await engine.generate(GenerateRequest([0] * 300, 500, rid="a/t0"))  # a's turn 1: 400 cached
+        assert engine._cached_tokens == 400 and engine.stats.recomputed_tokens == 0
+        # While a waits on its tool, b needs the space: LRU eviction takes a's cached tokens.
+        await engine.generate(GenerateRequest([0] * 600, 400, rid="b/t0"))
+        lost = engine._lost["a"]
+        await engine.generate(GenerateRequest([0] * 420, 500, rid="a/t1"))  # a's turn 2: +20 tool tokens
+        await engine.close()
+        return engine.stats, lost
+
+    stats, lost = run_virtual(main)
+    assert lost > 0 and stats.prefix_evictions == 1 and stats.recomputed_tokens == lost
+    assert stats.overflow_events == 0
+    assert stats.prefill_tokens == 300 + 600 + 20 + lost
+
+
+def test_b_sat_scaling_keeps_the_prefill_to_decode_cost_ratio():
+    fast = FAST.scaled(4)
+    assert fast.b_sat == 64 and fast.peak_throughput == pytest.approx(4 * FAST.peak_throughput)
+    assert fast.prefill_per_token * fast.peak_throughput == pytest.approx(
+        FAST.prefill_per_token * FAST.peak_throughput
+    )
 
 
 def test_kv_aware_never_overflows_and_beats_static_on_a_heterogeneous_fleet():
@@ -78,6 +108,10 @@ def test_kv_aware_never_overflows_and_beats_static_on_a_heterogeneous_fleet():
     kv = simulate(plans, engines, "kv-aware", max_response_tokens=WORK.max_response_tokens)
     static = simulate(plans, engines, "static", max_response_tokens=WORK.max_response_tokens, turn_sync=True)
     assert kv.overflow_events == 0 and kv.scheduler_overflow_events == 0
+    assert kv.recomputed_tokens == 0 and kv.prefix_evictions == 0
+    # Static launches everything at once and lets the engines' optimistic admission cope: rollouts
+    # lose their cached context while they wait on tools and pay to prefill it again.
+    assert static.recomputed_tokens > 0 and static.prefix_evictions > 0
     for e in kv.per_engine:
         assert e["peak_kv_tokens"] <= e["capacity"]
     assert sum(e["sessions"] for e in kv.per_engine) == len(plans)
@@ -106,4 +140,7 @@ def test_bench_script_runs_and_prints_the_table(capsys):
     out = capsys.readouterr().out
     for name in ("kv-aware", "least-requests", "round-robin", "static+turn-sync", "lower bound"):
         assert name in out
-    assert "kv-aware vs static (verl)" in out
+    assert "kv-aware vs static+turn-sync (verl)" in out and "vs plain static" in out
+    bench.main(["--rollouts", "32", "--b-sat-sweep"])
+    out = capsys.readouterr().out
+    assert "static/kv" in out and [line.split()[0] for line in out.splitlines()[2:]] == ["1", "2", "4"]

@@ -27,8 +27,13 @@ def test_penalties_match_eqs_4_5():
     assert p_format(cand(1, tags=1)) == 0.0
     assert p_format(cand(1, tags=3, turns=4)) == 0.5
     assert p_format(cand(1, tags=9, turns=2)) == 1.0
-    assert p_format(cand(1, tags=1, turns=4, fmt=1)) == 0.25
-    assert p_total(cand(1, calls=2, errors=1, tags=2, turns=2)) == 1.0
+    # eq. 5 as published ignores tool-call format errors (p_err already counts malformed calls)...
+    assert p_format(cand(1, tags=1, turns=4, fmt=1)) == 0.0
+    assert p_total(cand(1, calls=2, errors=1, tags=2, turns=2, fmt=2)) == 1.0
+    # ...the opt-in extension adds format_errors / turns, capped at 1
+    assert p_format(cand(1, tags=1, turns=4, fmt=1), count_format_errors=True) == 0.25
+    assert p_format(cand(1, tags=2, turns=2, fmt=3), count_format_errors=True) == 1.0
+    assert p_total(cand(1, calls=2, errors=1, tags=1, turns=2, fmt=1), count_format_errors=True) == 1.0
     with pytest.raises(ValueError):
         cand(1, calls=1, errors=2)
 
@@ -63,12 +68,26 @@ def test_select_prefers_clean_positives_and_is_deterministic():
 
 
 def test_select_weights_are_inverse_to_p_total():
-    # one positive with p_total 0.5 (no tool call), one with 1.0 (half errors + clean format): keep 1 of 2
-    cands = [cand(1, calls=0), cand(1, calls=2, errors=1, tags=1, turns=2, fmt=1), cand(0), cand(0)]
+    # one positive with p_total 0.5 (no tool call), one with 1.0 (half errors + an extra answer tag)
+    cands = [cand(1, calls=0), cand(1, calls=2, errors=1, tags=2, turns=2), cand(0), cand(0)]
     # quotas(2, 2, 2) -> 1 positive, 1 negative; weights 1/(0.5+eps) vs 1/(1.0+eps)
     picks = Counter(next(i for i in select(cands, 2, seed=s) if i < 2) for s in range(3000))
     w0, w1 = 1 / (0.5 + 1e-2), 1 / (1.0 + 1e-2)
     assert picks[0] / 3000 == pytest.approx(w0 / (w0 + w1), abs=0.03)
+
+
+def test_format_errors_weigh_only_with_the_opt_in_extension():
+    # two positives with p_err 0.5 and a clean answer; the second also wrote an unclosed <tool_call>
+    cands = [cand(1, calls=2, errors=1, tags=1, turns=2), cand(1, calls=2, errors=1, tags=1, turns=2, fmt=1)]
+    cands += [cand(0), cand(0)]
+
+    def share_of_first(**kw) -> float:
+        picks = Counter(next(i for i in select(cands, 2, seed=s, **kw) if i < 2) for s in range(3000))
+        return picks[0] / 3000
+
+    assert share_of_first() == pytest.approx(0.5, abs=0.03)  # eq. 5: equal weights
+    w0, w1 = 1 / (0.5 + 1e-2), 1 / (1.0 + 1e-2)  # extension: p_format 0 vs 1/2
+    assert share_of_first(count_format_errors=True) == pytest.approx(w0 / (w0 + w1), abs=0.03)
 
 
 def test_ties_and_negatives_are_uniform():
@@ -159,3 +178,80 @@ def test_aggregations_and_kl_entropy():
         LossConfig(aggregation="sum")
     with pytest.raises(ValueError):
         policy_loss(lp, lp, torch.tensor([0.0]), torch.ones(1, 1), LossConfig(kl_coef=1.0))
+
+
+# -- the update's statistics -----------------------------------------------------------------
+
+
+def test_rl_update_stats_over_micro_batches_match_the_full_batch():
+    """Fractions/means are token-weighted over micro-batches; ratio_max is the batch's maximum."""
+    import random
+
+    from kuberl.trainer.grpo import StepBatch, rl_update
+    from kuberl.trainer.loss import token_logprobs
+    from kuberl.trainer.model import GPT, GPTConfig
+    from kuberl.trainer.sft import pad_batch
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    batch = StepBatch()
+    for i in range(6):
+        n, prompt = rng.randint(8, 30), rng.randint(2, 5)
+        batch.seqs.append([rng.randrange(50) for _ in range(n)])
+        batch.masks.append([0] * prompt + [rng.choice([1, 1, 1, 0]) for _ in range(n - prompt)])
+        batch.old_logprobs.append([-rng.random() * 6 if m else 0.0 for m in batch.masks[-1]])
+        batch.advantages.append([1.0, -1.0, 0.5][i % 3])
+    # the reference: ratios of the untouched model over the whole batch at once
+    inp, att, tgt, tm = pad_batch(batch.seqs, batch.masks)
+    old = torch.zeros_like(tm)
+    for r, o in enumerate(batch.old_logprobs):
+        old[r, : len(o) - 1] = torch.tensor(o[1:])
+    with torch.no_grad():
+        lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+    kept = tm > 0
+    ratio = (lp - old).exp()[kept]
+    adv = torch.tensor(batch.advantages)[:, None].expand_as(lp)[kept]
+    cfg = LossConfig()
+    want = {
+        "ratio_max": float(ratio.max()),
+        "ratio_mean": float(ratio.mean()),
+        "clip_high": float(((adv > 0) & (ratio > 1 + cfg.clip_high)).float().mean()),
+        "clip_low": float(((adv < 0) & (ratio < 1 - cfg.clip_low)).float().mean()),
+    }
+    assert 0 < want["clip_high"] < 1 and 0 < want["clip_low"] < 1  # the batch exercises both sides
+    for micro in (1, 2, 64):
+        m = GPT(model.config)
+        m.load_state_dict(model.state_dict())
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        got = rl_update(m, opt, batch, cfg, grad_clip=1e9, micro_batch=micro)
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-5), (micro, k)
+        assert got["tokens"] == int(kept.sum())
+
+
+def test_recompute_old_logprobs_uses_the_trainer_policy_and_reports_the_gap():
+    from kuberl.trainer.grpo import StepBatch, recompute_old_logprobs, rl_update
+    from kuberl.trainer.loss import token_logprobs
+    from kuberl.trainer.model import GPT, GPTConfig
+    from kuberl.trainer.sft import pad_batch
+
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(vocab_size=30, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10]]
+    masks = [[0, 0, 1, 1, 0, 1], [0, 1, 1, 1]]
+    with torch.no_grad():
+        inp, att, tgt, tm = pad_batch(seqs, masks)
+        lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+    engine = [[0.0] + [float(x) + 0.1 for x in lp[0, :5]], [0.0] + [float(x) - 0.3 for x in lp[1, :3]]]
+    batch = StepBatch(seqs, masks, [list(e) for e in engine], [1.0, -1.0])
+    gap = recompute_old_logprobs(model, batch, micro_batch=1)
+    assert gap == pytest.approx((3 * 0.1 + 3 * 0.3) / 6, rel=1e-4)  # over the 6 trained tokens
+    assert batch.old_logprobs[0][1:] == pytest.approx(lp[0, :5].tolist(), abs=1e-6)
+    assert batch.old_logprobs[1][1:] == pytest.approx(lp[1, :3].tolist(), abs=1e-6)
+    model.train()
+    recompute_old_logprobs(model, batch)
+    assert model.training
+    # on-policy: the first (only) mini-batch sees ratio 1 everywhere, nothing is clipped
+    st = rl_update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, LossConfig(), grad_clip=1.0)
+    assert st["ratio_max"] == pytest.approx(1.0, abs=1e-5) and st["clip_low"] == st["clip_high"] == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import shutil
 
 import pytest
@@ -13,7 +15,7 @@ from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.local import run_job
 from kuberl.trainer.model import GPT, GPTConfig
-from tests.trainer_fakes import FakeSandbox
+from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 
 def _model_opt(seed: int):
@@ -54,7 +56,9 @@ def test_local_store(tmp_path):
         CheckpointStore(str(tmp_path), keep=0)
 
 
-def test_s3_store_on_moto_server(monkeypatch):
+@contextlib.contextmanager
+def _moto_s3(monkeypatch, bucket: str):
+    """A real S3 endpoint (moto server on loopback) with ``bucket``; yields a boto3 client."""
     boto3 = pytest.importorskip("boto3")
     from moto.server import ThreadedMotoServer
 
@@ -67,14 +71,20 @@ def test_s3_store_on_moto_server(monkeypatch):
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
         monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
         monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
-        boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="ckpts")
+        client = boto3.client("s3", endpoint_url=f"http://{host}:{port}")
+        client.create_bucket(Bucket=bucket)
+        yield client
+    finally:
+        server.stop()
+
+
+def test_s3_store_on_moto_server(monkeypatch):
+    with _moto_s3(monkeypatch, "ckpts"):
         store = CheckpointStore("s3://ckpts/runs/a", keep=2)
         assert store.load() is None
         _roundtrip(store)
         with pytest.raises(ValueError, match="bucket"):
             CheckpointStore("s3:///x")
-    finally:
-        server.stop()
 
 
 TINY = """
@@ -122,3 +132,147 @@ def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
     assert a["state"]["cursor"] == b["state"]["cursor"] and b["state"]["global_step"] == 6
     events = yaml.safe_load("[" + ",".join((resumed / "events.jsonl").read_text().splitlines()) + "]")
     assert any(e["kind"] == "resume" for e in events)
+
+
+# -- resume in mid-RL -------------------------------------------------------------------------
+
+# SFT long enough that the policy writes answers, then RL steps that really update (the coin
+# verifier rewards about half of the answers), 2 mini-batches, a checkpoint after 2 RL steps.
+LEARNING = """
+apiVersion: kuberl.io/v1alpha1
+kind: AgenticRLJob
+metadata: {name: rl-resume}
+spec:
+  model: {base: builtin:tiny-gpt, tokenizer: builtin:arith-bpe, config: {nLayer: 1, nEmbd: 64, nHead: 2}}
+  data: {train: builtin:arith}
+  algorithm: {groupSize: 2, learningRate: 0.001, warmupSteps: 1, batchPrompts: 4, miniBatches: 2}
+  rollout: {engine: local, maxTurns: 3, maxResponseTokens: 48, promptTemplate: compact}
+  stages:
+    - {name: sft, type: sft, steps: 60, learningRate: 0.01, batchSize: 8}
+    - {name: rl, type: rl, steps: 4}
+  trainer: {device: cpu, threads: 1}
+  checkpoint: {uri: ck, everySteps: 62, keep: 10}
+"""
+# wall-clock fields, and the engine's batch-dependent float noise (its log-probs vs the trainer's)
+TIMING = {"time", "step_seconds", "rollout_seconds", "rollout_logprob_gap"}
+
+
+def _learning_job(tmp_path) -> AgenticRLJob:
+    f = tmp_path / "learning.yaml"
+    f.write_text(LEARNING)
+    return find_one(load_manifests(f), AgenticRLJob)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _untimed(records: list[dict]) -> str:
+    """The records without wall-clock fields, as JSON (NaN == NaN there, unlike in dicts)."""
+    return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in records], sort_keys=True)
+
+
+def _evals(evals: dict) -> str:
+    return json.dumps({k: v for k, v in evals.items() if k != "wall_seconds"}, sort_keys=True)
+
+
+def _assert_same_training_state(a: dict, b: dict) -> None:
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert (
+        a["state"]["global_step"] == b["state"]["global_step"]
+        and a["state"]["cursor"] == b["state"]["cursor"]
+    )
+
+
+@pytest.fixture(scope="module")
+def full_rl_run(tmp_path_factory):
+    """The uninterrupted run: (job, out dir, result)."""
+    import kuberl.trainer.stages as stages
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(stages, "EVAL_SIZE", 4)
+    try:
+        tmp = tmp_path_factory.mktemp("rl-full")
+        job = _learning_job(tmp)
+        res = run_job(job, tmp / "full", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+        yield job, tmp / "full", res
+    finally:
+        mp.undo()
+
+
+def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_path, monkeypatch):
+    """Resume after 2 of 4 updating RL steps, from s3://, with a stale tokenizer.json lying around."""
+    from kuberl.trainer.tokenizer import train_bpe
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job, full, ref = full_rl_run
+    names = CheckpointStore(str(full / "checkpoints")).names()
+    assert names == ["ckpt-00000060.pt", "ckpt-00000062.pt", "ckpt-00000064.pt"]
+    rl = [h for h in ref.history if h["type"] == "rl"]
+    assert all(h["rollouts_kept"] > 0 and h["opt_steps"] == 2 for h in rl), rl  # real 2-mini-batch updates
+    mid = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000062.pt")
+    end = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000064.pt")
+    assert not torch.equal(mid["model"]["lm_head.weight"], end["model"]["lm_head.weight"])
+    assert end["optimizer"]["state"]  # the RL optimizer has moments to compare
+
+    with _moto_s3(monkeypatch, "ckpts") as s3:
+        s3.upload_file(str(full / "checkpoints" / "ckpt-00000062.pt"), "ckpts", "rl/ckpt-00000062.pt")
+        job = job.model_copy(deep=True)
+        job.spec.checkpoint.uri = "s3://ckpts/rl"
+        out = tmp_path / "resumed"
+        out.mkdir()
+        train_bpe(["a different corpus 12*34=408"], vocab_size=300).save(out / "tokenizer.json")
+        res = run_job(job, out, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+        store = CheckpointStore("s3://ckpts/rl", keep=10)
+        assert store.names() == ["ckpt-00000062.pt", "ckpt-00000064.pt"]
+        _assert_same_training_state(end, store.load("ckpt-00000064.pt"))
+    assert (out / "tokenizer.json").read_text() == (full / "tokenizer.json").read_text()  # the checkpoint's
+    assert _untimed(res.history) == _untimed(ref.history)  # every step's reward, clip, loss, ratio...
+    assert _evals(res.evals) == _evals(ref.evals)
+    steps = [r for r in _lines(out / "metrics.jsonl") if r["type"] != "eval"]
+    assert [r["step"] for r in steps] == [63, 64]
+    ref_steps = [r for r in _lines(full / "metrics.jsonl") if r["type"] != "eval" and r["step"] > 62]
+    assert _untimed(steps) == _untimed(ref_steps)
+    # the SFT eval is in the checkpoint: only the RL stage's eval ran again
+    assert [r["label"] for r in _lines(out / "metrics.jsonl") if r["type"] == "eval"] == ["rl"]
+
+
+def test_resuming_a_finished_run_repeats_nothing(full_rl_run, monkeypatch):
+    """The stage-end checkpoint is written after the stage's eval: nothing is trained or evaluated."""
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job, full, ref = full_rl_run
+    before = len(_lines(full / "metrics.jsonl"))
+    res = run_job(job, full, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+    assert len(_lines(full / "metrics.jsonl")) == before
+    assert _untimed(res.history) == _untimed(ref.history) and _evals(res.evals) == _evals(ref.evals)
+    assert CheckpointStore(str(full / "checkpoints")).names()[-1] == "ckpt-00000064.pt"
+
+
+def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
+    """--max-minutes stops between steps with a checkpoint; the resumed run ends where a full one does."""
+    from kuberl.trainer.stages import Pipeline
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job = _job(tmp_path)
+    job.spec.checkpoint.every_steps = 100  # only stage ends and the deadline write checkpoints
+    full = run_job(job, tmp_path / "full", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    with monkeypatch.context() as m:
+        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)  # in mid-RL
+        cut = run_job(job, tmp_path / "cut", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    assert cut.stopped_early and [h["step"] for h in cut.history] == [1, 2, 3, 4, 5]
+    assert CheckpointStore(str(tmp_path / "cut" / "checkpoints")).names() == [
+        "ckpt-00000004.pt",
+        "ckpt-00000005.pt",
+    ]
+    res = run_job(job, tmp_path / "cut", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    assert not res.stopped_early and _untimed(res.history) == _untimed(full.history)
+    a = CheckpointStore(str(tmp_path / "full" / "checkpoints")).load("ckpt-00000006.pt")
+    b = CheckpointStore(str(tmp_path / "cut" / "checkpoints")).load("ckpt-00000006.pt")
+    _assert_same_training_state(a, b)

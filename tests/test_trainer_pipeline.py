@@ -7,8 +7,13 @@ executing the tool calls and verifying answers, and the trainer in the driver.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
+import urllib.request
 
 import pytest
 import yaml
@@ -17,7 +22,7 @@ from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.grpo import Scored, prepare_batch
 from kuberl.trainer.local import run_file, run_job, summarize
-from tests.trainer_fakes import FakeSandbox
+from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 TINY = {
     "apiVersion": "kuberl.io/v1alpha1",
@@ -101,6 +106,7 @@ def test_prepare_batch_roc_vs_grpo():
             False,
             "answer",
             text="<answer>7</answer>",
+            answer_tags=1,
         )
 
     group = [Scored(traj(2), 1.0)] * 4 + [Scored(traj(0), 1.0)] * 2 + [Scored(traj(0), 0.0)] * 2
@@ -112,6 +118,13 @@ def test_prepare_batch_roc_vs_grpo():
     assert roc.masks[0] == [0, 0, 1, 0, 1] and roc.old_logprobs[0] == [0.0, 0.0, -0.1, 0.0, -0.2]
     allpos = prepare_batch([[Scored(traj(0), 1.0)] * 4], 2, roc=False, seed=0)
     assert allpos.seqs == [] and allpos.stats["groups_dropped_zero_adv"] == 1
+    # Aborted rollouts (engine errors) are dropped before RoC, never trained on, and counted.
+    aborted = dataclasses.replace(traj(0), finish_reason="abort", error="sgl-0: SGLangError: HTTP 503")
+    mixed = prepare_batch(
+        [[Scored(aborted, 1.0)] * 3 + [Scored(traj(0), 1.0), Scored(traj(0), 0.0)]], 4, roc=True, seed=0
+    )
+    assert mixed.stats["rollouts"] == 5 and mixed.stats["rollouts_aborted"] == 3
+    assert mixed.stats["rollouts_kept"] == 2 and mixed.stats["reward_mean"] == 0.5
 
 
 def test_run_file_errors(tmp_path, capsys):
@@ -123,10 +136,19 @@ def test_run_file_errors(tmp_path, capsys):
 
 @pytest.mark.timeout(180)
 def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
+    """Also: the Ray actor's kuberl_rollout_* series reach the driver's exporter (mirrored)."""
     pytest.importorskip("kuberl.sandbox.local", reason="the sandbox component is not in this checkout yet")
+    from prometheus_client import REGISTRY
+
+    from kuberl.trainer import metrics
+
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
     monkeypatch.delenv("KUBERL_NO_RAY", raising=False)
     monkeypatch.delenv("KUBERL_SANDBOX_URL", raising=False)
+    monkeypatch.setenv("KUBERL_METRICS_PORT", "0")
+    engine = {"engine": "local-0"}
+    # Under Ray no LocalEngine runs in this process: only the mirror can move this counter.
+    before = REGISTRY.get_sample_value("kuberl_rollout_generated_tokens_total", engine) or 0.0
     out = tmp_path / "run"
     assert run_file(_write(tmp_path, TINY), out_dir=str(out), ablation="grpo") == 0
     steps = _lines(out / "metrics.jsonl")
@@ -134,6 +156,86 @@ def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
     assert len(rl) == 2 and all(s["algorithm"] == "grpo" and s["rollouts"] == 4 for s in rl)
     assert (out / "checkpoints").is_dir() and (out / "tokenizer.json").is_file()
     assert [s["label"] for s in steps if s.get("type") == "eval"] == ["sft", "rl"]
+    generated = REGISTRY.get_sample_value("kuberl_rollout_generated_tokens_total", engine) - before
+    assert generated >= 8 + 2 * 4  # at least one token per eval and per RL rollout
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics._SERVER_PORT}/metrics", timeout=5) as r:  # noqa: S310
+        text = r.read().decode()
+    for name in ("kv_cache_utilization", "requests_inflight", "generated_tokens_total"):
+        assert f'kuberl_rollout_{name}{{engine="local-0"}}' in text, name
+
+
+def test_rollout_mirror_sets_gauges_and_advances_the_counter_by_deltas():
+    from prometheus_client import REGISTRY
+
+    from kuberl.trainer.metrics import RolloutMirror
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name, {"engine": "mirrored-0"}) or 0.0
+
+    base = value("kuberl_rollout_generated_tokens_total")
+    mirror = RolloutMirror()
+    row = {
+        "engine": "mirrored-0",
+        "kv_cache_utilization": 0.25,
+        "requests_inflight": 3,
+        "generated_tokens": 100,
+    }
+    mirror.apply([row])
+    assert (
+        value("kuberl_rollout_kv_cache_utilization") == 0.25
+        and value("kuberl_rollout_requests_inflight") == 3
+    )
+    mirror.apply([dict(row, generated_tokens=130, requests_inflight=0)])
+    assert value("kuberl_rollout_generated_tokens_total") - base == 130
+    assert value("kuberl_rollout_requests_inflight") == 0
+    mirror.apply([dict(row, generated_tokens=20)])  # the worker restarted: its new total counts
+    assert value("kuberl_rollout_generated_tokens_total") - base == 150
+    mirror.apply([dict(row, generated_tokens=None)])  # an engine that does not count tokens
+    assert value("kuberl_rollout_generated_tokens_total") - base == 150
+
+
+@pytest.mark.parametrize(
+    ("env", "bound"), [({}, "0.0.0.0"), ({"KUBERL_METRICS_ADDR": "127.0.0.1"}, "127.0.0.1")]
+)
+def test_metrics_exporter_listens_on_all_interfaces_unless_told(tmp_path, env, bound):
+    """The operator gives trainer pods a metrics containerPort: loopback-only would be unscrapable."""
+    code = (
+        "import urllib.request\n"
+        "from kuberl.trainer.metrics import MetricsSink\n"
+        f"s = MetricsSink('j', {str(tmp_path)!r})\n"
+        "body = urllib.request.urlopen(f'http://127.0.0.1:{s.port}/metrics', timeout=5).read()\n"
+        "print(s.addr, b'kuberl_' in body or b'python_info' in body)\n"
+    )
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "KUBERL_METRICS_ADDR"},
+        "KUBERL_METRICS_PORT": "0",
+        **env,
+    }
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[-2:] == [bound, "True"]
+
+
+def test_two_mini_batches_clip_and_really_update(tmp_path, monkeypatch):
+    """The second mini-batch is off-policy, so the clip-higher machinery is exercised in a real run."""
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    doc = json.loads(json.dumps(TINY))
+    spec = doc["spec"]
+    spec["model"]["config"] = {"nLayer": 1, "nEmbd": 64, "nHead": 2}
+    spec["algorithm"].update(batchPrompts=4, miniBatches=2, learningRate=0.005)
+    spec["rollout"]["maxResponseTokens"] = 48
+    spec["stages"] = [
+        {"name": "sft", "type": "sft", "steps": 60, "learningRate": 0.01, "batchSize": 8},
+        {"name": "rl", "type": "rl", "steps": 3},
+    ]
+    job = find_one(load_manifests(_write(tmp_path, doc)), AgenticRLJob)
+    res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+    rl = [h for h in res.history if h["type"] == "rl"]
+    assert all(h["opt_steps"] == 2 for h in rl if h["rollouts_kept"] > 0) and any(
+        h["rollouts_kept"] for h in rl
+    )
+    assert sum(h["clip_low"] + h["clip_high"] for h in rl) > 0, rl
+    assert all(h["rollout_logprob_gap"] < 1e-4 for h in rl)  # engine and trainer hold the same weights
 
 
 def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):

@@ -38,17 +38,20 @@ class Scored:
             reward=self.reward,
             tool_calls=t.tool_calls,
             tool_errors=min(t.tool_errors, t.tool_calls),
-            answer_tags=t.response_text.count("<answer>"),
+            answer_tags=t.answer_tags,  # the model's turns only, not tool output
             turns=t.turns,
             format_errors=t.format_errors,
         )
 
 
 class RolloutWorker:
-    """Owns the LocalEngine, Scheduler and sandbox client; one persistent event loop.
+    """Owns the engine, Scheduler and sandbox client; one persistent event loop.
 
     ``executor_factory`` returns an async context manager yielding a ToolExecutor with
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
+    ``engine_factory(model, tokenizer)`` returns the Engine to roll out on, which must also
+    take ``set_weights(state_dict)``; the default is a LocalEngine serving ``model``. Tests use
+    it to script what the policy writes.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class RolloutWorker:
         max_total_tokens: int = 65536,
         max_batch: int = 256,
         executor_factory: Callable[[], Any] | None = None,
+        engine_factory: Callable[[nn.Module, Any], Any] | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -73,9 +77,12 @@ class RolloutWorker:
         self.tokenizer = BPETokenizer.from_str(tokenizer_json)
         self.model = GPT(GPTConfig.from_dict(model_config))
         self.device = device
-        self.engine = LocalEngine(
-            self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
-        )
+        if engine_factory is None:
+            self.engine = LocalEngine(
+                self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
+            )
+        else:
+            self.engine = engine_factory(self.model, self.tokenizer)
         self.scheduler = Scheduler([self.engine])
         if executor_factory is None:
             if sandbox_url is None:
@@ -92,15 +99,15 @@ class RolloutWorker:
         self._thread.start()
         self._cm = executor_factory()
         self.executor = self._run(self._cm.__aenter__())
+        # Learn the engines' capacities now rather than inside the first rollouts() call, so a
+        # worker started by a resume schedules its first batch exactly like a long-lived one.
+        self._run(self.scheduler.refresh_capacities())
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
-
-    def reseed(self, seed: int) -> None:
-        self.engine.reseed(seed)
 
     def rollouts(
         self,
@@ -114,14 +121,18 @@ class RolloutWorker:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> list[list[Scored]]:
-        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)."""
-        if seed is not None:
-            self.reseed(seed)
+        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer).
+
+        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
+        sample index, turn), so the result does not depend on tool latency or batching.
+        """
         return self._run(
-            self._rollouts(list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p)
+            self._rollouts(
+                list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
+            )
         )
 
-    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p):
+    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
         from kuberl.rollout.loop import rollout_group
 
         groups = await rollout_group(
@@ -130,6 +141,7 @@ class RolloutWorker:
             self.executor,
             prompts,
             n,
+            seed=seed,
             max_turns=max_turns,
             max_response_tokens=max_response_tokens,
             temperature=temperature,
@@ -148,6 +160,27 @@ class RolloutWorker:
         return [
             [Scored(t, r) for t, r in zip(g, rw, strict=True)] for g, rw in zip(groups, rewards, strict=True)
         ]
+
+    def rollout_metrics(self) -> list[dict[str, Any]]:
+        """Per-engine load and generated tokens, for a driver whose exporter this process is not.
+
+        Under Ray the Scheduler's gauges live in the actor's registry, which nothing serves;
+        the driver polls this and mirrors it (``kuberl.trainer.metrics.RolloutMirror``).
+        """
+
+        async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
+            engines = {e.name: e for e in self.scheduler.engines}
+            return [
+                {
+                    "engine": st["engine"],
+                    "kv_cache_utilization": st["utilization"],
+                    "requests_inflight": st["inflight"],
+                    "generated_tokens": getattr(engines.get(st["engine"]), "generated_tokens", None),
+                }
+                for st in self.scheduler.snapshot()
+            ]
+
+        return self._run(snap())
 
     def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
         from kuberl.trainer.data import build_sft_traces
@@ -189,8 +222,14 @@ def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
 def prepare_batch(
     groups: Sequence[Sequence[Scored]], group_size: int, *, roc: bool, seed: int, filter_zero: bool = True
 ) -> StepBatch:
-    """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats."""
+    """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats.
+
+    Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
+    dropped before selection and only counted (``rollouts_aborted``).
+    """
     out = StepBatch()
+    generated = sum(len(g) for g in groups)
+    groups = [[s for s in g if s.traj.finish_reason != "abort"] for g in groups]
     all_scored = [s for g in groups for s in g]
     kept_groups: list[list[Scored]] = []
     advs: list[list[float]] = []
@@ -220,10 +259,47 @@ def prepare_batch(
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),
         "groups_dropped_zero_adv": float(dropped),
-        "rollouts": float(len(all_scored)),
+        "rollouts": float(generated),
+        "rollouts_aborted": float(generated - len(all_scored)),
         "rollouts_kept": float(len(out.seqs)),
     }
     return out
+
+
+@torch.no_grad()
+def recompute_old_logprobs(
+    model: nn.Module, batch: StepBatch, *, micro_batch: int = 64, device: torch.device | str = "cpu"
+) -> float:
+    """Replace the engine's log-probs in ``batch`` by the trainer model's; return their mean gap.
+
+    PPO's pi_old is the policy being updated, evaluated here in one fixed layout before the
+    first optimizer step (as verl does). The engine's numbers depend on how requests happened
+    to share its batches (and on a cluster on SGLang's kernels and dtype), so the ratio built
+    from them would carry that noise - and a resumed run, whose tool calls return in another
+    order, would no longer update bit-for-bit. The returned mean |engine - trainer| log-prob
+    over the trained tokens is the rollout/trainer mismatch, a check that weights were synced.
+    """
+    was_training = model.training
+    model.eval()
+    gap, count = 0.0, 0
+    try:
+        for start in range(0, len(batch.seqs), micro_batch):
+            part = range(start, min(start + micro_batch, len(batch.seqs)))
+            inp, att, tgt, tm = pad_batch(
+                [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
+            )
+            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+            lp = lp.cpu()
+            for row, i in enumerate(part):
+                n = len(batch.seqs[i]) - 1
+                mask = tm[row, :n].cpu() > 0
+                engine = torch.tensor(batch.old_logprobs[i][1:], dtype=lp.dtype)
+                gap += float((engine - lp[row, :n]).abs()[mask].sum())
+                count += int(mask.sum())
+                batch.old_logprobs[i] = [0.0, *lp[row, :n].tolist()]
+    finally:
+        model.train(was_training)
+    return gap / count if count else 0.0
 
 
 def rl_update(
@@ -238,7 +314,11 @@ def rl_update(
     micro_batch: int = 64,
     device: torch.device | str = "cpu",
 ) -> dict[str, float]:
-    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch."""
+    """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
+
+    Returned stats cover every micro-batch of every epoch: fractions and means weighted by
+    their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
+    """
     if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
         zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
         return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
@@ -246,6 +326,7 @@ def rl_update(
     n = len(batch.seqs)
     order = list(range(n))
     totals: dict[str, float] = {}
+    ratio_max = -math.inf
     count = 0
     for _ in range(ppo_epochs):
         for mb in range(mini_batches):
@@ -280,7 +361,10 @@ def rl_update(
                 loss.backward()
                 w = st["tokens"]
                 for k, v in st.items():
-                    if k != "tokens":
+                    if k == "ratio_max":
+                        if w > 0:  # a micro-batch without kept tokens has no ratio
+                            ratio_max = max(ratio_max, v)
+                    elif k != "tokens":
                         totals[k] = totals.get(k, 0.0) + v * w
                 totals["tokens"] = totals.get("tokens", 0.0) + w
                 totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
@@ -290,6 +374,7 @@ def rl_update(
             count += 1
     tok = max(1.0, totals.get("tokens", 0.0))
     out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
+    out["ratio_max"] = ratio_max if ratio_max > -math.inf else 1.0
     out["loss"] = totals.get("loss", 0.0) / max(1, count)
     out["grad_norm"] = totals.get("grad_norm", 0.0) / max(1, count)
     out["tokens"] = tok / max(1, ppo_epochs)

@@ -18,6 +18,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,10 +29,10 @@ from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.grpo import RolloutWorker
-from kuberl.trainer.metrics import MetricsSink
+from kuberl.trainer.metrics import MetricsSink, RolloutMirror
 from kuberl.trainer.model import GPT, GPTConfig
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
-from kuberl.trainer.tokenizer import load_tokenizer
+from kuberl.trainer.tokenizer import BPETokenizer, load_tokenizer
 
 BUILTIN_MODEL = "builtin:tiny-gpt"
 TINY_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 256}
@@ -73,6 +74,15 @@ class _Local:
 
 
 class _Ray:
+    """The rollout worker as a Ray actor, its metrics mirrored into the driver's exporter.
+
+    The actor's registry is never served, so a thread polls ``rollout_metrics`` every
+    ``POLL_SECONDS`` (live KV use and in-flight rollouts, like a scrape would see them) and after
+    every ``rollouts`` call; the actor takes two concurrent calls so the poll is answered mid-step.
+    """
+
+    POLL_SECONDS = 1.0
+
     def __init__(self, worker_args: tuple, worker_kwargs: dict, use_gpu: bool):
         import ray
 
@@ -88,13 +98,38 @@ class _Ray:
                     configure_logging=False,
                 )
         self.ray = ray
-        actor = ray.remote(num_cpus=1, num_gpus=0.5 if use_gpu else 0)(RolloutWorker)
+        actor = ray.remote(num_cpus=1, num_gpus=0.5 if use_gpu else 0, max_concurrency=2)(RolloutWorker)
         self.handle = actor.remote(*worker_args, **worker_kwargs)
+        self.mirror = RolloutMirror()
+        self.poll_error: BaseException | None = None  # telemetry only: the next real call surfaces failures
+        self._mirror_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="rollout-metrics", daemon=True)
+        self._poller.start()
+
+    def sync_metrics(self) -> None:
+        snapshot = self.ray.get(self.handle.rollout_metrics.remote(), timeout=60)
+        with self._mirror_lock:
+            self.mirror.apply(snapshot)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.POLL_SECONDS):
+            try:
+                self.sync_metrics()
+            except Exception as err:  # noqa: BLE001 - the actor may be starting or stopping
+                self.poll_error = err
 
     def __call__(self, name: str, *args, **kwargs):
-        return self.ray.get(getattr(self.handle, name).remote(*args, **kwargs))
+        result = self.ray.get(getattr(self.handle, name).remote(*args, **kwargs))
+        if name == "rollouts":
+            self.sync_metrics()
+        return result
 
     def close(self) -> None:
+        self._stop.set()
+        self._poller.join(timeout=10)
+        with contextlib.suppress(Exception):
+            self.sync_metrics()
         with contextlib.suppress(Exception):
             self.ray.get(self.handle.close.remote())
         self.ray.kill(self.handle)
@@ -128,9 +163,15 @@ def run_job(
     max_minutes: float | None = None,
     use_ray: bool | None = None,
     executor_factory=None,
+    engine_factory=None,
     quiet: bool = False,
 ) -> RunResult:
-    """Run every stage of ``job`` locally; returns the history and eval accuracies."""
+    """Run every stage of ``job`` locally; returns the history and eval accuracies.
+
+    A checkpoint under the job's ``checkpoint.uri`` is resumed, with the tokenizer stored in it
+    (the model's embeddings are indexed by that vocabulary). ``executor_factory`` and
+    ``engine_factory`` replace the sandbox client and the LocalEngine (see ``RolloutWorker``).
+    """
     t_start = time.time()
     spec = job.spec
     algo = algorithm or spec.algorithm.name
@@ -142,12 +183,22 @@ def run_job(
         torch.set_num_threads(spec.trainer.threads)
     device = _device(job)
     seed_everything(spec.seed)
-    tok = load_tokenizer(spec.model.tokenizer or "builtin:arith-bpe", out, seed=spec.data.seed)
-    model = build_model(job, tok.vocab_size).to(device)
     uri = spec.checkpoint.uri
     if not uri.startswith("s3://") and out_dir is not None and not Path(uri).is_absolute():
         uri = str(out / "checkpoints")
     store = CheckpointStore(uri, keep=spec.checkpoint.keep)
+    payload = store.load()
+    if payload is None:
+        tok = load_tokenizer(spec.model.tokenizer or "builtin:arith-bpe", out, seed=spec.data.seed)
+    else:
+        tok = BPETokenizer.from_str(payload["tokenizer"])
+        tok.save(out / "tokenizer.json")  # what this run folder's artifacts were made with
+    model = build_model(job, tok.vocab_size).to(device)
+    if payload is not None and payload.get("model_config") not in (None, model.config.to_dict()):
+        raise ManifestError(
+            f"the checkpoint in {store.uri} is of a model with config {payload['model_config']}, "
+            f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
+        )
     sink = MetricsSink(job.metadata.name, out)
     console, progress = _ui(quiet)
     tasks: dict[str, Any] = {}
@@ -171,6 +222,7 @@ def run_job(
             "max_batch": max_batch,
             "max_total_tokens": 1 << 20,
             "executor_factory": executor_factory,
+            "engine_factory": engine_factory,
         }
         worker = _Ray(wargs, wkw, device.type == "cuda") if use_ray else _Local(*wargs, **wkw)
         stack.callback(worker.close)
@@ -187,7 +239,9 @@ def run_job(
             deadline=deadline,
             on_progress=on_progress,
         )
-        if pipe.resume() and console is not None:
+        resumed = payload is not None and pipe.resume(payload)
+        payload = None  # the model and optimizer hold it now
+        if resumed and console is not None:
             console.print(f"resumed from {store.uri} at global step {pipe.state.global_step}")
         if console is not None:
             console.print(
@@ -304,4 +358,17 @@ def run_file(
     except (ManifestError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if result.stopped_early:
+        print(stop_reason(result, max_minutes), file=sys.stderr)
     return 0 if not result.stopped_early or result.history else 1
+
+
+def stop_reason(result: RunResult, max_minutes: float | None) -> str:
+    """Why a run ended before its last stage, and how to go on (``--max-minutes`` stops SFT too)."""
+    last = result.history[-1] if result.history else None
+    where = f"in stage {last['stage']} after global step {last['step']}" if last else "before the first step"
+    limit = f" ({max_minutes:g} min)" if max_minutes else ""
+    return (
+        f"stopped {where}: the --max-minutes limit{limit} was reached; run the same command again to "
+        "resume from the last checkpoint"
+    )

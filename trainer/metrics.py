@@ -2,8 +2,14 @@
 
 The gauges live in the default registry (created once per process, labelled by ``job``), and
 are served over HTTP when ``KUBERL_METRICS_PORT`` is set (0 picks a free port, which is
-printed and logged as an event). ``metrics.jsonl`` has one JSON object per step;
+printed and logged as an event) on all interfaces, so that Prometheus can scrape the trainer
+pod through the containerPort the operator declares; ``KUBERL_METRICS_ADDR`` narrows it (e.g.
+``127.0.0.1`` on a shared workstation). ``metrics.jsonl`` has one JSON object per step;
 ``events.jsonl`` has stage changes, checkpoints and the end of the run, for Grafana annotations.
+
+The rollout side's ``kuberl_rollout_*`` series are exported by this process too: in-process
+they are the Scheduler's and engine's own; a remote (Ray) rollout worker is mirrored by
+:class:`RolloutMirror`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ from typing import Any
 
 from prometheus_client import Gauge, start_http_server
 
+from kuberl.rollout.engine import GENERATED_TOKENS
+from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
+
 _GAUGES: dict[str, Gauge] = {}
 _SERVER_PORT: int | None = None
+_SERVER_ADDR: str | None = None
 
 
 def _gauges() -> dict[str, Gauge]:
@@ -53,14 +63,16 @@ class MetricsSink:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.port: int | None = None
+        self.addr: str | None = None
         port = os.environ.get("KUBERL_METRICS_PORT")
         if port is not None and port != "":
-            global _SERVER_PORT
+            global _SERVER_PORT, _SERVER_ADDR
             if _SERVER_PORT is None:  # one exporter per process, shared by successive runs
-                server, _ = start_http_server(int(port), addr="127.0.0.1")
-                _SERVER_PORT = server.server_port
-                print(f"metrics: http://127.0.0.1:{_SERVER_PORT}/metrics")
-            self.port = _SERVER_PORT
+                addr = os.environ.get("KUBERL_METRICS_ADDR") or "0.0.0.0"  # noqa: S104 - scraped in-cluster
+                server, _ = start_http_server(int(port), addr=addr)
+                _SERVER_PORT, _SERVER_ADDR = server.server_port, server.server_address[0]
+                print(f"metrics: http://{addr}:{_SERVER_PORT}/metrics")
+            self.port, self.addr = _SERVER_PORT, _SERVER_ADDR
             self.event("metrics", f"prometheus metrics on port {self.port}")
 
     def step(self, record: dict[str, Any]) -> None:
@@ -92,3 +104,27 @@ class MetricsSink:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
         with open(self.out / "events.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+
+
+class RolloutMirror:
+    """Copies a remote rollout worker's per-engine metrics into this process's registry.
+
+    ``apply`` takes ``RolloutWorker.rollout_metrics()``: gauges are set to the reported values,
+    the generated-tokens counter advances by what the engine generated since the last call
+    (an engine whose total went down was restarted: its whole new total counts).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+
+    def apply(self, snapshot: list[dict[str, Any]]) -> None:
+        for row in snapshot:
+            name = row["engine"]
+            KV_UTILIZATION.labels(engine=name).set(row["kv_cache_utilization"])
+            REQUESTS_INFLIGHT.labels(engine=name).set(row["requests_inflight"])
+            total = row.get("generated_tokens")
+            if total is None:
+                continue
+            last = self._seen.get(name, 0)
+            GENERATED_TOKENS.labels(engine=name).inc(total - last if total >= last else total)
+            self._seen[name] = total

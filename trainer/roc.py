@@ -9,10 +9,12 @@ Definitions (paper eqs. 4-5; the choices the paper leaves open are marked *):
   Malformed ``<tool_call>`` blocks count as tool calls that errored (the rollout loop answers
   them with their parse error, exactly like a failing execution).
 * ``p_format`` (eq. 5) = 1 when the response has no ``<answer>`` tag, otherwise
-  min(1, (answer_tags - 1) / turns). *Additionally, each tool-call format error the rollout
-  loop counts (``format_errors``: malformed or unclosed ``<tool_call>`` blocks) adds 1/turns,
-  capped at 1 in total. A malformed call therefore weighs twice (it is also a failed tool call
-  in ``p_err``, as the paper counts tool-call formatting issues among tool errors).
+  min(1, (answer_tags - 1) / turns), exactly as in the paper. A malformed ``<tool_call>`` is
+  already penalized through ``p_err`` (the paper counts tool-call formatting issues among tool
+  errors). *Opt-in extension, ``count_format_errors=True``: each format error the rollout
+  loop counts (``format_errors``: malformed or unclosed blocks) also adds 1/turns to p_format,
+  capped at 1; a malformed call then weighs twice, and an unclosed one (never executed, so
+  invisible to ``p_err``) is penalized at all.
 * ``p_total`` = p_err + p_format, in [0, 2].
 * Negatives (reward 0): sampled uniformly without replacement, k_neg = floor(|neg| * G / N)
   (= floor(|neg|/2) for N = 2G, the paper's "half of the original group").
@@ -60,15 +62,17 @@ def p_err(c: RocCandidate) -> float:
     return 0.5 if c.tool_calls == 0 else c.tool_errors / c.tool_calls
 
 
-def p_format(c: RocCandidate) -> float:
-    """Eq. 5 (+ unclosed tool calls, see module docstring)."""
+def p_format(c: RocCandidate, *, count_format_errors: bool = False) -> float:
+    """Eq. 5; with ``count_format_errors`` plus format_errors / turns (see module docstring)."""
     turns = max(1, c.turns)
     base = 1.0 if c.answer_tags == 0 else min(1.0, (c.answer_tags - 1) / turns)
+    if not count_format_errors:
+        return base
     return min(1.0, base + c.format_errors / turns)
 
 
-def p_total(c: RocCandidate) -> float:
-    return p_err(c) + p_format(c)
+def p_total(c: RocCandidate, *, count_format_errors: bool = False) -> float:
+    return p_err(c) + p_format(c, count_format_errors=count_format_errors)
 
 
 def quotas(n_pos: int, n_neg: int, group_size: int, n_total: int | None = None) -> tuple[int, int]:
@@ -110,8 +114,12 @@ def select(
     seed: int,
     roc: bool = True,
     eps: float = 1e-2,
+    count_format_errors: bool = False,
 ) -> list[int]:
-    """Indices (ascending) of the rollouts kept for the update; see the module docstring."""
+    """Indices (ascending) of the rollouts kept for the update; see the module docstring.
+
+    ``count_format_errors`` opts into the p_format extension (off: the paper's eq. 5).
+    """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if eps <= 0:
@@ -124,6 +132,6 @@ def select(
     neg = [i for i, c in enumerate(candidates) if c.reward <= 0]
     k_pos, k_neg = quotas(len(pos), len(neg), group_size, n)
     kept_neg = rng.sample(neg, k_neg)
-    weights = [1.0 / (p_total(candidates[i]) + eps) for i in pos]
+    weights = [1.0 / (p_total(candidates[i], count_format_errors=count_format_errors) + eps) for i in pos]
     kept_pos = [pos[j] for j in _weighted_without_replacement(rng, weights, k_pos)]
     return sorted(kept_neg + kept_pos)

@@ -3,9 +3,16 @@ response length / turn limits, the stage-3 offline difficulty filter and optimiz
 
 :class:`Pipeline` is the trainer driver. It owns the trainable model and optimizer and talks
 to a rollout worker (a Ray actor, or the same object in-process) through ``call(name, ...)``.
-Every step is seeded from (seed, global step), so a resumed run continues exactly where the
-checkpoint left off (SFT and the update are bit-for-bit; rollouts are reproducible as far as
-concurrent batching on the engine allows).
+Every step is seeded from (seed, global step) and every rollout from (step seed, prompt,
+sample, turn), so a resumed run continues exactly where the checkpoint left off: SFT, the
+rollouts' tokens and the update. Tool latency and thread timing change how the engine batches
+requests, which moves its log-probs in the last float bits but not the sampled tokens (unless a
+uniform lands within ~1e-7 of a token boundary); the update uses log-probs the trainer
+recomputes in a fixed layout (``recompute_old_logprobs``), so it is bitwise reproducible.
+
+Checkpoints: every ``checkpoint.everySteps`` global steps, at the end of each stage after its
+eval (so a resumed run neither repeats the eval nor the stage), and when ``deadline`` stops the
+run.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from kuberl.api.job import AgenticRLJob, StageSpec
 from kuberl.rollout import template
 from kuberl.trainer import data as data_mod
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
-from kuberl.trainer.grpo import prepare_batch, rl_update
+from kuberl.trainer.grpo import prepare_batch, recompute_old_logprobs, rl_update
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
@@ -90,6 +97,7 @@ class Pipeline:
             raise ValueError(
                 "algorithm.klCoef > 0 is not supported by the local trainer (no reference model)"
             )
+        self._saved_step: int | None = None  # global step of the newest checkpoint
         self._pools: dict[str, list[data_mod.Problem]] = {}
         self._sft_cache: tuple[list[list[int]], list[list[int]]] | None = None
 
@@ -144,11 +152,18 @@ class Pipeline:
             self.model, self.optimizer, self.state, self.tok.to_str(), self.model.config.to_dict()
         )
         where = self.store.save(payload, self.state.global_step)
+        self._saved_step = self.state.global_step
         self.sink.event("checkpoint", f"checkpoint {where}", stage.name, self.state.global_step)
         return where
 
-    def resume(self) -> bool:
-        payload = self.store.load()
+    def _checkpoint_unless_saved(self, stage: StageSpec) -> None:
+        if self._saved_step != self.state.global_step:
+            self.checkpoint(stage)
+
+    def resume(self, payload: dict[str, Any] | None = None) -> bool:
+        """Continue from ``payload`` (default: the store's newest checkpoint); False if none."""
+        if payload is None:
+            payload = self.store.load()
         if payload is None:
             return False
         st = payload["state"]
@@ -157,6 +172,7 @@ class Pipeline:
         self.state = apply_payload(payload, self.model, self.optimizer)
         self.result.history = list(self.state.extra.get("history", []))
         self.result.evals = dict(self.state.extra.get("evals", {}))
+        self._saved_step = self.state.global_step
         self.sink.event(
             "resume", f"resumed at global step {self.state.global_step}", stage.name, self.state.global_step
         )
@@ -265,6 +281,7 @@ class Pipeline:
         while self.state.stage_step < stage.steps:
             if self._out_of_time():
                 self.result.stopped_early = True
+                self._checkpoint_unless_saved(stage)
                 return
             t0 = time.perf_counter()
             seed_everything(self.spec.seed * 1_000_003 + self.state.global_step)
@@ -288,6 +305,7 @@ class Pipeline:
         self.model.eval()
         if stage.name not in self.result.evals:  # a run resumed at the stage's end has it already
             self.evaluate(stage, stage.name)
+        self._checkpoint_unless_saved(stage)
 
     def _rl_pool(self, stage: StageSpec) -> list[data_mod.Problem]:
         batch = stage.batch_size or self.spec.algorithm.batch_prompts
@@ -362,6 +380,7 @@ class Pipeline:
                 seed=self.spec.seed + gstep,
                 filter_zero=a.filter_zero_advantage,
             )
+            logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
             upd = rl_update(
                 self.model,
                 self.optimizer,
@@ -380,11 +399,18 @@ class Pipeline:
                 "lr": lr,
                 **sb.stats,
                 **upd,
+                "rollout_logprob_gap": logprob_gap,
                 "rollout_seconds": t_roll,
                 "step_seconds": time.perf_counter() - t0,
             }
             self._after_step(stage, rec)
-        self.evaluate(stage, stage.name)
+        if self.result.stopped_early:
+            self._checkpoint_unless_saved(stage)
+            self.evaluate(stage, stage.name)  # the accuracy at the time limit; not in the checkpoint
+            return
+        if stage.name not in self.result.evals:  # a run resumed at the stage's end has it already
+            self.evaluate(stage, stage.name)
+        self._checkpoint_unless_saved(stage)
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1
@@ -398,6 +424,6 @@ class Pipeline:
         self.result.history.append(rec)
         self.sink.step(rec)
         self.on_progress(stage.name, self.state.stage_step, stage.steps, rec)
-        last = self.state.stage_step == stage.steps
-        if self.state.global_step % self.spec.checkpoint.every_steps == 0 or last:
+        last = self.state.stage_step == stage.steps  # saved after the stage's eval instead
+        if self.state.global_step % self.spec.checkpoint.every_steps == 0 and not last:
             self.checkpoint(stage)

@@ -1,0 +1,55 @@
+"""Pure rules about a custom resource's children that need the live state to decide.
+
+* ``orphans``: children the owner created earlier that its current spec no longer builds (a
+  fleet whose engines outgrew one node swaps its Deployment for a LeaderWorkerSet; the old
+  Deployment still holds its GPUs until someone deletes it).
+* ``inline_replicas``: how many replicas a job writes into its inline fleet/pool. When the
+  child autoscales, its replica count belongs to the autoscaler; the job only sets it when it
+  creates the child and when it suspends or resumes it (otherwise the two undo each other at
+  every resync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def owned_by(obj: dict[str, Any], owner_uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(r.get("uid") == owner_uid for r in refs)
+
+
+def orphans(
+    live: Iterable[dict[str, Any]], wanted: set[tuple[str, str]], owner_uid: str
+) -> list[dict[str, Any]]:
+    """Live objects owned by ``owner_uid`` whose (kind, name) is not in ``wanted``.
+
+    Ownership is checked by uid, not by labels alone: a label selector also matches objects of
+    a different owner that happens to share the instance name (a job and a fleet named alike).
+    """
+    out = []
+    for obj in live:
+        key = (obj.get("kind", ""), (obj.get("metadata") or {}).get("name", ""))
+        if owner_uid and owned_by(obj, owner_uid) and key not in wanted:
+            out.append(obj)
+    return out
+
+
+def inline_replicas(desired_spec: dict[str, Any], live_spec: dict[str, Any] | None) -> int:
+    """The ``spec.replicas`` a job applies to its inline fleet/pool (wire-format specs).
+
+    * no autoscaling wanted, or the child is new: the job's own number (creation);
+    * the live child has no autoscaling but the wanted one does: the job's number (resume
+      after suspend, which dropped autoscaling and set 0);
+    * both autoscale: whatever the autoscaler chose, clamped into the (possibly edited) bounds
+      so the child never turns invalid.
+    """
+    replicas = int(desired_spec.get("replicas", 1))
+    auto = desired_spec.get("autoscaling")
+    if not auto or live_spec is None or not live_spec.get("autoscaling"):
+        return replicas
+    current = int(live_spec.get("replicas", replicas))
+    lo = int(auto.get("minReplicas", 1))
+    hi = int(auto.get("maxReplicas", max(current, lo)))
+    return min(max(current, lo), hi)

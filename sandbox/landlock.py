@@ -1,0 +1,102 @@
+"""Landlock: confine a tool call's writes to its slot directory, unprivileged.
+
+Without a slot uid (``--isolation basic``, a non-root pod) a call shares the uid of the
+server and the other workers: it could fill ``/tmp`` around the slot's disk quota, tamper
+with another slot's files or signal the server. Landlock (Linux 5.13+) lets any process
+that set ``no_new_privs`` drop those rights for itself and its descendants: writes are
+allowed only beneath the slot directory (and to ``/dev/null``); reads stay unrestricted.
+From ABI 6 (Linux 6.12) the same domain also scopes signals and abstract unix sockets to
+the call's own processes. Where the kernel or the container's seccomp profile lacks
+Landlock, :func:`abi_version` is 0 and the worker reports ``landlock: false``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+_SYS_CREATE_RULESET = 444  # the same number on every architecture (added after the unification)
+_SYS_ADD_RULE = 445
+_SYS_RESTRICT_SELF = 446
+_CREATE_RULESET_VERSION = 1 << 0
+_RULE_PATH_BENEATH = 1
+
+# LANDLOCK_ACCESS_FS_* (uapi/linux/landlock.h)
+WRITE_FILE = 1 << 1
+REMOVE_DIR = 1 << 4
+REMOVE_FILE = 1 << 5
+MAKE_CHAR = 1 << 6
+MAKE_DIR = 1 << 7
+MAKE_REG = 1 << 8
+MAKE_SOCK = 1 << 9
+MAKE_FIFO = 1 << 10
+MAKE_BLOCK = 1 << 11
+MAKE_SYM = 1 << 12
+REFER = 1 << 13  # ABI 2
+TRUNCATE = 1 << 14  # ABI 3
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1  # ABI 6
+
+_WRITES_V1 = (
+    WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_CHAR | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO
+    | MAKE_BLOCK | MAKE_SYM
+)  # fmt: skip
+_FILE_RIGHTS = WRITE_FILE | TRUNCATE  # the subset that applies to a non-directory
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def abi_version() -> int:
+    """The kernel's Landlock ABI, 0 where Landlock is missing, disabled or filtered out."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    version = libc.syscall(
+        _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
+    )
+    return max(0, int(version))
+
+
+def handled_rights(abi: int) -> tuple[int, int]:
+    """(filesystem rights, scopes) a ruleset of this ABI restricts (pure; unit-tested)."""
+    if abi < 1:
+        return 0, 0
+    fs = _WRITES_V1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
+    scoped = SCOPE_SIGNAL | SCOPE_ABSTRACT_UNIX_SOCKET if abi >= 6 else 0
+    return fs, scoped
+
+
+def restrict_writes(writable_dirs: list[str], writable_files: list[str], abi: int) -> None:
+    """Allow writes only beneath ``writable_dirs`` and to ``writable_files``, for this process
+    and everything it forks. Needs ``no_new_privs`` (or CAP_SYS_ADMIN). Raises OSError."""
+    fs, scoped = handled_rights(abi)
+    if not fs:
+        raise OSError(0, "Landlock is not available")
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    # struct landlock_ruleset_attr {u64 handled_access_fs; u64 handled_access_net; u64 scoped}:
+    # older kernels only know a prefix of it, and reject a size they do not know
+    attr = struct.pack("=QQQ", fs, 0, scoped)
+    size = 24 if abi >= 6 else 8
+    buf = ctypes.create_string_buffer(attr[:size], size)
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, buf, ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
+    try:
+        rules = [(p, fs) for p in writable_dirs] + [(p, fs & _FILE_RIGHTS) for p in writable_files]
+        for path, rights in rules:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed)
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
+                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), rule,
+                                ctypes.c_uint32(0)) != 0:  # fmt: skip
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path})")
+            finally:
+                os.close(fd)
+        if libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
