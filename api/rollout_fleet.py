@@ -53,6 +53,23 @@ class FleetAutoscaling(Autoscaling):
     )
 
 
+class WeightSyncSpec(KubeModel):
+    """Where the engines load policy updates from (SGLang's update_weights_from_disk).
+
+    A ReadWriteMany PersistentVolumeClaim mounted read-only into every engine and writable
+    into the trainer pods at the same path: the trainer writes each new policy version there
+    and tells every engine to load it. Without it the engines keep serving ``model.uri`` and
+    an RL run refuses to start (its rollouts would never follow the policy).
+    """
+
+    claim_name: str = Field(
+        min_length=1, max_length=253, description="ReadWriteMany PVC shared by the trainer and the engines."
+    )
+    mount_path: str = Field(
+        "/kuberl/weights", pattern=r"^/[^:]*$", description="Where it is mounted in engine and trainer pods."
+    )
+
+
 class SchedulerSpec(KubeModel):
     policy: SchedulerPolicy = "kv-aware"
 
@@ -65,6 +82,9 @@ class RolloutFleetSpec(KubeModel):
     resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
     autoscaling: FleetAutoscaling | None = None
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
+    weight_sync: WeightSyncSpec | None = Field(
+        None, description="Shared volume for policy updates from a training run (see WeightSyncSpec)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutFleetSpec:

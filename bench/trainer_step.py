@@ -19,9 +19,9 @@ import torch
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.local_engine import LocalEngine
 from kuberl.trainer.grpo import StepBatch, rl_update
-from kuberl.trainer.local import TINY_DEFAULTS
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.model import GPT, GPTConfig
+from kuberl.trainer.policy import TINY_DEFAULTS
 
 
 def _sync(device: str) -> None:

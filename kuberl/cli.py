@@ -98,7 +98,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         from kuberl.trainer.local import run_file
 
-        return run_file(args.file, out_dir=args.out, ablation=args.algorithm, max_minutes=args.max_minutes)
+        return run_file(
+            args.file,
+            out_dir=args.out,
+            ablation=args.algorithm,
+            max_minutes=args.max_minutes,
+            engines=args.engines,
+            weights_dir=args.weights_dir,
+        )
     except ImportError as err:
         # Only a missing training dependency gets the hint; any other ImportError is a bug to see.
         if (err.name or "").split(".")[0] not in TRAIN_MODULES:
@@ -263,10 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "run",
         help="run an AgenticRLJob manifest locally (SFT then GRPO-RoC stages)",
-        description="Train the job's builtin model on this machine: the stages in order (SFT, then RL "
-        "with rollouts on an in-process engine and tool calls in a local sandbox service). Needs the "
-        "train extra: pip install 'kuberl[train]'. A run folder that already holds checkpoints is "
-        "resumed.",
+        description="Train the job's model: the stages in order (SFT, then RL with rollouts on an "
+        "in-process engine, or on SGLang engines with --engines or inside a trainer pod, and tool calls "
+        "in a local sandbox service unless $KUBERL_SANDBOX_URL names one). The model is the builtin "
+        "tiny GPT or a Hugging Face causal LM (folder, s3:// prefix or Hub id). Needs the train extra: "
+        "pip install 'kuberl[train]'. A run whose checkpoint folder already holds checkpoints is resumed.",
         epilog="Example: kuberl run examples/quickstart.yaml --max-minutes 5",
         formatter_class=fmt,
     )
@@ -282,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="stop the run (SFT or RL, whichever stage it is in) after M minutes of wall time; the "
         "same command resumes from the last checkpoint",
+    )
+    r.add_argument(
+        "--engines",
+        default=None,
+        metavar="URLS",
+        help="roll out on these SGLang servers (comma-separated http://host:port) instead of the local "
+        "engine; in a trainer pod the operator names the fleet instead ($KUBERL_ROLLOUT_FLEET)",
+    )
+    r.add_argument(
+        "--weights-dir",
+        default=None,
+        metavar="DIR",
+        help="folder the --engines can read, where each new policy version is written for their "
+        "update_weights_from_disk (default $KUBERL_WEIGHTS_DIR; the operator mounts the fleet's weightSync)",
     )
     r.set_defaults(func=_cmd_run)
 

@@ -11,7 +11,7 @@ The conversion from EndpointSlice objects to URLs is a pure function
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kuberl.rollout.scheduler import Scheduler
@@ -98,19 +98,28 @@ def engines_from_urls(urls: str | Sequence[str], **kwargs: Any) -> list[SGLangEn
 
 
 async def sync_engines(
-    scheduler: Scheduler, urls: str | Sequence[str], **engine_kwargs: Any
+    scheduler: Scheduler,
+    urls: str | Sequence[str],
+    *,
+    make_engine: Callable[[str], Awaitable[SGLangEngine | None]] | None = None,
+    **engine_kwargs: Any,
 ) -> tuple[list[str], list[str]]:
     """Make the scheduler's SGLang engines match ``urls`` (e.g. a fresh EndpointSlice listing).
 
     New URLs become engines at once (waiting rollouts may start on them); engines whose URL
     disappeared are drained (their running rollouts finish) and closed once idle; a draining
-    engine whose URL comes back is put back into service. Returns (added, drained) URLs.
+    engine whose URL comes back is put back into service. ``make_engine(url)`` may prepare a
+    new engine (health, current weights) or return None to try again on the next sync.
+    Returns (added, drained) URLs.
     """
     wanted = parse_url_list(urls) if (urls if isinstance(urls, str) else list(urls)) else []
     current = {st.engine.base_url: st for st in scheduler.stats if isinstance(st.engine, SGLangEngine)}
-    added = [u for u in wanted if u not in current]
-    for u in added:
-        await scheduler.add_engine(SGLangEngine(u, **engine_kwargs))
+    added = []
+    for u in (u for u in wanted if u not in current):
+        engine = await make_engine(u) if make_engine is not None else SGLangEngine(u, **engine_kwargs)
+        if engine is not None:
+            await scheduler.add_engine(engine)
+            added.append(u)
     for u in wanted:
         if u in current and current[u].draining:
             scheduler.undrain_engine(current[u].name)

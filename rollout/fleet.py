@@ -8,9 +8,11 @@ trainer pods, or from ``kuberl run --engines``):
   endpoints of the fleet's headless Service, listed from its EndpointSlices.
 
 :class:`FleetWatcher` re-lists the fleet every ``interval`` seconds so that replicas the
-autoscaler adds start taking rollouts and removed ones drain. A joining engine first runs the
-``prepare`` hook, which loads the policy's current weights: a new SGLang pod starts from the
-base model, and rollouts sampled from stale weights would silently be off-policy.
+autoscaler adds start taking rollouts and removed ones drain. A joining engine first loads the
+policy's current weights (:meth:`FleetWatcher.load_weights` remembers the last version): a new
+SGLang pod starts from the base model, and rollouts sampled from stale weights would silently
+be off-policy. Joins and weight pushes hold one lock, so an engine can never join with the
+version a concurrent push has just replaced.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list
+from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list, sync_engines
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.rollout.sglang_engine import SGLangEngine
 
@@ -32,7 +34,16 @@ log = logging.getLogger("kuberl.rollout.fleet")
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
-Prepare = Callable[[SGLangEngine], Awaitable[None]]
+
+async def push_weights(engines: Iterable[Any], path: str) -> None:
+    """Every engine loads the HF folder ``path`` concurrently; raises naming each engine that failed."""
+    targets = list(engines)
+    results = await asyncio.gather(
+        *(e.update_weights_from_disk(path) for e in targets), return_exceptions=True
+    )
+    failed = [f"{e.name}: {r}" for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)]
+    if failed:
+        raise RuntimeError(f"weight update to {path} failed on {len(failed)} engine(s): " + "; ".join(failed))
 
 
 @dataclass(frozen=True)
@@ -72,18 +83,18 @@ class FleetWatcher:
         source: FleetSource,
         *,
         policy: str = "kv-aware",
-        prepare: Prepare | None = None,
         interval: float = 15.0,
         api: Any = None,
         engine_kwargs: dict[str, Any] | None = None,
     ):
         self.source = source
         self.policy = policy
-        self.prepare = prepare
         self.interval = interval
         self.api = api
         self.engine_kwargs = dict(engine_kwargs or {})
         self.scheduler: Scheduler | None = None
+        self.weights_path: str | None = None  # the policy version every engine in service has loaded
+        self.lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     async def _list(self) -> list[str]:
@@ -95,8 +106,8 @@ class FleetWatcher:
         try:
             if not await engine.health():
                 raise RuntimeError("not healthy yet")
-            if self.prepare is not None:
-                await self.prepare(engine)
+            if self.weights_path is not None:
+                await engine.update_weights_from_disk(self.weights_path)
             return engine
         except Exception as err:  # a pod that is still loading its model: next round
             log.warning("engine %s not added: %s", url, err)
@@ -133,26 +144,17 @@ class FleetWatcher:
         """Make the scheduler's engines match the fleet's ready endpoints; (added, drained)."""
         assert self.scheduler is not None, "start() first"
         wanted = await self._list()
-        current = {
-            st.engine.base_url: st for st in self.scheduler.stats if isinstance(st.engine, SGLangEngine)
-        }
-        added: list[str] = []
-        for url in wanted:
-            if url in current:
-                current[url].draining = False
-                continue
-            engine = await self._ready_engine(url)
-            if engine is not None:
-                await self.scheduler.add_engine(engine)
-                added.append(url)
-        drained = [u for u, st in current.items() if u not in wanted and not st.draining]
-        for url in drained:
-            self.scheduler.drain_engine(current[url].name)
-        for engine in self.scheduler.remove_drained():
-            await engine.close()
+        async with self.lock:  # no weight push between a joining engine's load and its join
+            added, drained = await sync_engines(self.scheduler, wanted, make_engine=self._ready_engine)
         if added or drained:
             log.info("fleet %s: added %s, draining %s", self.source.describe(), added, drained)
         return added, drained
+
+    async def load_weights(self, path: str) -> None:
+        """Every engine in service loads ``path``; engines that join later load it first."""
+        async with self.lock:
+            await push_weights(self.engines, path)
+            self.weights_path = path
 
     async def _watch(self) -> None:
         while True:

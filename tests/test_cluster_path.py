@@ -17,15 +17,19 @@ import aiohttp
 import pytest
 import torch
 
+from kuberl.api.job import AgenticRLJob
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.fleet import FleetSource, FleetWatcher
 from kuberl.rollout.local_engine import LocalEngine
+from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.hf import HFPolicy, load_hf_policy, policy_from_config, resolve_model_dir, write_hf_folder
+from kuberl.trainer.local import run_job
 from kuberl.trainer.weight_sync import DiskWeightSync, stale_versions, versions
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from hf_fixtures import make_tiny_hf_model  # noqa: E402
+from trainer_fakes import CoinVerifySandbox  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -258,13 +262,12 @@ async def test_fleet_watcher_prepares_joining_engines_and_drains_leaving_ones(se
             p.add_(0.01)
     sync.publish(lambda d: write_hf_folder(policy.state_dict(), tiny_model, d), 1)
 
-    async def prepare(engine):
-        await sync.push([engine])
-
-    watcher = FleetWatcher(FleetSource(fleet="qwen", namespace="rl"), prepare=prepare, interval=0, api=api)
+    watcher = FleetWatcher(FleetSource(fleet="qwen", namespace="rl"), interval=0, api=api)
     sched = await watcher.start(timeout=30)
     try:
         assert [e.base_url for e in watcher.engines] == [a]
+        assert (await srv.loads(a))["loads"] == []  # serving the base model until told otherwise
+        await watcher.load_weights(sync.current)
         assert (await srv.loads(a))["loads"] == [sync.current]
         api.ready = [a, b]
         assert await watcher.sync_once() == ([b], [])
@@ -342,3 +345,75 @@ def test_large_checkpoints_go_to_s3_in_parts(s3):
     etag = s3.head_object(Bucket="models", Key="ckpt/ckpt-00000001.pt")["ETag"]
     assert "-" in etag  # an S3 multipart ETag is "<md5>-<parts>"; a single PUT stops at 5 GB
     assert torch.equal(store.load()["w"], big["w"])
+
+
+def _hf_job(model: Path, **rollout) -> AgenticRLJob:
+    return AgenticRLJob.model_validate(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "AgenticRLJob",
+            "metadata": {"name": "hf-fleet"},
+            "spec": {
+                "model": {"base": str(model)},
+                "data": {"train": "builtin:arith"},
+                "algorithm": {"groupSize": 2, "learningRate": 0.001, "warmupSteps": 1, "batchPrompts": 2},
+                "rollout": {"maxTurns": 2, "maxResponseTokens": 32, "promptTemplate": "compact", **rollout},
+                "stages": [
+                    {"name": "sft", "type": "sft", "steps": 3, "learningRate": 0.003, "batchSize": 4},
+                    {"name": "rl", "type": "rl", "steps": 2},
+                ],
+                "trainer": {"device": "cpu", "threads": 1},
+                "checkpoint": {"uri": "ck", "everySteps": 50, "keep": 1},
+            },
+        }
+    )
+
+
+async def _loads(srv: Servers) -> list[dict]:
+    return [await srv.loads(u) for u in srv.urls]
+
+
+def test_a_run_on_an_sglang_fleet_trains_an_hf_model_and_every_engine_follows(
+    servers, tiny_model, tmp_path, monkeypatch
+):
+    """SFT then GRPO-RoC on an HF policy; rollouts on two SGLang-protocol servers that load every
+    new version from the shared folder. The trainer recomputes the rollouts' log-probs with its own
+    weights: a ~0 gap proves the engines sampled from exactly the weights being trained."""
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    srv = servers(2)
+    out = tmp_path / "run"
+    result = run_job(
+        _hf_job(tiny_model, engine="sglang"),
+        out,
+        use_ray=False,
+        executor_factory=CoinVerifySandbox,
+        engines=FleetSource(urls=tuple(srv.urls)),
+        weights_path=str(tmp_path / "weights"),
+        quiet=True,
+    )
+    rl = [h for h in result.history if h["type"] == "rl"]
+    assert len(rl) == 2 and all(h["rollouts"] == 2 * 4 for h in rl)
+    assert max(h["rollout_logprob_gap"] for h in rl) < 1e-3
+    loads = asyncio.run(_loads(srv))
+    shared = tmp_path / "weights" / "hf-fleet"
+    # A version per weight change: after SFT (eval + first RL step), after each RL update.
+    expected = [str(shared / f"v{v:08d}") for v in (3, 4, 5)]
+    assert [x["loads"] for x in loads] == [expected, expected]
+    assert all(x["generated"] > 0 for x in loads)  # the KV-aware scheduler used both engines
+    final = load_hf_policy(expected[-1])
+    ckpt = CheckpointStore(str(out / "checkpoints")).load()
+    for k, v in final.state_dict().items():
+        assert torch.equal(v, ckpt["model"][k]), k
+    assert versions(shared) == [4, 5]  # the two newest stay on the shared volume
+
+
+def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.delenv("KUBERL_ROLLOUT_URLS", raising=False)
+    monkeypatch.delenv("KUBERL_ROLLOUT_FLEET", raising=False)
+    result = run_job(
+        _hf_job(tiny_model), tmp_path / "run", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True
+    )
+    sft = [h for h in result.history if h["type"] == "sft"]
+    assert sft[-1]["loss"] < sft[0]["loss"]
+    assert [h["type"] for h in result.history].count("rl") == 2

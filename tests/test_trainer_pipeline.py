@@ -127,11 +127,22 @@ def test_prepare_batch_roc_vs_grpo():
     assert mixed.stats["rollouts_kept"] == 2 and mixed.stats["reward_mean"] == 0.5
 
 
-def test_run_file_errors(tmp_path, capsys):
+def test_run_file_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("KUBERL_ROLLOUT_URLS", "KUBERL_ROLLOUT_FLEET", "KUBERL_WEIGHTS_DIR"):
+        monkeypatch.delenv(var, raising=False)
     assert run_file(str(tmp_path / "missing.yaml")) == 2
-    bad = dict(TINY, spec=dict(TINY["spec"], model={"base": "Qwen/Qwen3-14B"}))
-    assert run_file(_write(tmp_path, bad), out_dir=str(tmp_path / "o")) == 2
-    assert "builtin:tiny-gpt" in capsys.readouterr().err
+    hub = dict(TINY, spec=dict(TINY["spec"], model={"base": "Qwen/Qwen3-14B"}))
+    assert run_file(_write(tmp_path, hub), out_dir=str(tmp_path / "o")) == 2
+    assert "spec.model.base: model 'Qwen/Qwen3-14B': could not fetch it" in capsys.readouterr().err
+    sglang = dict(TINY, spec=dict(TINY["spec"], rollout=dict(TINY["spec"]["rollout"], engine="sglang")))
+    assert run_file(_write(tmp_path, sglang), out_dir=str(tmp_path / "o")) == 2
+    assert "spec.rollout.engine is sglang but no engines are named" in capsys.readouterr().err
+    assert run_file(_write(tmp_path, TINY), out_dir=str(tmp_path / "o"), engines="http://127.0.0.1:9") == 2
+    assert "--engines conflicts with spec.rollout.engine: local" in capsys.readouterr().err
+    auto = dict(TINY, spec=dict(TINY["spec"], rollout=dict(TINY["spec"]["rollout"], engine="auto")))
+    assert run_file(_write(tmp_path, auto), out_dir=str(tmp_path / "o"), engines="http://127.0.0.1:9") == 2
+    assert "builtin:tiny-gpt runs on the local engine only" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(180)

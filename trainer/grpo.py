@@ -45,18 +45,21 @@ class Scored:
 
 
 class RolloutWorker:
-    """Owns the engine, Scheduler and sandbox client; one persistent event loop.
+    """Owns the engines, Scheduler and sandbox client; one persistent event loop.
+
+    Engines: a LocalEngine serving a private copy of the policy (``model_config``, the default),
+    ``engine_factory(model, tokenizer)``'s engine (tests script what the policy writes), or,
+    with ``fleet``, the SGLang engines of a RolloutFleet, kept current by a FleetWatcher; a
+    fleet takes new weights as a published folder (:meth:`load_weights`), the local engine as
+    a state dict (:meth:`set_weights`).
 
     ``executor_factory`` returns an async context manager yielding a ToolExecutor with
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
-    ``engine_factory(model, tokenizer)`` returns the Engine to roll out on, which must also
-    take ``set_weights(state_dict)``; the default is a LocalEngine serving ``model``. Tests use
-    it to script what the policy writes.
     """
 
     def __init__(
         self,
-        model_config: dict,
+        model_config: dict | None,
         tokenizer_json: str,
         sandbox_url: str | None,
         *,
@@ -66,24 +69,18 @@ class RolloutWorker:
         max_batch: int = 256,
         executor_factory: Callable[[], Any] | None = None,
         engine_factory: Callable[[nn.Module, Any], Any] | None = None,
+        fleet: Any = None,
+        scheduler_policy: str = "kv-aware",
     ):
         if threads:
             torch.set_num_threads(threads)
         from kuberl.rollout.local_engine import LocalEngine
         from kuberl.rollout.scheduler import Scheduler
-        from kuberl.trainer.model import GPT, GPTConfig
+        from kuberl.trainer.hf import policy_from_config
         from kuberl.trainer.tokenizer import BPETokenizer
 
         self.tokenizer = BPETokenizer.from_str(tokenizer_json)
-        self.model = GPT(GPTConfig.from_dict(model_config))
         self.device = device
-        if engine_factory is None:
-            self.engine = LocalEngine(
-                self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
-            )
-        else:
-            self.engine = engine_factory(self.model, self.tokenizer)
-        self.scheduler = Scheduler([self.engine])
         if executor_factory is None:
             if sandbox_url is None:
                 raise ValueError("RolloutWorker needs a sandbox_url or an executor_factory")
@@ -97,17 +94,45 @@ class RolloutWorker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self._thread.start()
+        self.engine: Any = None
+        self.fleet: Any = None
+        if fleet is not None:
+            from kuberl.rollout.fleet import FleetWatcher
+
+            self.fleet = FleetWatcher(fleet, policy=scheduler_policy)
+            self.scheduler = self._run(self.fleet.start())
+        else:
+            if model_config is None:
+                raise ValueError("RolloutWorker needs a model_config or a fleet")
+            self.model = policy_from_config(model_config)
+            if engine_factory is None:
+                self.engine = LocalEngine(
+                    self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
+                )
+            else:
+                self.engine = engine_factory(self.model, self.tokenizer)
+            self.scheduler = Scheduler([self.engine], policy=scheduler_policy)
+            # Learn the engines' capacities now rather than inside the first rollouts() call, so a
+            # worker started by a resume schedules its first batch exactly like a long-lived one.
+            self._run(self.scheduler.refresh_capacities())
         self._cm = executor_factory()
         self.executor = self._run(self._cm.__aenter__())
-        # Learn the engines' capacities now rather than inside the first rollouts() call, so a
-        # worker started by a resume schedules its first batch exactly like a long-lived one.
-        self._run(self.scheduler.refresh_capacities())
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        if self.engine is None:
+            raise RuntimeError(
+                "this worker rolls out on an SGLang fleet: new weights go through load_weights"
+            )
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
+
+    def load_weights(self, path: str) -> None:
+        """Every fleet engine loads the HF folder ``path`` (engines that join later, too)."""
+        if self.fleet is None:
+            raise RuntimeError("this worker rolls out on a local engine: new weights go through set_weights")
+        self._run(self.fleet.load_weights(path))
 
     def rollouts(
         self,
@@ -193,7 +218,7 @@ class RolloutWorker:
         if self.loop.is_closed():
             return
         try:
-            self._run(self.engine.close())
+            self._run(self.engine.close() if self.fleet is None else self.fleet.close())
             self._run(self._cm.__aexit__(None, None, None))
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)

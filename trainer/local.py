@@ -27,15 +27,21 @@ import torch
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
+from kuberl.rollout.discovery import parse_url_list
+from kuberl.rollout.fleet import FleetSource
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.grpo import RolloutWorker
 from kuberl.trainer.metrics import MetricsSink, RolloutMirror
-from kuberl.trainer.model import GPT, GPTConfig
+from kuberl.trainer.policy import (
+    BUILTIN_MODEL,
+    build_policy,
+    build_tokenizer,
+    is_builtin,
+    model_dir,
+    same_architecture,
+)
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
-from kuberl.trainer.tokenizer import BPETokenizer, load_tokenizer
-
-BUILTIN_MODEL = "builtin:tiny-gpt"
-TINY_DEFAULTS = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 256}
+from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
 
 
 def _device(job: AgenticRLJob) -> torch.device:
@@ -47,17 +53,40 @@ def _device(job: AgenticRLJob) -> torch.device:
     return torch.device(d)
 
 
-def build_model(job: AgenticRLJob, vocab_size: int) -> GPT:
-    if job.spec.model.base != BUILTIN_MODEL:
+def rollout_target(job: AgenticRLJob, engines: FleetSource | None) -> FleetSource | None:
+    """Where rollouts run: the SGLang fleet named by ``--engines`` or the environment, or None
+    for the in-process LocalEngine (``spec.rollout.engine``: auto picks the fleet when one is named)."""
+    choice = job.spec.rollout.engine
+    fleet = engines or FleetSource.from_env()
+    if choice == "local":
+        if engines is not None:
+            raise ManifestError(
+                "--engines conflicts with spec.rollout.engine: local; set it to auto or sglang"
+            )
+        return None
+    if choice == "sglang" and fleet is None:
         raise ManifestError(
-            f"model.base {job.spec.model.base!r}: the local runner trains {BUILTIN_MODEL} only "
-            "(HF models run on a cluster with the SGLang fleet)"
+            "spec.rollout.engine is sglang but no engines are named: pass --engines URL[,URL...] or run "
+            "in a trainer pod (KUBERL_ROLLOUT_FLEET)"
         )
-    cfg = dict(TINY_DEFAULTS)
-    for k, v in job.spec.model.config.items():  # camelCase from the manifest; validated below
-        cfg["".join("_" + c.lower() if c.isupper() else c for c in k)] = v
-    cfg["vocab_size"] = vocab_size
-    return GPT(GPTConfig.from_dict(cfg))
+    if fleet is not None and is_builtin(job):
+        raise ManifestError(
+            f"{BUILTIN_MODEL} runs on the local engine only (SGLang serves Hugging Face models); "
+            "set spec.rollout.engine: local or use an HF model"
+        )
+    return fleet
+
+
+def weights_dir(out: Path, explicit: str | None) -> Path:
+    """The folder shared with the fleet's engines (``--weights-dir`` or $KUBERL_WEIGHTS_DIR)."""
+    where = explicit or os.environ.get("KUBERL_WEIGHTS_DIR")
+    if not where:
+        raise ManifestError(
+            "rollouts on an SGLang fleet need a folder the engines can read for weight updates: "
+            "give the RolloutFleet spec.weightSync (a ReadWriteMany PVC; the operator mounts it), "
+            "or pass --weights-dir on a shared filesystem"
+        )
+    return Path(where)
 
 
 class _Local:
@@ -164,6 +193,8 @@ def run_job(
     use_ray: bool | None = None,
     executor_factory=None,
     engine_factory=None,
+    engines: FleetSource | None = None,
+    weights_path: str | None = None,
     quiet: bool = False,
 ) -> RunResult:
     """Run every stage of ``job`` locally; returns the history and eval accuracies.
@@ -171,6 +202,8 @@ def run_job(
     A checkpoint under the job's ``checkpoint.uri`` is resumed, with the tokenizer stored in it
     (the model's embeddings are indexed by that vocabulary). ``executor_factory`` and
     ``engine_factory`` replace the sandbox client and the LocalEngine (see ``RolloutWorker``).
+    ``engines`` (else the environment, see :func:`rollout_target`) puts the rollouts on an
+    SGLang fleet, which loads each new policy version from ``weights_path``.
     """
     t_start = time.time()
     spec = job.spec
@@ -187,14 +220,14 @@ def run_job(
     if not uri.startswith("s3://") and out_dir is not None and not Path(uri).is_absolute():
         uri = str(out / "checkpoints")
     store = CheckpointStore(uri, keep=spec.checkpoint.keep)
+    fleet = rollout_target(job, engines)
+    shared = weights_dir(out, weights_path) / job.metadata.name if fleet is not None else None
     payload = store.load()
-    if payload is None:
-        tok = load_tokenizer(spec.model.tokenizer or "builtin:arith-bpe", out, seed=spec.data.seed)
-    else:
-        tok = BPETokenizer.from_str(payload["tokenizer"])
+    tok = build_tokenizer(job, out, None if payload is None else payload["tokenizer"])
+    if payload is not None:
         tok.save(out / "tokenizer.json")  # what this run folder's artifacts were made with
-    model = build_model(job, tok.vocab_size).to(device)
-    if payload is not None and payload.get("model_config") not in (None, model.config.to_dict()):
+    model = build_policy(job, tok, out).to(device)
+    if payload is not None and not same_architecture(payload.get("model_config"), model.config.to_dict()):
         raise ManifestError(
             f"the checkpoint in {store.uri} is of a model with config {payload['model_config']}, "
             f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
@@ -215,7 +248,7 @@ def run_job(
         if executor_factory is None:
             sandbox_url = stack.enter_context(_sandbox(job))
         max_batch = 512
-        wargs = (model.config.to_dict(), tok.to_str(), sandbox_url)
+        wargs = (None if fleet else model.config.to_dict(), tok.to_str(), sandbox_url)
         wkw = {
             "device": str(device),
             "threads": spec.trainer.threads,
@@ -223,9 +256,14 @@ def run_job(
             "max_total_tokens": 1 << 20,
             "executor_factory": executor_factory,
             "engine_factory": engine_factory,
+            "fleet": fleet,
+            "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
         }
-        worker = _Ray(wargs, wkw, device.type == "cuda") if use_ray else _Local(*wargs, **wkw)
+        worker = _Ray(wargs, wkw, device.type == "cuda" and not fleet) if use_ray else _Local(*wargs, **wkw)
         stack.callback(worker.close)
+        weights = None
+        if fleet is not None:
+            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out))
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,
@@ -238,6 +276,7 @@ def run_job(
             device=device,
             deadline=deadline,
             on_progress=on_progress,
+            weights=weights,
         )
         resumed = payload is not None and pipe.resume(payload)
         payload = None  # the model and optimizer hold it now
@@ -246,7 +285,8 @@ def run_job(
         if console is not None:
             console.print(
                 f"[bold]kuberl run[/bold] {job.metadata.name}: {algo}, {model.num_params() / 1e6:.2f}M params, "
-                f"vocab {tok.vocab_size}, device {device}, {'ray' if use_ray else 'in-process'} rollout worker"
+                f"vocab {tok.vocab_size}, device {device}, {'ray' if use_ray else 'in-process'} rollout worker, "
+                f"rollouts on {fleet.describe() if fleet else 'the local engine'}"
             )
         if progress is not None:
             stack.enter_context(progress)
@@ -344,7 +384,12 @@ def summary_table(result: RunResult, algo: str):
 
 
 def run_file(
-    path: str, out_dir: str | None = None, ablation: str | None = None, max_minutes: float | None = None
+    path: str,
+    out_dir: str | None = None,
+    ablation: str | None = None,
+    max_minutes: float | None = None,
+    engines: str | None = None,
+    weights_dir: str | None = None,
 ) -> int:
     """Entry point of ``kuberl run``; returns the process exit code."""
     try:
@@ -354,7 +399,10 @@ def run_file(
         return 2
     out = out_dir or str(Path("runs") / job.metadata.name)
     try:
-        result = run_job(job, out, algorithm=ablation, max_minutes=max_minutes)
+        fleet = FleetSource(urls=tuple(parse_url_list(engines))) if engines else None
+        result = run_job(
+            job, out, algorithm=ablation, max_minutes=max_minutes, engines=fleet, weights_path=weights_dir
+        )
     except (ManifestError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -36,6 +36,7 @@ from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
+from kuberl.trainer.weight_sync import LocalWeights
 
 SFT_ERROR_FRACTION = 0.3  # SFT traces that make a tool error and then fix it
 SFT_POOL_MAX = 2048  # distinct SFT traces (cycled); each one's tool outputs come from the sandbox
@@ -69,12 +70,16 @@ class Pipeline:
         device: torch.device,
         deadline: float | None = None,
         on_progress: Callable[[str, int, int, dict], None] | None = None,
+        weights: Any = None,
     ):
+        """``weights.sync(model, version)`` brings the rollout engines up to date before every
+        rollout batch (default: the state dict to the worker's local engine, ``LocalWeights``)."""
         self.job = job
         self.spec = job.spec
         self.model = model
         self.tok = tokenizer
         self.call = call
+        self.weights = weights if weights is not None else LocalWeights(call)
         self.store = store
         self.sink = sink
         self.algorithm = algorithm
@@ -120,7 +125,7 @@ class Pipeline:
         return self.deadline is not None and time.time() > self.deadline
 
     def _sync_weights(self) -> None:
-        self.call("set_weights", {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        self.weights.sync(self.model, self.state.global_step)
 
     def _pool(self, source: str, n: int, seed: int) -> list[data_mod.Problem]:
         key = f"{source}|{n}|{seed}"

@@ -12,12 +12,13 @@ a push is in flight loads the previous complete one, then the current one).
 
 from __future__ import annotations
 
-import asyncio
 import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from kuberl.rollout.fleet import push_weights
 
 VERSION_RE = re.compile(r"^v(\d{8})$")
 
@@ -78,14 +79,42 @@ class DiskWeightSync:
         path = path or self.current
         if path is None:
             raise RuntimeError("no weights published yet")
-        targets = list(engines)
-        results = await asyncio.gather(
-            *(e.update_weights_from_disk(path) for e in targets), return_exceptions=True
-        )
-        failed = [
-            f"{e.name}: {r}" for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)
-        ]
-        if failed:
-            raise RuntimeError(
-                f"weight update to {path} failed on {len(failed)} engine(s): " + "; ".join(failed)
-            )
+        await push_weights(engines, path)
+
+
+def cpu_state_dict(model) -> dict[str, Any]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+class LocalWeights:
+    """The rollout worker's in-process engine takes the state dict itself (every sync)."""
+
+    def __init__(self, call: Callable[..., Any]):
+        self.call = call
+
+    def sync(self, model, version: int) -> None:
+        self.call("set_weights", cpu_state_dict(model))
+
+
+class DiskWeights:
+    """Engines behind HTTP load a published folder; a version is published once.
+
+    ``version`` is the trainer's global step: evaluation and the difficulty filter sync too,
+    and between two updates there is nothing new to write.
+    """
+
+    def __init__(self, call: Callable[..., Any], disk: DiskWeightSync, source_dir: str | Path):
+        self.call = call
+        self.disk = disk
+        self.source_dir = Path(source_dir)
+        self.version: int | None = None
+
+    def sync(self, model, version: int) -> None:
+        if version == self.version:
+            return
+        from kuberl.trainer.hf import write_hf_folder
+
+        sd = cpu_state_dict(model)
+        path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d), version)
+        self.call("load_weights", path)
+        self.version = version
