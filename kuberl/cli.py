@@ -121,10 +121,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_render(args: argparse.Namespace) -> int:
     import yaml
 
+    from kuberl.api import AgenticRLJob, RolloutFleet
     from kuberl.api.loader import load_manifests
     from kuberl.operator.builders import build_for
 
-    docs = [m for r in load_manifests(args.file) for m in build_for(r, namespace=args.namespace)]
+    resources = load_manifests(args.file)
+    # A job's referenced fleet, when the same file declares it, shapes its trainer pods.
+    fleets = {r.metadata.name: r.spec for r in resources if isinstance(r, RolloutFleet)}
+
+    def fleet_of(r):
+        return fleets.get(r.spec.rollout.fleet_ref or "") if isinstance(r, AgenticRLJob) else None
+
+    docs = [m for r in resources for m in build_for(r, namespace=args.namespace, fleet=fleet_of(r))]
     sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
     return 0
 

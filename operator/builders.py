@@ -32,7 +32,7 @@ import yaml
 from kuberl import API_VERSION
 from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
-from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec
+from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 
 Manifest = dict[str, Any]
@@ -405,13 +405,27 @@ def _engine_pod_spec(
             "timeoutSeconds": 5,
         }
     shm = "2Gi" if acc.profile == "cpu" else f"{min(256, 32 * acc.count)}Gi"
+    volumes = [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}]
+    if spec.weight_sync is not None:
+        # The trainer writes policy versions here; the engine only reads them.
+        volumes.append(weights_volume(spec.weight_sync))
+        container["volumeMounts"].append(
+            {"name": WEIGHTS_VOLUME, "mountPath": spec.weight_sync.mount_path, "readOnly": True}
+        )
     return {
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,
         **accelerator_pod_fields(acc),
         "containers": [container],
-        "volumes": [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}],
+        "volumes": volumes,
     }
+
+
+WEIGHTS_VOLUME = "policy-weights"
+
+
+def weights_volume(ws: WeightSyncSpec) -> dict[str, Any]:
+    return {"name": WEIGHTS_VOLUME, "persistentVolumeClaim": {"claimName": ws.claim_name}}
 
 
 def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
@@ -574,16 +588,31 @@ def resolved_job_document(job: AgenticRLJob, namespace: str) -> dict[str, Any]:
     return doc
 
 
-def endpoints_env(job: AgenticRLJob, namespace: str) -> list[dict[str, str]]:
-    """Where the trainer finds its fleet and pool (in-cluster DNS of their Services)."""
+def job_fleet_spec(job: AgenticRLJob, referenced: RolloutFleetSpec | None = None) -> RolloutFleetSpec | None:
+    """The spec of the fleet a job rolls out on: its inline fleet, else the referenced one
+    (which the operator reads from the cluster; None when unknown or not rolling out on a fleet)."""
+    if not uses_fleet(job):
+        return None
+    return job.spec.rollout.fleet or (referenced if job.spec.rollout.fleet_ref else None)
+
+
+def endpoints_env(
+    job: AgenticRLJob, namespace: str, fleet_spec: RolloutFleetSpec | None = None
+) -> list[dict[str, str]]:
+    """Where the trainer finds its fleet and pool (in-cluster DNS of their Services), how to
+    schedule over the fleet and where its engines load new weights from."""
     env: list[dict[str, str]] = []
     fleet = job.spec.rollout.fleet_ref or (
         inline_fleet_name(job.metadata.name) if job.spec.rollout.fleet else None
     )
     if fleet and uses_fleet(job):
-        port = job.spec.rollout.fleet.engine.port if job.spec.rollout.fleet else 30000
+        port = fleet_spec.engine.port if fleet_spec else 30000
         env.append({"name": "KUBERL_ROLLOUT_FLEET", "value": fleet})
         env.append({"name": "KUBERL_ROLLOUT_SERVICE", "value": f"{fleet}.{namespace}.svc:{port}"})
+        if fleet_spec is not None:
+            env.append({"name": "KUBERL_SCHEDULER_POLICY", "value": fleet_spec.scheduler.policy})
+            if fleet_spec.weight_sync is not None:
+                env.append({"name": "KUBERL_WEIGHTS_DIR", "value": fleet_spec.weight_sync.mount_path})
     pool = job.spec.sandbox.pool_ref or (
         inline_pool_name(job.metadata.name) if job.spec.sandbox.pool else None
     )
@@ -593,7 +622,9 @@ def endpoints_env(job: AgenticRLJob, namespace: str) -> list[dict[str, str]]:
     return env
 
 
-def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
+def build_job(
+    job: AgenticRLJob, namespace: str = "default", fleet: RolloutFleetSpec | None = None
+) -> list[Manifest]:
     """ConfigMap + headless Service + Indexed Job of trainer pods (+ inline fleet/pool CRs).
 
     An Indexed Job (not a StatefulSet) because training runs to completion: its pods get
@@ -608,6 +639,7 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
     labels = object_labels(name, "trainer", "AgenticRLJob")
     doc = resolved_job_document(job, namespace)
     job_yaml = yaml.safe_dump(doc, sort_keys=False)
+    fleet_spec = job_fleet_spec(job, fleet)
     trainer = spec.trainer
     acc = trainer.accelerator
     config_map = {
@@ -639,7 +671,7 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
         {"name": "MASTER_PORT", "value": str(TRAINER_RENDEZVOUS_PORT)},
         {"name": "NNODES", "value": str(trainer.replicas)},
         {"name": "NPROC_PER_NODE", "value": str(acc.count)},
-        {"name": "WORLD_SIZE", "value": str(trainer.replicas * (acc.count if acc.profile != "cpu" else 1))},
+        {"name": "WORLD_SIZE", "value": str(trainer_world_size(job))},
         {
             "name": "NODE_RANK",
             "valueFrom": {
@@ -647,7 +679,8 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
             },
         },
         {"name": "HF_HOME", "value": "/models"},
-        *endpoints_env(job, namespace),
+        {"name": "KUBERL_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        *endpoints_env(job, namespace, fleet_spec),
     ]
     if trainer.threads:
         env.append({"name": "OMP_NUM_THREADS", "value": str(trainer.threads)})
@@ -655,7 +688,7 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
         "name": "trainer",
         "image": trainer.resolved_image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["kuberl", "run", JOB_CONFIG_PATH, "--out", JOB_RUN_DIR],
+        "command": trainer_command(job),
         # A crash's last log lines become the pod's termination message -> job status.
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": env,
@@ -671,7 +704,17 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
             {"name": "model-cache", "mountPath": "/models"},
         ],
     }
-    shm = "2Gi" if acc.profile == "cpu" else f"{min(512, 32 * acc.count)}Gi"
+    volumes = [
+        {"name": "config", "configMap": {"name": config_map_name(name)}},
+        {"name": "run", "emptyDir": {}},
+        _shm_volume("2Gi" if acc.profile == "cpu" else f"{min(512, 32 * acc.count)}Gi"),
+        {"name": "model-cache", "emptyDir": {}},
+    ]
+    if fleet_spec is not None and fleet_spec.weight_sync is not None:
+        volumes.append(weights_volume(fleet_spec.weight_sync))
+        container["volumeMounts"].append(
+            {"name": WEIGHTS_VOLUME, "mountPath": fleet_spec.weight_sync.mount_path}
+        )
     trainer_job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -699,12 +742,7 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
                     "enableServiceLinks": False,
                     **accelerator_pod_fields(acc),
                     "containers": [container],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": config_map_name(name)}},
-                        {"name": "run", "emptyDir": {}},
-                        _shm_volume(shm),
-                        {"name": "model-cache", "emptyDir": {}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },
@@ -715,6 +753,31 @@ def build_job(job: AgenticRLJob, namespace: str = "default") -> list[Manifest]:
         service,
         trainer_job,
         *_inline_children(job, namespace),
+    ]
+
+
+def trainer_world_size(job: AgenticRLJob) -> int:
+    acc = job.spec.trainer.accelerator
+    return job.spec.trainer.replicas * (acc.count if acc.profile != "cpu" else 1)
+
+
+def trainer_command(job: AgenticRLJob) -> list[str]:
+    """``kuberl run`` on the resolved job; under torchrun when the job spans several processes
+    (one per accelerator in every trainer pod; rank 0's pod is the rendezvous, see build_job).
+    ``$(VAR)`` is expanded by the kubelet from the container's env."""
+    run = ["run", JOB_CONFIG_PATH, "--out", JOB_RUN_DIR]
+    if trainer_world_size(job) == 1:
+        return ["kuberl", *run]
+    return [
+        "torchrun",
+        "--nnodes=$(NNODES)",
+        "--nproc-per-node=$(NPROC_PER_NODE)",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "-m",
+        "kuberl",
+        *run,
     ]
 
 
@@ -847,11 +910,14 @@ def wants_keda(resource: Resource) -> bool:
 # --- dispatch -----------------------------------------------------------------------------
 
 
-def build_for(resource: Resource, namespace: str = "default") -> list[Manifest]:
+def build_for(
+    resource: Resource, namespace: str = "default", *, fleet: RolloutFleetSpec | None = None
+) -> list[Manifest]:
     """Every manifest the operator creates for ``resource`` (dispatch on kind; used by render).
 
-    Objects carry no ownerReferences here: those need the live owner's uid and are added by
-    the operator (kopf.adopt) when it applies them.
+    ``fleet``: the spec of the RolloutFleet an AgenticRLJob references (its scheduler policy
+    and weightSync volume go into the trainer pods). Objects carry no ownerReferences here:
+    those need the live owner's uid and are added by the operator (kopf.adopt) when it applies them.
     """
     ns = resource.metadata.namespace or namespace
     if isinstance(resource, SandboxPool):
@@ -859,7 +925,7 @@ def build_for(resource: Resource, namespace: str = "default") -> list[Manifest]:
     elif isinstance(resource, RolloutFleet):
         out = build_rollout_fleet(resource, ns)
     elif isinstance(resource, AgenticRLJob):
-        out = build_job(resource, ns)
+        out = build_job(resource, ns, fleet)
     else:
         raise ValueError(f"no builder for kind {resource.KIND!r}")
     if (

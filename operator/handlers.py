@@ -47,9 +47,11 @@ from typing import Any
 import aiohttp
 import kopf
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
+from kuberl.api.rollout_fleet import RolloutFleetSpec
 
 from . import admission, autoscale, builders, children, metrics, status
 from .kube import ApiError, KubeClient, is_subset, kind_of
@@ -413,6 +415,7 @@ async def _reconcile_job(
 
     waiting: list[str] = []
     rollout, sandbox = job.spec.rollout, job.spec.sandbox
+    fleet_spec: RolloutFleetSpec | None = None
     if rollout.fleet_ref and builders.uses_fleet(job):
         fleet = await client.get(kind_of(f"{GROUP}/{VERSION}", "RolloutFleet"), namespace, rollout.fleet_ref)
         if fleet is None:
@@ -424,6 +427,12 @@ async def _reconcile_job(
                 f"RolloutFleet {namespace}/{rollout.fleet_ref} (spec.rollout.fleetRef) {problem}"
                 for problem in admission.context_length_problems(job, fleet)
             ]
+            try:  # its scheduler policy and weightSync volume go into the trainer pods
+                fleet_spec = RolloutFleetSpec.model_validate(fleet.get("spec") or {})
+            except ValidationError as err:
+                waiting.append(
+                    f"RolloutFleet {namespace}/{rollout.fleet_ref} (spec.rollout.fleetRef) to be valid ({err})"
+                )
     if sandbox.pool_ref:
         if (
             await client.get(kind_of(f"{GROUP}/{VERSION}", "SandboxPool"), namespace, sandbox.pool_ref)
@@ -433,7 +442,7 @@ async def _reconcile_job(
                 f"SandboxPool {namespace}/{sandbox.pool_ref} (spec.sandbox.poolRef) which does not exist"
             )
 
-    built = builders.build_for(job, namespace)
+    built = builders.build_for(job, namespace, fleet=fleet_spec)
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built

@@ -417,3 +417,14 @@ def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path
     sft = [h for h in result.history if h["type"] == "sft"]
     assert sft[-1]["loss"] < sft[0]["loss"]
     assert [h["type"] for h in result.history].count("rl") == 2
+
+
+def test_problems_from_an_s3_jsonl(s3):
+    from kuberl.trainer.data import load_problems
+
+    s3.put_object(Bucket="models", Key="data/train.jsonl", Body=b'{"question": "1+1=?", "answer": "2"}\n\n'
+                  b'{"question": "2*3=?", "answer": "6"}\n')  # fmt: skip
+    probs = load_problems("s3://models/data/train.jsonl", 0, 0)
+    assert [(p.question, p.answer) for p in probs] == [("1+1=?", "2"), ("2*3=?", "6")]
+    with pytest.raises(ValueError, match="s3://models/data/none.jsonl: .*NoSuchKey"):
+        load_problems("s3://models/data/none.jsonl", 0, 0)

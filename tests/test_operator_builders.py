@@ -230,7 +230,24 @@ def test_job_trainer_rendezvous_and_config() -> None:
     assert env["MASTER_ADDR"] == "j-trainer-0.j-trainer.team.svc"
     assert env["KUBERL_SANDBOX_URL"] == "http://tools.team.svc:8080"
     assert env["KUBERL_ROLLOUT_FLEET"] == "shared"
+    # 4 pods x 8 GPUs: torchrun starts one rank per GPU in every pod, rendezvous at pod 0.
     assert _container(trainer)["command"] == [
+        "torchrun",
+        "--nnodes=$(NNODES)",
+        "--nproc-per-node=$(NPROC_PER_NODE)",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "-m",
+        "kuberl",
+        "run",
+        "/etc/kuberl/job.yaml",
+        "--out",
+        "/var/run/kuberl",
+    ]
+    assert {"NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
+    single = _by_kind(build_for(_job(trainer={"accelerator": {"profile": "h100", "count": 1}})))["Job"]
+    assert _container(single)["command"] == [
         "kuberl",
         "run",
         "/etc/kuberl/job.yaml",
@@ -368,3 +385,44 @@ def test_operator_deployment_and_rbac() -> None:
     c = pod["containers"][0]
     assert c["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
     assert {"name": "KUBERL_OPERATOR_METRICS_PORT", "value": "8080"} in c["env"]
+
+
+def _mounts(obj: dict) -> dict[str, dict]:
+    pod = obj["spec"]["template"]["spec"]
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+    return {m["mountPath"]: {**m, "claim": claims.get(m["name"])} for m in _container(obj)["volumeMounts"]}
+
+
+def test_weight_sync_volume_is_written_by_the_trainer_and_read_by_the_engines() -> None:
+    ws = {"claimName": "policy-rwx", "mountPath": "/weights"}
+    fleet_spec = {
+        "model": {"uri": "Qwen/Qwen3-14B-Base"},
+        "weightSync": ws,
+        "scheduler": {"policy": "least-requests"},
+    }
+    inline = _by_kind(build_for(_job(rollout={"fleet": fleet_spec})))
+    child = RolloutFleet.model_validate({"metadata": {"name": "c"}, "spec": inline["RolloutFleet"]["spec"]})
+    engines = _by_kind(build_for(child))["Deployment"]
+    assert _mounts(engines)["/weights"] == {
+        "name": "policy-weights", "mountPath": "/weights", "readOnly": True, "claim": "policy-rwx"
+    }  # fmt: skip
+    for trainer in (
+        inline["Job"],
+        # A referenced fleet: the operator passes the spec it read from the cluster.
+        _by_kind(build_for(_job(rollout={"fleetRef": "shared"}), fleet=child.spec))["Job"],
+    ):
+        mount = _mounts(trainer)["/weights"]
+        assert mount["claim"] == "policy-rwx" and not mount.get("readOnly")
+        env = {e["name"]: e.get("value") for e in _container(trainer)["env"]}
+        assert env["KUBERL_WEIGHTS_DIR"] == "/weights"
+        assert env["KUBERL_SCHEDULER_POLICY"] == "least-requests"
+        validate_manifest(trainer)
+    validate_manifest(engines)
+    # An unknown referenced fleet: no mount, no policy; the trainer says what is missing.
+    bare = _by_kind(build_for(_job(rollout={"fleetRef": "shared"})))["Job"]
+    env = {e["name"] for e in _container(bare)["env"]}
+    assert "/weights" not in _mounts(bare) and "KUBERL_WEIGHTS_DIR" not in env and "KUBERL_NAMESPACE" in env

@@ -371,13 +371,23 @@ async def test_invalid_objects_and_missing_references_are_reported() -> None:
             "apiVersion": "kuberl.io/v1alpha1",
             "kind": "RolloutFleet",
             "metadata": {"name": "shared", "namespace": NS},
-            "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu", "count": 1}},
+            "spec": {
+                "model": {"uri": "m"},
+                "accelerator": {"profile": "cpu", "count": 1},
+                "scheduler": {"policy": "least-requests"},
+                "weightSync": {"claimName": "rwx", "mountPath": "/w"},
+            },
         }
         await k.create(f"{API}/rolloutfleets", fleet)
-        await eventually(
+        trainer = await eventually(
             lambda: k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/refs-trainer"),
             what="trainer after fleet exists",
         )
+        # The referenced fleet's scheduler policy and weight volume reach the trainer pods.
+        pod = trainer["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert env["KUBERL_SCHEDULER_POLICY"] == "least-requests" and env["KUBERL_WEIGHTS_DIR"] == "/w"
+        assert {"name": "policy-weights", "persistentVolumeClaim": {"claimName": "rwx"}} in pod["volumes"]
 
         # Fixing the invalid pool makes it reconcile normally.
         await k.patch(f"{API}/sandboxpools/bad", {"spec": {"replicas": 3}})

@@ -53,27 +53,48 @@ def arith_problems(n: int, seed: int) -> list[Problem]:
     return [arith_problem(rng) for _ in range(n)]
 
 
+def _text_lines(source: str | Path):
+    """Lines of a local file or an ``s3://bucket/key`` object (endpoint from AWS_ENDPOINT_URL*)."""
+    src = str(source)
+    if not src.startswith("s3://"):
+        with open(src, encoding="utf-8") as f:
+            yield from f
+        return
+    import os
+
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = src[len("s3://") :].partition("/")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    try:
+        body = boto3.client("s3", endpoint_url=endpoint).get_object(Bucket=bucket, Key=key)["Body"]
+    except (BotoCoreError, ClientError) as err:
+        raise ValueError(f"{src}: {err}") from err
+    for raw in body.iter_lines(keepends=True):
+        yield raw.decode("utf-8")
+
+
 def load_jsonl(path: str | Path) -> list[Problem]:
-    """Problems from a jsonl file with one {"question": ..., "answer": ...} object per line."""
+    """Problems from a jsonl file or s3:// object with one {"question": ..., "answer": ...} per line."""
     out: list[Problem] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
-            if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
-                raise ValueError(f'{path}:{lineno}: expected {{"question": ..., "answer": ...}}')
-            out.append(Problem(str(obj["question"]), str(obj["answer"])))
+    for lineno, line in enumerate(_text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: invalid JSON: {err.msg}") from None
+        if not isinstance(obj, dict) or "question" not in obj or "answer" not in obj:
+            raise ValueError(f'{path}:{lineno}: expected {{"question": ..., "answer": ...}}')
+        out.append(Problem(str(obj["question"]), str(obj["answer"])))
     if not out:
         raise ValueError(f"{path}: no problems")
     return out
 
 
 def load_problems(source: str, n: int, seed: int) -> list[Problem]:
-    """``builtin:arith`` (``n`` generated problems) or a jsonl path (all of it)."""
+    """``builtin:arith`` (``n`` generated problems) or a jsonl path or s3:// object (all of it)."""
     if source == "builtin:arith":
         return arith_problems(n, seed)
     if source.startswith("builtin:"):
