@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kuberl.trainer.distributed import DistContext
+
 _NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
 
 
@@ -131,10 +133,34 @@ class CheckpointStore:
             return torch.load(f.name, map_location="cpu", weights_only=False)
 
 
-def make_payload(model, optimizer, state: TrainState, tokenizer_json: str, config: dict) -> dict[str, Any]:
+def make_payload(
+    model, optimizer, state: TrainState, tokenizer_json: str, config: dict, ctx: DistContext | None = None
+) -> dict[str, Any] | None:
+    """The checkpoint of the run at ``state`` (None on FSDP ranks other than 0).
+
+    Model and optimizer are stored unsharded, the optimizer state keyed by parameter name
+    (``torch.distributed.checkpoint.state_dict``), so a checkpoint written by any number of
+    FSDP ranks resumes on any other number, one process included. With FSDP every rank must
+    call this (it gathers the shards). An optimizer that has not stepped yet is stored as None:
+    the gather would otherwise create its state by stepping it with zero gradients, which
+    advances Adam's step count.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    ctx = ctx or DistContext()
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=opts)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer.state else None
+    if not ctx.is_main:
+        return None
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model_sd,
+        "optimizer": optim_sd,
+        "optimizer_format": "by-name",
         "rng": capture_rng(),
         "state": {
             "stage_index": state.stage_index,
@@ -148,10 +174,44 @@ def make_payload(model, optimizer, state: TrainState, tokenizer_json: str, confi
     }
 
 
-def apply_payload(payload: dict[str, Any], model, optimizer) -> TrainState:
-    """Load model/optimizer/RNG from ``payload``; returns the trainer position."""
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    restore_rng(payload["rng"])
-    s = payload["state"]
-    return TrainState(s["stage_index"], s["stage_step"], s["global_step"], s["cursor"], dict(s["extra"]))
+def apply_payload(
+    payload: dict[str, Any] | None, model, optimizer, ctx: DistContext | None = None
+) -> tuple[TrainState, bool]:
+    """Load model/optimizer/RNG from ``payload``; returns (the trainer position, whether the
+    optimizer state it holds was restored).
+
+    With FSDP every rank calls this; only rank 0 needs the payload (the others pass None and
+    receive the tensors from it). A checkpoint of the older by-index optimizer layout restores
+    its optimizer in a single process only; elsewhere the optimizer starts fresh.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    ctx = ctx or DistContext()
+    meta = ctx.broadcast(
+        {
+            "rng": payload["rng"],
+            "state": payload["state"],
+            "optimizer": payload["optimizer"] is not None,
+            "format": payload.get("optimizer_format", "by-index"),
+        }
+        if ctx.is_main and payload
+        else None
+    )
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.enabled)
+    set_model_state_dict(model, payload["model"] if ctx.is_main else {}, options=opts)
+    restored = meta["optimizer"] and (meta["format"] == "by-name" or not ctx.enabled)
+    if restored and meta["format"] == "by-name":
+        set_optimizer_state_dict(model, optimizer, payload["optimizer"] if ctx.is_main else {}, options=opts)
+        for group in optimizer.param_groups:  # the gather hands tuples back as lists
+            if isinstance(group.get("betas"), list):
+                group["betas"] = tuple(group["betas"])
+    elif restored:
+        optimizer.load_state_dict(payload["optimizer"])
+    restore_rng(meta["rng"])
+    s = meta["state"]
+    state = TrainState(s["stage_index"], s["stage_step"], s["global_step"], s["cursor"], dict(s["extra"]))
+    return state, restored or not meta["optimizer"]

@@ -19,6 +19,7 @@ from torch import nn
 
 from kuberl.rollout.loop import Trajectory
 from kuberl.trainer.advantage import filter_groups, group_advantages
+from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.loss import LossConfig, policy_loss, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
@@ -291,6 +292,36 @@ def prepare_batch(
     return out
 
 
+def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
+    """``batch`` as ``parts`` rank shares of equal row count and near-equal token count.
+
+    Equal row counts give every rank the same micro-batches, hence the same sequence of FSDP
+    collectives; a short share is padded with rows that train nothing (loss mask all 0,
+    advantage 0). An empty batch stays empty everywhere, so every rank skips the update.
+    """
+    if not batch.seqs:
+        return [StepBatch(stats=batch.stats) for _ in range(parts)]
+    rows = list(range(len(batch.seqs)))
+    groups = split_evenly(rows, parts, weights=[sum(m) for m in batch.masks])
+    width = max(len(g) for g in groups)
+    pad = min(rows, key=lambda i: len(batch.seqs[i]))
+    out = []
+    for g in groups:
+        sb = StepBatch(stats=batch.stats)
+        for i in g:
+            sb.seqs.append(batch.seqs[i])
+            sb.masks.append(batch.masks[i])
+            sb.old_logprobs.append(batch.old_logprobs[i])
+            sb.advantages.append(batch.advantages[i])
+        for _ in range(width - len(g)):
+            sb.seqs.append(batch.seqs[pad])
+            sb.masks.append([0] * len(batch.seqs[pad]))
+            sb.old_logprobs.append([0.0] * len(batch.seqs[pad]))
+            sb.advantages.append(0.0)
+        out.append(sb)
+    return out
+
+
 @torch.no_grad()
 def recompute_old_logprobs(
     model: nn.Module, batch: StepBatch, *, micro_batch: int = 64, device: torch.device | str = "cpu"
@@ -303,6 +334,8 @@ def recompute_old_logprobs(
     from them would carry that noise - and a resumed run, whose tool calls return in another
     order, would no longer update bit-for-bit. The returned mean |engine - trainer| log-prob
     over the trained tokens is the rollout/trainer mismatch, a check that weights were synced.
+    With FSDP every rank calls this on its share (the same number of rows on every rank, see
+    :func:`shard_step_batch`, so the forwards' collectives line up); the gap is then its own.
     """
     was_training = model.training
     model.eval()
@@ -338,12 +371,18 @@ def rl_update(
     ppo_epochs: int = 1,
     micro_batch: int = 64,
     device: torch.device | str = "cpu",
+    dist: DistContext | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
 
     Returned stats cover every micro-batch of every epoch: fractions and means weighted by
     their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
+
+    With ``dist`` (FSDP ranks, each holding its :func:`shard_step_batch` share) the token-mean
+    denominator is the mini-batch's token count over all ranks and the stats are reduced over
+    all ranks, so the update and its numbers are the full batch's.
     """
+    dist = dist or DistContext()
     if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
         zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
         return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
@@ -358,7 +397,7 @@ def rl_update(
             idx = order[mb * n // mini_batches : (mb + 1) * n // mini_batches]
             if not idx:
                 continue
-            tokens = float(sum(sum(batch.masks[i][1:]) for i in idx))
+            tokens = dist.all_reduce([float(sum(sum(batch.masks[i][1:]) for i in idx))])[0]
             optimizer.zero_grad(set_to_none=True)
             for start in range(0, len(idx), micro_batch):
                 part = idx[start : start + micro_batch]
@@ -381,9 +420,15 @@ def rl_update(
                     entropy=ent if cfg.entropy_coef > 0 else None,
                     num_tokens=max(1.0, tokens),
                 )
-                if cfg.aggregation != "token-mean":
-                    loss = loss * len(part) / len(idx)
-                loss.backward()
+                if cfg.aggregation == "token-mean":
+                    # Denominator over all ranks: FSDP's average of the ranks' gradients, times
+                    # the world size, is their sum, the full batch's gradient.
+                    (loss * dist.loss_scale).backward()
+                    logged = float(loss.detach())
+                else:
+                    loss = loss * len(part) / len(idx)  # per-rank means: FSDP averages the ranks
+                    loss.backward()
+                    logged = float(loss.detach()) / dist.world_size
                 w = st["tokens"]
                 for k, v in st.items():
                     if k == "ratio_max":
@@ -392,11 +437,15 @@ def rl_update(
                     elif k != "tokens":
                         totals[k] = totals.get(k, 0.0) + v * w
                 totals["tokens"] = totals.get("tokens", 0.0) + w
-                totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+                totals["loss"] = totals.get("loss", 0.0) + logged
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(gn)
+            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # FSDP: a replicated DTensor
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(gn) / dist.world_size
             optimizer.step()
             count += 1
+    keys = sorted(totals)
+    totals = dict(zip(keys, dist.all_reduce([totals[k] for k in keys]), strict=True))
+    ratio_max = dist.all_reduce([ratio_max], op="max")[0]
     tok = max(1.0, totals.get("tokens", 0.0))
     out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
     out["ratio_max"] = ratio_max if ratio_max > -math.inf else 1.0

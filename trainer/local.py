@@ -30,8 +30,9 @@ from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
 from kuberl.trainer.checkpoint import CheckpointStore
+from kuberl.trainer.distributed import DistContext, shard_policy
 from kuberl.trainer.grpo import RolloutWorker
-from kuberl.trainer.metrics import MetricsSink, RolloutMirror
+from kuberl.trainer.metrics import MetricsSink, NullSink, RolloutMirror
 from kuberl.trainer.policy import (
     BUILTIN_MODEL,
     build_policy,
@@ -41,6 +42,7 @@ from kuberl.trainer.policy import (
     same_architecture,
 )
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
+from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
 
 
@@ -197,42 +199,90 @@ def run_job(
     weights_path: str | None = None,
     quiet: bool = False,
 ) -> RunResult:
-    """Run every stage of ``job`` locally; returns the history and eval accuracies.
+    """Run every stage of ``job``; returns the history and eval accuracies.
 
     A checkpoint under the job's ``checkpoint.uri`` is resumed, with the tokenizer stored in it
     (the model's embeddings are indexed by that vocabulary). ``executor_factory`` and
     ``engine_factory`` replace the sandbox client and the LocalEngine (see ``RolloutWorker``).
     ``engines`` (else the environment, see :func:`rollout_target`) puts the rollouts on an
     SGLang fleet, which loads each new policy version from ``weights_path``.
+
+    Under torchrun (``WORLD_SIZE`` > 1) every rank runs this: the policy is FSDP-sharded
+    over the ranks and rank 0 alone has the sandbox, the rollout worker, the checkpoint writes,
+    the metrics and the console (see :mod:`kuberl.trainer.distributed`).
     """
     t_start = time.time()
     spec = job.spec
     algo = algorithm or spec.algorithm.name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ctx = DistContext.from_env()
+    main = ctx.is_main
     if use_ray is None:
         use_ray = os.environ.get("KUBERL_NO_RAY", "") in ("", "0")
     if spec.trainer.threads:
         torch.set_num_threads(spec.trainer.threads)
     device = _device(job)
-    seed_everything(spec.seed)
-    uri = spec.checkpoint.uri
-    if not uri.startswith("s3://") and out_dir is not None and not Path(uri).is_absolute():
-        uri = str(out / "checkpoints")
-    store = CheckpointStore(uri, keep=spec.checkpoint.keep)
-    fleet = rollout_target(job, engines)
-    shared = weights_dir(out, weights_path) / job.metadata.name if fleet is not None else None
-    payload = store.load()
-    tok = build_tokenizer(job, out, None if payload is None else payload["tokenizer"])
-    if payload is not None:
-        tok.save(out / "tokenizer.json")  # what this run folder's artifacts were made with
-    model = build_policy(job, tok, out).to(device)
-    if payload is not None and not same_architecture(payload.get("model_config"), model.config.to_dict()):
-        raise ManifestError(
-            f"the checkpoint in {store.uri} is of a model with config {payload['model_config']}, "
-            f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
-        )
-    sink = MetricsSink(job.metadata.name, out)
+    check_world_size(job, ctx.world_size)
+    ctx.init(device.type)
+    device = ctx.device(device.type)
+    try:
+        seed_everything(spec.seed)
+        uri = spec.checkpoint.uri
+        if not uri.startswith("s3://") and out_dir is not None and not Path(uri).is_absolute():
+            uri = str(out / "checkpoints")
+        store = CheckpointStore(uri, keep=spec.checkpoint.keep)
+        fleet = rollout_target(job, engines)
+        shared = weights_dir(out, weights_path) / job.metadata.name if fleet is not None else None
+        payload = store.load() if main else None
+        # Rank 0 settles the tokenizer (trained, cached or from the checkpoint) and fetches an
+        # HF model into the cache before the other ranks read them.
+        tok_json = None
+        if main:
+            tok = build_tokenizer(job, out, None if payload is None else payload["tokenizer"])
+            if payload is not None:
+                tok.save(out / "tokenizer.json")  # what this run folder's artifacts were made with
+            tok_json = tok.to_str()
+            if not is_builtin(job):
+                model_dir(job, out)
+        tok = BPETokenizer.from_str(ctx.broadcast(tok_json))
+        model = build_policy(job, tok, out).to(device)
+        if payload is not None and not same_architecture(payload.get("model_config"), model.config.to_dict()):
+            raise ManifestError(
+                f"the checkpoint in {store.uri} is of a model with config {payload['model_config']}, "
+                f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
+            )
+        n_params = model.num_params()
+        shard_policy(model, ctx)
+        result = _run_pipeline(
+            job, out, ctx, model, tok, store, payload, fleet, shared, n_params,
+            algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
+            executor_factory=executor_factory, engine_factory=engine_factory, quiet=quiet or not main, device=device,
+        )  # fmt: skip
+    finally:
+        ctx.close()
+    return result
+
+
+def check_world_size(job: AgenticRLJob, world: int) -> None:
+    """Every rank needs at least one example of every step (FSDP forwards are collective)."""
+    if world <= 1:
+        return
+    for stage in job.spec.stages:
+        size = stage.batch_size or (32 if stage.type == "sft" else job.spec.algorithm.batch_prompts)
+        if stage.type == "sft" and size < world:
+            raise ManifestError(
+                f"stage '{stage.name}': batchSize {size} is smaller than the {world} trainer processes"
+            )
+
+
+def _run_pipeline(
+    job, out, ctx, model, tok, store, payload, fleet, shared, n_params, *, algorithm, t_start, max_minutes,
+    use_ray, executor_factory, engine_factory, quiet, device,
+) -> RunResult:  # fmt: skip
+    spec = job.spec
+    main = ctx.is_main
+    sink = MetricsSink(job.metadata.name, out) if main else NullSink()
     console, progress = _ui(quiet)
     tasks: dict[str, Any] = {}
 
@@ -244,26 +294,28 @@ def run_job(
         progress.update(tasks[stage], completed=step, info=_brief(rec))
 
     with contextlib.ExitStack() as stack:
-        sandbox_url = None
-        if executor_factory is None:
-            sandbox_url = stack.enter_context(_sandbox(job))
-        max_batch = 512
-        wargs = (None if fleet else model.config.to_dict(), tok.to_str(), sandbox_url)
-        wkw = {
-            "device": str(device),
-            "threads": spec.trainer.threads,
-            "max_batch": max_batch,
-            "max_total_tokens": 1 << 20,
-            "executor_factory": executor_factory,
-            "engine_factory": engine_factory,
-            "fleet": fleet,
-            "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
-        }
-        worker = _Ray(wargs, wkw, device.type == "cuda" and not fleet) if use_ray else _Local(*wargs, **wkw)
-        stack.callback(worker.close)
+        worker = None
+        if main:
+            sandbox_url = None
+            if executor_factory is None:
+                sandbox_url = stack.enter_context(_sandbox(job))
+            wargs = (None if fleet else model.config.to_dict(), tok.to_str(), sandbox_url)
+            wkw = {
+                "device": str(device),
+                "threads": spec.trainer.threads,
+                "max_batch": 512,
+                "max_total_tokens": 1 << 20,
+                "executor_factory": executor_factory,
+                "engine_factory": engine_factory,
+                "fleet": fleet,
+                "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
+            }
+            use_gpu = device.type == "cuda" and not fleet
+            worker = _Ray(wargs, wkw, use_gpu) if use_ray else _Local(*wargs, **wkw)
+            stack.callback(worker.close)
         weights = None
         if fleet is not None:
-            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out))
+            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx)
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,
@@ -272,28 +324,30 @@ def run_job(
             worker,
             store,
             sink,
-            algorithm=algo,
+            algorithm=algorithm,
             device=device,
             deadline=deadline,
             on_progress=on_progress,
             weights=weights,
+            ctx=ctx,
         )
-        resumed = payload is not None and pipe.resume(payload)
+        resumed = pipe.resume(payload) if ctx.broadcast(payload is not None) else False
         payload = None  # the model and optimizer hold it now
         if resumed and console is not None:
             console.print(f"resumed from {store.uri} at global step {pipe.state.global_step}")
         if console is not None:
+            ranks = f", {ctx.world_size} FSDP ranks" if ctx.enabled else ""
             console.print(
-                f"[bold]kuberl run[/bold] {job.metadata.name}: {algo}, {model.num_params() / 1e6:.2f}M params, "
-                f"vocab {tok.vocab_size}, device {device}, {'ray' if use_ray else 'in-process'} rollout worker, "
-                f"rollouts on {fleet.describe() if fleet else 'the local engine'}"
+                f"[bold]kuberl run[/bold] {job.metadata.name}: {algorithm}, {n_params / 1e6:.2f}M params, "
+                f"vocab {tok.vocab_size}, device {device}{ranks}, {'ray' if use_ray else 'in-process'} rollout "
+                f"worker, rollouts on {fleet.describe() if fleet else 'the local engine'}"
             )
         if progress is not None:
             stack.enter_context(progress)
         result = pipe.run()
     result.evals["wall_seconds"] = time.time() - t_start
     if console is not None:
-        console.print(summary_table(result, algo))
+        console.print(summary_table(result, algorithm))
     return result
 
 

@@ -106,6 +106,18 @@ class MetricsSink:
             f.write(json.dumps(rec) + "\n")
 
 
+class NullSink:
+    """The sink of FSDP ranks other than 0: rank 0 alone writes records, events and gauges."""
+
+    port: int | None = None
+
+    def step(self, record: dict[str, Any]) -> None:
+        pass
+
+    def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
+        pass
+
+
 class RolloutMirror:
     """Copies a remote rollout worker's per-engine metrics into this process's registry.
 

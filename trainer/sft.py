@@ -38,13 +38,24 @@ def pad_batch(
     return ids[:, :-1], att[:, :-1], ids[:, 1:], lm[:, 1:]
 
 
-def sft_loss(model: nn.Module, seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], device="cpu"):
-    """Token-mean cross-entropy over assistant tokens; returns (loss, token accuracy)."""
+def sft_loss(
+    model: nn.Module,
+    seqs: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[int]],
+    device="cpu",
+    num_tokens: float | None = None,
+):
+    """Token-mean cross-entropy over assistant tokens; returns (loss, token accuracy).
+
+    ``num_tokens``: the denominator when ``seqs`` is one rank's share of a larger batch (the
+    whole batch's assistant tokens), so the ranks' losses add up to the batch's; the accuracy
+    is then this share's correct tokens over the same denominator (they add up too).
+    """
     inp, att, tgt, tm = pad_batch(seqs, masks, device)
     logits, _ = model(inp, attention_mask=att)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="none")
     ce = ce.view_as(tm)
-    n = tm.sum().clamp(min=1.0)
+    n = tm.sum().clamp(min=1.0) if num_tokens is None else max(1.0, float(num_tokens))
     loss = (ce * tm).sum() / n
     with torch.no_grad():
         acc = float(((logits.argmax(-1) == tgt).float() * tm).sum() / n)

@@ -31,7 +31,8 @@ from kuberl.api.job import AgenticRLJob, StageSpec
 from kuberl.rollout import template
 from kuberl.trainer import data as data_mod
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
-from kuberl.trainer.grpo import prepare_batch, recompute_old_logprobs, rl_update
+from kuberl.trainer.distributed import DistContext
+from kuberl.trainer.grpo import prepare_batch, recompute_old_logprobs, rl_update, shard_step_batch
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
@@ -71,15 +72,22 @@ class Pipeline:
         deadline: float | None = None,
         on_progress: Callable[[str, int, int, dict], None] | None = None,
         weights: Any = None,
+        ctx: DistContext | None = None,
     ):
         """``weights.sync(model, version)`` brings the rollout engines up to date before every
-        rollout batch (default: the state dict to the worker's local engine, ``LocalWeights``)."""
+        rollout batch (default: the state dict to the worker's local engine, ``LocalWeights``).
+
+        ``ctx``: FSDP ranks (see :mod:`kuberl.trainer.distributed`). Every rank runs this same
+        loop in lockstep; rank 0 alone holds the rollout worker (``call``), the store writes and
+        the sink, and decides what the others must agree on (time limit, filters, evals).
+        """
+        self.ctx = ctx or DistContext()
         self.job = job
         self.spec = job.spec
         self.model = model
         self.tok = tokenizer
         self.call = call
-        self.weights = weights if weights is not None else LocalWeights(call)
+        self.weights = weights if weights is not None else LocalWeights(call, self.ctx)
         self.store = store
         self.sink = sink
         self.algorithm = algorithm
@@ -122,7 +130,7 @@ class Pipeline:
         return lr
 
     def _out_of_time(self) -> bool:
-        return self.deadline is not None and time.time() > self.deadline
+        return self.ctx.broadcast(self.deadline is not None and time.time() > self.deadline)
 
     def _sync_weights(self) -> None:
         self.weights.sync(self.model, self.state.global_step)
@@ -154,10 +162,12 @@ class Pipeline:
         self.state.extra["history"] = self.result.history
         self.state.extra["evals"] = self.result.evals
         payload = make_payload(
-            self.model, self.optimizer, self.state, self.tok.to_str(), self.model.config.to_dict()
+            self.model, self.optimizer, self.state, self.tok.to_str(), self.model.config.to_dict(), self.ctx
         )
-        where = self.store.save(payload, self.state.global_step)
         self._saved_step = self.state.global_step
+        if payload is None:  # an FSDP rank other than 0: it gave its shards, rank 0 writes
+            return ""
+        where = self.store.save(payload, self.state.global_step)
         self.sink.event("checkpoint", f"checkpoint {where}", stage.name, self.state.global_step)
         return where
 
@@ -166,31 +176,48 @@ class Pipeline:
             self.checkpoint(stage)
 
     def resume(self, payload: dict[str, Any] | None = None) -> bool:
-        """Continue from ``payload`` (default: the store's newest checkpoint); False if none."""
-        if payload is None:
+        """Continue from ``payload`` (default: the store's newest checkpoint); False if none.
+
+        With FSDP every rank calls this; rank 0's payload is the one that counts.
+        """
+        if payload is None and self.ctx.is_main:
             payload = self.store.load()
-        if payload is None:
+        index = self.ctx.broadcast(payload["state"]["stage_index"] if payload is not None else None)
+        if index is None:
             return False
-        st = payload["state"]
-        stage = self.spec.stages[min(st["stage_index"], len(self.spec.stages) - 1)]
+        stage = self.spec.stages[min(index, len(self.spec.stages) - 1)]
         self.optimizer = self._new_optimizer(self._stage_lr(stage))
-        self.state = apply_payload(payload, self.model, self.optimizer)
+        self.state, restored = apply_payload(payload, self.model, self.optimizer, self.ctx)
         self.result.history = list(self.state.extra.get("history", []))
         self.result.evals = dict(self.state.extra.get("evals", {}))
         self._saved_step = self.state.global_step
         self.sink.event(
             "resume", f"resumed at global step {self.state.global_step}", stage.name, self.state.global_step
         )
+        if not restored:
+            self.sink.event(
+                "resume",
+                "optimizer moments start afresh: the checkpoint's by-index optimizer state "
+                "(an older kuberl) only loads in a single process",
+                stage.name,
+                self.state.global_step,
+            )
         return True
 
     # -- evaluation --------------------------------------------------------------------------
 
     def evaluate(self, stage: StageSpec, label: str) -> float:
         """Sampled (temperature 1.0, one sample) accuracy on the held-out eval set."""
-        probs = self.eval_problems()
-        if not probs:
+        probs = self.eval_problems() if self.ctx.is_main else []
+        if not self.ctx.broadcast(bool(probs)):
             return math.nan
         self._sync_weights()
+        if self.ctx.is_main:
+            self._evaluate_on(probs, stage, label)
+        self.result.evals = self.ctx.broadcast(self.result.evals)
+        return self.result.evals[label]
+
+    def _evaluate_on(self, probs: list[data_mod.Problem], stage: StageSpec, label: str) -> None:
         groups = self.call(
             "rollouts",
             [self._prompt(p) for p in probs],
@@ -216,7 +243,6 @@ class Pipeline:
                 "tool_error_ratio_positive": terr,
             }
         )
-        return acc
 
     # -- stages -------------------------------------------------------------------------------
 
@@ -253,30 +279,33 @@ class Pipeline:
 
     def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
         if self._sft_cache is None:
-            batch = stage.batch_size or 32
-            n = min(stage.steps * batch, SFT_POOL_MAX)
-            probs = self._pool(stage.data or self.spec.data.train, n, self.spec.data.seed + 11)
-            traces = self.call(
-                "build_sft",
-                probs,
-                seed=self.spec.data.seed,
-                error_fraction=SFT_ERROR_FRACTION,
-                style=self.spec.rollout.prompt_template,
-            )
-            pairs = [data_mod.tokenize_segments(self.tok, segs) for segs in traces]
-            limit = self.model.config.block_size
-            fit = [p for p in pairs if len(p[0]) <= limit]
-            if not fit:
-                raise ValueError(f"no SFT trace fits the model's block_size ({limit} tokens)")
-            if len(fit) < len(pairs):
-                self.sink.event(
-                    "sft",
-                    f"dropped {len(pairs) - len(fit)} SFT traces longer than {limit} tokens",
-                    stage.name,
-                    self.state.global_step,
-                )
-            self._sft_cache = ([p[0] for p in fit], [p[1] for p in fit])
+            self._sft_cache = self.ctx.broadcast(self._build_sft_data(stage) if self.ctx.is_main else None)
         return self._sft_cache
+
+    def _build_sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
+        batch = stage.batch_size or 32
+        n = min(stage.steps * batch, SFT_POOL_MAX)
+        probs = self._pool(stage.data or self.spec.data.train, n, self.spec.data.seed + 11)
+        traces = self.call(
+            "build_sft",
+            probs,
+            seed=self.spec.data.seed,
+            error_fraction=SFT_ERROR_FRACTION,
+            style=self.spec.rollout.prompt_template,
+        )
+        pairs = [data_mod.tokenize_segments(self.tok, segs) for segs in traces]
+        limit = self.model.config.block_size
+        fit = [p for p in pairs if len(p[0]) <= limit]
+        if not fit:
+            raise ValueError(f"no SFT trace fits the model's block_size ({limit} tokens)")
+        if len(fit) < len(pairs):
+            self.sink.event(
+                "sft",
+                f"dropped {len(pairs) - len(fit)} SFT traces longer than {limit} tokens",
+                stage.name,
+                self.state.global_step,
+            )
+        return [p[0] for p in fit], [p[1] for p in fit]
 
     def _run_sft(self, stage: StageSpec) -> None:
         batch = stage.batch_size or 32
@@ -292,15 +321,23 @@ class Pipeline:
             seed_everything(self.spec.seed * 1_000_003 + self.state.global_step)
             lr = self._set_lr(stage, self.state.stage_step)
             idx = [(self.state.cursor + i) % len(seqs) for i in range(batch)]
-            loss, acc = sft_loss(self.model, [seqs[i] for i in idx], [masks[i] for i in idx], self.device)
+            mine, tokens = idx, None
+            if self.ctx.enabled:  # this rank's share; every rank knows the batch's token count
+                mine = idx[self.ctx.rank :: self.ctx.world_size]
+                tokens = float(sum(sum(masks[i][1:]) for i in idx))
+            loss, acc = sft_loss(
+                self.model, [seqs[i] for i in mine], [masks[i] for i in mine], self.device, num_tokens=tokens
+            )
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * self.ctx.loss_scale).backward()
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.grad_clip)
+            gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
             self.optimizer.step()
             self.state.cursor = (self.state.cursor + batch) % len(seqs)
+            loss_value, acc = self.ctx.all_reduce([float(loss.detach()), acc])
             rec = {
                 "type": "sft",
-                "loss": float(loss.detach()),
+                "loss": loss_value,
                 "token_acc": acc,
                 "lr": lr,
                 "grad_norm": float(gn),
@@ -325,9 +362,12 @@ class Pipeline:
 
     def _difficulty_filter(self, stage: StageSpec, probs: list[data_mod.Problem]) -> list[int]:
         """Indices of problems the current policy does NOT solve k/k (paper stage 3)."""
+        self._sync_weights()
+        return self.ctx.broadcast(self._filter_on(stage, probs) if self.ctx.is_main else None)
+
+    def _filter_on(self, stage: StageSpec, probs: list[data_mod.Problem]) -> list[int]:
         f = stage.difficulty_filter
         assert f is not None
-        self._sync_weights()
         groups = self.call(
             "rollouts",
             [self._prompt(p) for p in probs],
@@ -367,25 +407,30 @@ class Pipeline:
             probs = [pool[(self.state.cursor + i) % len(pool)] for i in range(batch)]
             self._sync_weights()
             t1 = time.perf_counter()
-            groups = self.call(
-                "rollouts",
-                [self._prompt(p) for p in probs],
-                [p.answer for p in probs],
-                n,
-                temperature=self.spec.rollout.temperature,
-                top_p=self.spec.rollout.top_p,
-                seed=self.spec.seed * 1_000_003 + gstep,
-                **self._rl_limits(stage),
-            )
+            parts = None
+            if self.ctx.is_main:
+                groups = self.call(
+                    "rollouts",
+                    [self._prompt(p) for p in probs],
+                    [p.answer for p in probs],
+                    n,
+                    temperature=self.spec.rollout.temperature,
+                    top_p=self.spec.rollout.top_p,
+                    seed=self.spec.seed * 1_000_003 + gstep,
+                    **self._rl_limits(stage),
+                )
+                sb = prepare_batch(
+                    groups,
+                    a.group_size,
+                    roc=self.algorithm == "grpo-roc",
+                    seed=self.spec.seed + gstep,
+                    filter_zero=a.filter_zero_advantage,
+                )
+                parts = shard_step_batch(sb, self.ctx.world_size) if self.ctx.enabled else [sb]
             t_roll = time.perf_counter() - t1
-            sb = prepare_batch(
-                groups,
-                a.group_size,
-                roc=self.algorithm == "grpo-roc",
-                seed=self.spec.seed + gstep,
-                filter_zero=a.filter_zero_advantage,
-            )
+            sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
             logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
+            logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
             upd = rl_update(
                 self.model,
                 self.optimizer,
@@ -395,6 +440,7 @@ class Pipeline:
                 mini_batches=min(a.mini_batches, max(1, len(sb.seqs))),
                 ppo_epochs=a.ppo_epochs,
                 device=self.device,
+                dist=self.ctx,
             )
             self.model.eval()
             self.state.cursor = (self.state.cursor + batch) % len(pool)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kuberl.rollout.fleet import push_weights
+from kuberl.trainer.distributed import DistContext, full_state_dict
 
 VERSION_RE = re.compile(r"^v(\d{8})$")
 
@@ -82,18 +83,20 @@ class DiskWeightSync:
         await push_weights(engines, path)
 
 
-def cpu_state_dict(model) -> dict[str, Any]:
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-
-
 class LocalWeights:
-    """The rollout worker's in-process engine takes the state dict itself (every sync)."""
+    """The rollout worker's in-process engine takes the state dict itself (every sync).
 
-    def __init__(self, call: Callable[..., Any]):
+    With FSDP every rank calls :meth:`sync` (it gathers the shards); rank 0 hands them over.
+    """
+
+    def __init__(self, call: Callable[..., Any], ctx: DistContext | None = None):
         self.call = call
+        self.ctx = ctx or DistContext()
 
     def sync(self, model, version: int) -> None:
-        self.call("set_weights", cpu_state_dict(model))
+        sd = full_state_dict(model, self.ctx)
+        if self.ctx.is_main:
+            self.call("set_weights", sd)
 
 
 class DiskWeights:
@@ -103,10 +106,17 @@ class DiskWeights:
     and between two updates there is nothing new to write.
     """
 
-    def __init__(self, call: Callable[..., Any], disk: DiskWeightSync, source_dir: str | Path):
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        disk: DiskWeightSync,
+        source_dir: str | Path,
+        ctx: DistContext | None = None,
+    ):
         self.call = call
         self.disk = disk
         self.source_dir = Path(source_dir)
+        self.ctx = ctx or DistContext()
         self.version: int | None = None
 
     def sync(self, model, version: int) -> None:
@@ -114,7 +124,9 @@ class DiskWeights:
             return
         from kuberl.trainer.hf import write_hf_folder
 
-        sd = cpu_state_dict(model)
+        sd = full_state_dict(model, self.ctx)
+        self.version = version
+        if not self.ctx.is_main:
+            return
         path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d), version)
         self.call("load_weights", path)
-        self.version = version
