@@ -533,3 +533,22 @@ def test_fsdp_updates_equal_the_whole_batch_update():
     assert got["clip_low"] > 0 and got["opt_steps"] == want["opt_steps"] == 2
     for k in ("clip_low", "clip_high", "ratio_mean", "ratio_max", "loss", "grad_norm", "tokens"):
         assert got[k] == pytest.approx(want[k], rel=1e-5), k
+
+
+def test_published_weights_take_the_models_serving_dtype(tiny_model, tmp_path):
+    """The trainer keeps float32 masters; engines get the dtype of the model's config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src = tmp_path / "bf16"
+    shutil.copytree(tiny_model, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    (src / "config.json").write_text(json.dumps(cfg))
+    policy = load_hf_policy(src)
+    assert next(policy.parameters()).dtype == torch.float32
+    write_hf_folder(policy.state_dict(), src, tmp_path / "v1")
+    (weights,) = (tmp_path / "v1").glob("*.safetensors")
+    assert {t.dtype for t in load_file(weights).values()} == {torch.bfloat16}

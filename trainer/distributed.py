@@ -150,15 +150,22 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def shard_policy(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """FSDP2-shard ``model`` in place (each block, then the root); no-op for one process."""
+def shard_policy(model: nn.Module, ctx: DistContext, device_type: str = "cpu") -> nn.Module:
+    """FSDP2-shard ``model`` in place (each block, then the root); no-op for one process.
+
+    On accelerators the forward/backward runs in bf16 on float32 master weights, gradients
+    reduced in float32 (the usual mixed-precision recipe); on CPU (tests) all float32.
+    """
     if not ctx.enabled:
         return model
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw: dict[str, Any] = {}
+    if device_type == "cuda":
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in _blocks(model):
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
     return model
 
 

@@ -107,8 +107,26 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], source_dir: str | Path,
     for name in HF_SIDECAR_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, out / name)
-    weights = {k.removeprefix("hf."): v for k, v in state_dict.items()}
+    dtype = serving_dtype(source_dir)
+    weights = {
+        k.removeprefix("hf."): v.to(dtype) if dtype is not None and v.is_floating_point() else v
+        for k, v in state_dict.items()
+    }
     save_torch_state_dict(weights, out, max_shard_size="5GB")
+
+
+def serving_dtype(source_dir: str | Path) -> torch.dtype | None:
+    """The dtype the model ships in (config.json ``dtype``/``torch_dtype``): the trainer keeps
+    float32 master weights, the engines get what they were started with (half the bytes)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(source_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def is_hf_source(base: str) -> bool:
@@ -160,14 +178,15 @@ def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
         raise ValueError(f"model {source!r}: could not fetch it from the Hugging Face Hub ({err})") from err
 
 
-def load_hf_policy(path: str | Path, *, dtype: str | None = None) -> HFPolicy:
-    """Load ``AutoModelForCausalLM`` from a local directory (see :func:`resolve_model_dir`)."""
+def load_hf_policy(path: str | Path, *, dtype: torch.dtype = torch.float32) -> HFPolicy:
+    """Load ``AutoModelForCausalLM`` from a local directory (see :func:`resolve_model_dir`).
+
+    float32 by default: these are the trainer's master weights (Adam's updates at lr 1e-6 are
+    below bf16's resolution); on accelerators FSDP computes in bf16 (``shard_policy``).
+    """
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {}
-    if dtype:
-        kwargs["dtype"] = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return HFPolicy(model, str(path))
 
 

@@ -253,7 +253,7 @@ def run_job(
                 f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
             )
         n_params = model.num_params()
-        shard_policy(model, ctx)
+        shard_policy(model, ctx, device.type)
         result = _run_pipeline(
             job, out, ctx, model, tok, store, payload, fleet, shared, n_params,
             algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
