@@ -57,18 +57,26 @@ class SGLangHTTPError(SGLangError):
 
 
 def build_generate_payload(req: GenerateRequest) -> dict[str, Any]:
-    """The /generate request body for one GenerateRequest (pure, for the contract tests)."""
+    """The /generate request body for one GenerateRequest (pure, for the contract tests).
+
+    A seeded request passes its seed as ``sampling_seed`` (SamplingParams since SGLang 0.5.3):
+    a server started with ``--enable-deterministic-inference`` then samples the same tokens
+    whatever the batch, as the LocalEngine does; other servers ignore it.
+    """
+    params: dict[str, Any] = {
+        "max_new_tokens": req.max_new_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop_token_ids": list(req.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if req.seed is not None:
+        params["sampling_seed"] = req.seed
     return {
         "rid": req.rid,
         "input_ids": list(req.input_ids),
-        "sampling_params": {
-            "max_new_tokens": req.max_new_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "stop_token_ids": list(req.stop_token_ids),
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
-        },
+        "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
     }

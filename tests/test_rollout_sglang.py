@@ -356,6 +356,9 @@ async def test_unreachable_server_is_unhealthy_and_a_clear_error():
 def test_pure_parsers_reject_contract_violations():
     payload = build_generate_payload(GenerateRequest([1, 2], 5, stop_token_ids=(9,), rid="r1"))
     assert payload["rid"] == "r1" and payload["sampling_params"]["max_new_tokens"] == 5
+    assert "sampling_seed" not in payload["sampling_params"]  # unseeded: the server's own RNG
+    seeded = build_generate_payload(GenerateRequest([1, 2], 5, seed=1234))
+    assert seeded["sampling_params"]["sampling_seed"] == 1234
     ok = {"output_ids": [3], "meta_info": {"finish_reason": {"type": "stop", "matched": 3},
                                             "output_token_logprobs": [[-1.5, 3, "x"]]}}  # fmt: skip
     assert parse_generate_response(ok).output_logprobs == [-1.5]
