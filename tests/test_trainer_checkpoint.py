@@ -237,6 +237,9 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
         store = CheckpointStore("s3://ckpts/rl", keep=10)
         assert store.names() == ["ckpt-00000062.pt", "ckpt-00000064.pt"]
         _assert_same_training_state(end, store.load("ckpt-00000064.pt"))
+        # the run's events outlive its folder (a trainer pod's emptyDir): kept beside the checkpoints
+        events = s3.get_object(Bucket="ckpts", Key="rl/events.jsonl")["Body"].read().decode()
+        assert events == (out / "events.jsonl").read_text() and '"kind": "done"' in events
     assert (out / "tokenizer.json").read_text() == (full / "tokenizer.json").read_text()  # the checkpoint's
     assert _untimed(res.history) == _untimed(ref.history)  # every step's reward, clip, loss, ratio...
     assert _evals(res.evals) == _evals(ref.evals)

@@ -84,3 +84,41 @@ def test_sft_traces_match_rollout_layout(tok):
         # assistant-token ids are exactly encode(turn) as the rollout loop would have sampled them
         assert [i for i, m in zip(ids, mask, strict=True) if m] == [x for t in turns for x in tok.encode(t)]
     assert 10 <= n_err <= 30
+
+
+def test_chat_traces_become_rollout_layout_segments(tmp_path):
+    from kuberl.rollout import template
+    from kuberl.trainer.data import load_sft_traces, messages_segments
+
+    call = template.render_tool_call("print(6*7)")
+    msgs = [
+        {"role": "user", "content": "6*7=?"},
+        {"role": "assistant", "content": call + call},
+        {"role": "tool", "content": "42\n"},
+        {"role": "tool", "content": "42\n"},
+        {"role": "assistant", "content": "<answer>\\boxed{42}</answer>"},
+    ]
+    segs = messages_segments(msgs, "compact")
+    assert segs == [
+        (template.render_prompt("6*7=?", "compact"), 0),
+        (call + call + template.IM_END, 1),
+        (template.render_tool_responses(["42\n", "42\n"]), 0),  # one block, as the loop writes it
+        ("<answer>\\boxed{42}</answer>" + template.IM_END, 1),
+    ]
+    f = tmp_path / "sft.jsonl"
+    f.write_text(json.dumps({"messages": msgs}) + "\n\n")
+    assert load_sft_traces(str(f), "compact") == [segs]
+    bad = {
+        "system first": [{"role": "system", "content": "x"}],
+        "ends with tool": msgs[:3],
+        "unknown role": [msgs[0], {"role": "critic", "content": "x"}],
+        "no assistant": msgs[:1],
+    }
+    for why, m in bad.items():
+        f.write_text(json.dumps({"messages": m}) + "\n")
+        with pytest.raises(ValueError, match=r"sft.jsonl:1: ") as err:
+            load_sft_traces(str(f), "compact")
+        assert err.value.args, why
+    f.write_text('{"question": "1+1=?", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r'expected \{"messages"'):
+        load_sft_traces(str(f), "compact")

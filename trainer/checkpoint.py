@@ -110,6 +110,20 @@ class CheckpointStore:
             self.delete(old)
         return self._location(name)
 
+    def put_file(self, path: str | Path, name: str) -> str:
+        """Copy a run file (e.g. events.jsonl) next to the checkpoints; returns its location.
+
+        A trainer pod's run folder is an emptyDir that goes with the pod; the checkpoint store
+        outlives it, so what Grafana annotations are made from is kept there too.
+        """
+        if self._s3 is None:
+            tmp = Path(self.uri) / f".{name}.tmp"
+            tmp.write_bytes(Path(path).read_bytes())
+            tmp.replace(Path(self.uri) / name)
+        else:
+            self._s3.upload_file(str(path), self.bucket, self._key(name))
+        return self._location(name)
+
     def delete(self, name: str) -> None:
         if self._s3 is None:
             (Path(self.uri) / name).unlink(missing_ok=True)

@@ -161,6 +161,55 @@ async def build_sft_traces(
     ]
 
 
+def messages_segments(messages: Sequence[dict], style: str) -> list[tuple[str, int]]:
+    """(text, trainable) segments of a chat trace in the rollout layout.
+
+    ``messages``: a first ``user`` message (the problem), then ``assistant`` turns (trained on,
+    each closed by ``<|im_end|>``) and ``tool`` messages (context: consecutive ones form one
+    tool-response block, as the rollout loop writes them). Assistant turns contain tool calls
+    in the ``<tool_call>`` format the loop parses.
+    """
+    if not messages or messages[0].get("role") != "user":
+        raise ValueError("a trace starts with a user message (the problem)")
+    segs: list[tuple[str, int]] = [(template.render_prompt(str(messages[0].get("content", "")), style), 0)]
+    tools: list[str] = []
+    for m in messages[1:]:
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"message content must be a string, got {type(content).__name__}")
+        if role == "tool":
+            tools.append(content)
+            continue
+        if role != "assistant":
+            raise ValueError(f"after the first message, roles are assistant or tool; got {role!r}")
+        if tools:
+            segs.append((template.render_tool_responses(tools), 0))
+            tools = []
+        segs.append((content + template.IM_END, 1))
+    if tools or len(segs) == 1:
+        raise ValueError("a trace ends with an assistant turn")
+    return segs
+
+
+def load_sft_traces(source: str, style: str) -> list[list[tuple[str, int]]]:
+    """Segments of every trace in a jsonl file or s3:// object of ``{"messages": [...]}`` lines
+    (non-reasoning SFT data for a real model: tool-call format and instruction following)."""
+    out: list[list[tuple[str, int]]] = []
+    for lineno, line in enumerate(_text_lines(source), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict) or not isinstance(obj.get("messages"), list):
+                raise ValueError('expected {"messages": [{"role": ..., "content": ...}, ...]}')
+            out.append(messages_segments(obj["messages"], style))
+        except (json.JSONDecodeError, ValueError) as err:
+            raise ValueError(f"{source}:{lineno}: {err}") from None
+    if not out:
+        raise ValueError(f"{source}: no SFT traces")
+    return out
+
+
 def tokenizer_corpus(n: int, seed: int) -> list[str]:
     """Representative text for training the BPE: prompts, tool calls, outputs, tracebacks, answers."""
     rng = random.Random(seed)

@@ -100,9 +100,13 @@ class MetricsSink:
             if v is not None and math.isfinite(v):
                 g[gauge].labels(self.job, *extra).set(v)
 
+    @property
+    def events_path(self) -> Path:
+        return self.out / "events.jsonl"
+
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
-        with open(self.out / "events.jsonl", "a", encoding="utf-8") as f:
+        with open(self.events_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
 
 
@@ -110,6 +114,7 @@ class NullSink:
     """The sink of FSDP ranks other than 0: rank 0 alone writes records, events and gauges."""
 
     port: int | None = None
+    events_path: Path | None = None
 
     def step(self, record: dict[str, Any]) -> None:
         pass

@@ -169,6 +169,7 @@ class Pipeline:
             return ""
         where = self.store.save(payload, self.state.global_step)
         self.sink.event("checkpoint", f"checkpoint {where}", stage.name, self.state.global_step)
+        self._keep_events()
         return where
 
     def _checkpoint_unless_saved(self, stage: StageSpec) -> None:
@@ -275,7 +276,14 @@ class Pipeline:
             None,
             self.state.global_step,
         )
+        self._keep_events()
         return self.result
+
+    def _keep_events(self) -> None:
+        """events.jsonl next to the checkpoints too: a trainer pod's run folder dies with the pod."""
+        path = self.sink.events_path
+        if path is not None and path.is_file():
+            self.store.put_file(path, "events.jsonl")
 
     def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
         if self._sft_cache is None:
@@ -283,16 +291,25 @@ class Pipeline:
         return self._sft_cache
 
     def _build_sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
-        batch = stage.batch_size or 32
-        n = min(stage.steps * batch, SFT_POOL_MAX)
-        probs = self._pool(stage.data or self.spec.data.train, n, self.spec.data.seed + 11)
-        traces = self.call(
-            "build_sft",
-            probs,
-            seed=self.spec.data.seed,
-            error_fraction=SFT_ERROR_FRACTION,
-            style=self.spec.rollout.prompt_template,
-        )
+        """The stage's traces: synthesized for ``builtin:arith`` (tool outputs from the sandbox),
+        else read from the stage's ``data`` (jsonl chat traces, :func:`data.load_sft_traces`)."""
+        source = stage.data or self.spec.data.train
+        style = self.spec.rollout.prompt_template
+        if source.startswith("builtin:"):
+            batch = stage.batch_size or 32
+            n = min(stage.steps * batch, SFT_POOL_MAX)
+            probs = self._pool(source, n, self.spec.data.seed + 11)
+            traces = self.call(
+                "build_sft", probs, seed=self.spec.data.seed, error_fraction=SFT_ERROR_FRACTION, style=style
+            )
+        else:
+            try:
+                traces = data_mod.load_sft_traces(source, style)
+            except ValueError as err:
+                raise ValueError(
+                    f"stage '{stage.name}' (sft): {err}; an SFT stage on your own data needs stage.data: "
+                    'a jsonl of {"messages": [user, assistant/tool turns...]} traces'
+                ) from err
         pairs = [data_mod.tokenize_segments(self.tok, segs) for segs in traces]
         limit = self.model.config.block_size
         fit = [p for p in pairs if len(p[0]) <= limit]
