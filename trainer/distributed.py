@@ -72,7 +72,10 @@ class DistContext:
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
 
     def close(self) -> None:
+        """Leave the group together: a rank that tears gloo down while a peer is still sending
+        aborts the peer (``terminate called without an active exception``)."""
         if self.enabled and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
     # -- collectives (no-ops for a single process) ----------------------------------------------
