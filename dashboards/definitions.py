@@ -164,9 +164,28 @@ SANDBOX: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
+        "Answer verification",
+        "math-verify calls per second by outcome (correct, wrong, timeout, error); timeouts are "
+        "answers the verifier had to be killed on.",
+        (Query(f"sum by (outcome) (rate(kuberl_sandbox_verify_calls_total{{{P}}}[{RATE}]))", "{{outcome}}"),),
+        unit="reqps",
+        min=0,
+    ),
+    PanelSpec(
         "Replicas",
-        "Sandbox pods currently scraped (one series per pod), i.e. the pool's live replicas.",
-        (Query(f"count by (pool) (kuberl_sandbox_workers_busy{{{P}}})", "{{pool}}"),),
+        "What the operator's autoscaler wants for the pool, what is ready, and the pods scraped "
+        "(one series per pod); a lasting gap between desired and ready is a pool that cannot schedule.",
+        (
+            Query(
+                'max by (name) (kuberl_autoscaler_desired_replicas{kind="SandboxPool", name=~"$pool"})',
+                "desired {{name}}",
+            ),
+            Query(
+                'max by (name) (kuberl_autoscaler_ready_replicas{kind="SandboxPool", name=~"$pool"})',
+                "ready {{name}}",
+            ),
+            Query(f"count by (pool) (kuberl_sandbox_workers_busy{{{P}}})", "scraped {{pool}}"),
+        ),
         min=0,
     ),
 )
@@ -187,22 +206,28 @@ ROLLOUT: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
-        "Tokens/s (per rollout)",
-        "Mean response tokens per second of step time: mean response length / step wall time, per "
-        "training job; multiply by rollouts per step for the fleet's generation rate.",
+        "Tokens/s per engine",
+        "Tokens each engine generated per second for the rollouts (policy tokens, not prompts or "
+        "tool responses); the sum is the fleet's generation rate.",
         (
             Query(
-                "max by (job) (kuberl_train_response_length_tokens) / max by (job) (kuberl_train_step_seconds)",
-                "{{job}}",
+                f"sum by (engine) (rate(kuberl_rollout_generated_tokens_total{{{E}}}[{RATE}]))", "{{engine}}"
             ),
+            Query(f"sum(rate(kuberl_rollout_generated_tokens_total{{{E}}}[{RATE}]))", "fleet"),
         ),
         min=0,
     ),
     PanelSpec(
         "Autoscaler replicas",
-        "Engines registered with the rollout scheduler (joined and not yet drained): the replicas "
-        "the RolloutFleet autoscaler has brought up.",
-        (Query(f"count(kuberl_rollout_kv_cache_utilization{{{E}}})", "engines"),),
+        "Per RolloutFleet: the replicas the operator's autoscaler wants (KV-cache use and queued "
+        "requests) and those ready; and the engines the trainer's scheduler has in rotation.",
+        (
+            Query(
+                'max by (name) (kuberl_autoscaler_desired_replicas{kind="RolloutFleet"})', "desired {{name}}"
+            ),
+            Query('max by (name) (kuberl_autoscaler_ready_replicas{kind="RolloutFleet"})', "ready {{name}}"),
+            Query(f"count(kuberl_rollout_kv_cache_utilization{{{E}}})", "in rotation"),
+        ),
         min=0,
     ),
 )

@@ -7,6 +7,9 @@ sandbox service (``kuberl sandbox serve``) driven with real tool calls. Then eve
 expression of every dashboard panel is evaluated through ``/api/v1/query`` and must return a
 non-empty result. The same endpoints' exposition text must pass ``promtool check metrics``.
 
+The operator (a ``kuberl operator`` process) reconciles a SandboxPool and a RolloutFleet in the
+kmock Kubernetes API emulator meanwhile, so its autoscaler metrics are scraped too.
+
 The run trains the tiny model with SFT, but its rollouts come from ``ScriptedArithEngine``
 (``run_job(engine_factory=...)``): a tiny policy never calls the tool, so nothing would reach
 the sandbox and no rollout would be correct. The script's tool calls run in the real sandbox
@@ -39,6 +42,8 @@ from kuberl.dashboards.metrics_catalog import CATALOG, metric_for_series
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "obs-e2e"
 POOL = "obs-e2e"
+FLEET = "obs-fleet"
+NS = "obs"
 HAVE_SANDBOX = importlib.util.find_spec("kuberl.sandbox.local") is not None
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
@@ -110,6 +115,89 @@ class _ToolTraffic:
             self.error = err
 
 
+def _post(url: str, body: dict) -> None:
+    req = urllib.request.Request(  # noqa: S310 - loopback only
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=10):  # noqa: S310
+        pass
+
+
+@contextlib.contextmanager
+def _operator_on_emulator(tmp: Path):
+    """`kuberl operator` reconciling a SandboxPool and a RolloutFleet in ClusterEmulator (over
+    HTTP, from a kubeconfig); yields the host:port of the operator's /metrics."""
+    import os
+    import sys
+
+    import kmock
+
+    from kuberl.operator.testing import ClusterEmulator
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="emulator", daemon=True)
+    thread.start()
+    stack = contextlib.AsyncExitStack()
+
+    async def start() -> str:
+        emu = await stack.enter_async_context(ClusterEmulator(namespaces={NS}))
+        srv = await stack.enter_async_context(kmock.Server(emu))
+        return str(srv.url).rstrip("/")
+
+    url = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emu",
+                "clusters": [{"name": "emu", "cluster": {"server": url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": NS}}],
+            }
+        )
+    )
+    port = _free_port()
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "KUBERL_RECONCILE_INTERVAL": "0.5",
+        "KUBERL_AUTOSCALE_INTERVAL": "0.5",
+        "KUBERL_OPERATOR_METRICS_PORT": str(port),
+    }
+    env.pop("KUBERL_WEBHOOK_PORT", None)
+    log = open(tmp / "operator.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kuberl", "operator", "-n", NS], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        api = f"{url}/apis/kuberl.io/v1alpha1/namespaces/{NS}"
+        meta = {"namespace": NS}
+        _post(
+            f"{api}/sandboxpools",
+            {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": POOL, **meta},
+             "spec": {"replicas": 2}},
+        )  # fmt: skip
+        _post(
+            f"{api}/rolloutfleets",
+            {"apiVersion": "kuberl.io/v1alpha1", "kind": "RolloutFleet", "metadata": {"name": FLEET, **meta},
+             "spec": {"replicas": 1, "model": {"uri": "m"}, "accelerator": {"profile": "cpu", "count": 1}}},
+        )  # fmt: skip
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        asyncio.run_coroutine_threadsafe(stack.aclose(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
 @contextlib.contextmanager
 def _prometheus(tmp: Path, targets: dict[str, str]):
     port = _free_port()
@@ -158,8 +246,10 @@ def _prometheus(tmp: Path, targets: dict[str, str]):
         log.close()
 
 
-def query(base: str, expr: str) -> list[dict]:
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def query(base: str, expr: str, at: float | None = None) -> list[dict]:
+    """An instant query, at ``at`` (unix seconds) when given, as Grafana evaluates a time range."""
+    params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode(params)
     body = json.loads(_get(url))
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -168,7 +258,7 @@ def query(base: str, expr: str) -> list[dict]:
 def concrete(expr: str) -> str:
     """Substitute the dashboard variables the way Grafana would for this run."""
     return (
-        expr.replace("$__rate_interval", "20s")
+        expr.replace("$__rate_interval", "1m")
         .replace('"$job"', f'"{JOB}"')
         .replace('"$pool"', f'"{POOL}"')
         .replace('"$engine"', '".+"')
@@ -191,7 +281,10 @@ def scraped(tmp_path_factory):
     mp.setenv("KUBERL_METRICS_PORT", str(train_port))
     with contextlib.ExitStack() as stack:
         stack.callback(mp.undo)
-        targets = {"kuberl-trainer": f"127.0.0.1:{train_port}"}
+        targets = {
+            "kuberl-trainer": f"127.0.0.1:{train_port}",
+            "kuberl-operator": stack.enter_context(_operator_on_emulator(tmp)),
+        }
         executor_factory = None
         traffic = None
         if HAVE_SANDBOX:
@@ -210,6 +303,11 @@ def scraped(tmp_path_factory):
             traffic.thread.start()
             stack.callback(traffic.thread.join, 30)
             stack.callback(traffic.stop.set)
+        # the operator's workloads become ready while the trainer runs, not after it: the
+        # trainer's rates must still be inside the query window when the panels are evaluated
+        deadline = time.time() + 60
+        while len(query(prom, "kuberl_autoscaler_ready_replicas > 0")) < 2 and time.time() < deadline:
+            time.sleep(0.5)
         job = find_one(load_manifests(_job_manifest(tmp)), AgenticRLJob)
         run_job(
             job,
@@ -219,25 +317,29 @@ def scraped(tmp_path_factory):
             engine_factory=lambda model, tokenizer: ScriptedArithEngine(tokenizer),
             quiet=True,
         )
+        # panels are evaluated just after the run ended (the scrape after it holds its last
+        # values), however long the waits below and the tests take: a dashboard opened on the run
+        run_end = time.time() + 2.0
         # the run is over but its gauges stay served; wait until Prometheus has them all twice
         deadline = time.time() + 60
         while time.time() < deadline:
             have = query(prom, f'count_over_time(kuberl_train_reward_mean{{job="{JOB}"}}[1m])')
-            if have and float(have[0]["value"][1]) >= 3:
+            ready = query(prom, "kuberl_autoscaler_ready_replicas > 0")
+            if have and float(have[0]["value"][1]) >= 3 and len(ready) == 2 and time.time() > run_end + 1:
                 break
             time.sleep(0.5)
         if traffic is not None:
             assert traffic.error is None, traffic.error
             assert traffic.calls > 0
-        yield prom, {name: f"http://{hp}/metrics" for name, hp in targets.items()}, tmp
+        yield prom, {name: f"http://{hp}/metrics" for name, hp in targets.items()}, tmp, run_end
 
 
 @pytest.mark.parametrize(("uid", "title", "expr"), all_expressions(), ids=lambda x: str(x)[:60])
 def test_every_panel_query_has_data(scraped, uid, title, expr):
     if uid == "kuberl-sandbox" and not HAVE_SANDBOX:
         pytest.skip("kuberl.sandbox.local (the sandbox component) is not in this checkout yet")
-    prom, _, _ = scraped
-    result = query(prom, concrete(expr))
+    prom, _, _, at = scraped
+    result = query(prom, concrete(expr), at)
     assert result, f"{uid} / {title}: empty result for {concrete(expr)}"
     values = [float(r["value"][1]) for r in result]
     assert any(math.isfinite(v) for v in values), f"{uid} / {title}: only NaN/Inf for {concrete(expr)}"
@@ -249,7 +351,7 @@ def test_tool_error_ratio_in_positives_arrives_through_prometheus(scraped):
     """The scripted policy's known ratio, computed by the trainer from real sandbox outcomes."""
     from tests.trainer_fakes import ScriptedArithEngine
 
-    prom, _, tmp = scraped
+    prom, _, tmp, _ = scraped
     rl = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rl if r.get("type") == "rl"]
     assert len(rl) == 3 and all(r["reward_mean"] == 0.5 for r in rl), rl  # 2 of every 4 verified correct
@@ -262,7 +364,7 @@ def test_tool_error_ratio_in_positives_arrives_through_prometheus(scraped):
 
 
 def test_scraped_series_are_catalogued_with_their_labels(scraped):
-    prom, _, _ = scraped
+    prom, _, _, _ = scraped
     names = json.loads(_get(f"{prom}/api/v1/label/__name__/values"))["data"]
     ours = [n for n in names if n.startswith("kuberl_")]
     assert ours
@@ -273,7 +375,7 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
             extra = set(series["metric"]) - set(spec.labels) - {"__name__", "instance", "le"}
             assert extra <= ({"job"} if "job" not in spec.labels else set()), (n, series["metric"])
     # every catalogued metric of the components present is declared, with the catalogued type
-    _, endpoints, _ = scraped
+    _, endpoints, _, _ = scraped
     declared: dict[str, str] = {}
     for url in endpoints.values():
         for line in _get(url).decode().splitlines():
@@ -281,15 +383,15 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
                 _, _, name, typ = line.split()
                 declared[name] = typ
     for m in CATALOG.values():
-        if (m.component == "sandbox" and not HAVE_SANDBOX) or m.component == "operator":
-            continue  # the operator's metrics are scraped in tests/test_operator_hardening.py
+        if m.component == "sandbox" and not HAVE_SANDBOX:
+            continue
         # prometheus-client declares counters with or without `_total` depending on its version
         typ = declared.get(m.name) or declared.get(m.name.removesuffix("_total"))
         assert typ == m.type, f"{m.name}: declared {typ!r}, catalog {m.type}"
 
 
 def test_promtool_check_metrics_is_clean(scraped):
-    _, endpoints, _ = scraped
+    _, endpoints, _, _ = scraped
     for name, url in endpoints.items():
         text = _get(url)
         assert b"kuberl_" in text, name

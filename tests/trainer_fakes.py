@@ -95,6 +95,9 @@ class ScriptedArithEngine(Engine):
         self.first_turns = 0
         self.weight_updates = 0
         self.generated_tokens = 0
+        self._tokens_metric = GENERATED_TOKENS.labels(
+            engine=name
+        )  # served at 0 from the start, as LocalEngine's
 
     def set_weights(self, state_dict) -> None:
         self.weight_updates += 1  # the script is the policy: weights do not change what it writes
@@ -125,7 +128,7 @@ class ScriptedArithEngine(Engine):
         if len(ids) > req.max_new_tokens:
             ids, finish = ids[: req.max_new_tokens], "length"
         self.generated_tokens += len(ids)
-        GENERATED_TOKENS.labels(engine=self.name).inc(len(ids))
+        self._tokens_metric.inc(len(ids))
         return GenerateOutput(ids, [-1.0] * len(ids), finish)
 
     async def max_total_tokens(self) -> int:
