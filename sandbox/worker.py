@@ -46,6 +46,8 @@ from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 DEFAULT_UID_BASE = 61000
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
+# prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
+_LIBC = ctypes.CDLL(None, use_errno=True)
 DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
 
 
@@ -161,6 +163,12 @@ class Slot:
         self.protected = self.own_pids
         self.seccomp = SeccompProgram.compile(self.protected)
         self.landlock_abi = landlock.abi_version()
+        self.landlock: landlock.WriteRuleset | None = None
+        if self.landlock_abi >= 1:
+            try:
+                self.landlock = landlock.WriteRuleset.build([self.dir], [os.devnull], self.landlock_abi)
+            except OSError as err:  # e.g. a container seccomp profile that allows only some calls
+                print(f"landlock unavailable: {err}", file=sys.stderr)
         self.protections = {
             "cgroup_memory": self.cgroup.memory,
             "cgroup_pids": self.cgroup.pids,
@@ -169,7 +177,7 @@ class Slot:
             # (root ignores it: a root call in basic isolation has no cap, and says so)
             "pids": self.cgroup.pids or self.uid is not None or os.geteuid() != 0,
             "seccomp": self.seccomp is not None,
-            "landlock": self.landlock_abi >= 1,
+            "landlock": self.landlock is not None,
             "disk_quota": True,
             "rlimits": True,
             "setsid": True,
@@ -316,19 +324,26 @@ def _dir_bytes(path: str) -> int:
 
 def _real_uid_and_threads(pid: str) -> tuple[int, int] | None:
     """From /proc/PID/status: /proc/PID itself is owned by root for a non-dumpable process
-    (ours, and every call after a uid change), so its owner says nothing about the uid."""
+    (ours, and every call after a uid change), so its owner says nothing about the uid.
+    Runs for every process after every call outside a PID namespace: raw reads and ``find``
+    instead of line parsing (30 -> 8 us a process)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as fh:
-            text = fh.read()
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY)
     except OSError:
         return None
-    uid = threads = None
-    for line in text.splitlines():
-        if line.startswith(b"Uid:"):
-            uid = int(line.split()[1])
-        elif line.startswith(b"Threads:"):
-            threads = int(line.split()[1])
-    return (uid, threads or 1) if uid is not None else None
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    at = text.find(b"\nUid:")
+    if at < 0:
+        return None
+    uid = int(text[at + 5 : text.index(b"\t", at + 6)])
+    at = text.find(b"\nThreads:")
+    threads = int(text[at + 9 : text.index(b"\n", at + 9)]) if at >= 0 else 1
+    return uid, threads
 
 
 def _uid_task_count(uid: int) -> int:
@@ -505,11 +520,11 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         os.setuid(slot.uid)
     os.environ["HOME"] = slot.dir
     os.environ["TMPDIR"] = slot.dir  # the only place it may write
-    _libc = ctypes.CDLL(None, use_errno=True)
-    if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
+    if _LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if slot.landlock_abi >= 1:
-        landlock.restrict_writes([slot.dir], [os.devnull], slot.landlock_abi)
+    if slot.landlock is not None:
+        slot.landlock.restrict_self()
+        slot.landlock.close()
     if slot.seccomp is not None:
         slot.seccomp.load()
 
@@ -541,6 +556,15 @@ def _run_user_code(code: str) -> dict[str, Any]:
         return {"status": "error", "traceback": text}
 
 
+def _close_fds(keep: tuple[int, ...]) -> None:
+    """Close every descriptor above stderr but ``keep`` (negative entries are ignored)."""
+    low = 3
+    for fd in sorted(k for k in set(keep) if k >= low):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
+
+
 def _child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int) -> None:
     stdin_path = os.path.join(slot.dir, ".stdin")
     with open(stdin_path, "w") as fh:
@@ -551,8 +575,7 @@ def _child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int)
     for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    os.closerange(3, meta_w)
-    os.closerange(meta_w + 1, 1 << 16)
+    _close_fds(keep=(meta_w, slot.landlock.fd if slot.landlock is not None else -1))
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
@@ -579,8 +602,7 @@ def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: in
     devnull = os.open(os.devnull, os.O_RDWR)
     for target in (0, 1, 2):
         os.dup2(devnull, target)
-    os.closerange(3, meta_w)
-    os.closerange(meta_w + 1, 1 << 16)
+    _close_fds(keep=(meta_w, slot.landlock.fd if slot.landlock is not None else -1))
     _enter_sandbox(slot, cfg, float(req["timeout"]))
     from math_verify import parse, verify
 
