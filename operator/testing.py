@@ -386,3 +386,20 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 0)},
             "status": {"replicas": st.get("replicas", 0), "selector": st.get("selector", "")},
         }
+
+
+def write_kubeconfig(path: Any, server: str, namespace: str, token: str = "test-token") -> None:
+    """A kubeconfig for ``server`` (an emulator's URL) with a bearer token and a default
+    namespace: how a test starts ``kuberl operator`` as a subprocess against the emulator."""
+    import yaml
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": server}}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": namespace}}],
+    }
+    with open(path, "w") as fh:
+        yaml.safe_dump(config, fh)

@@ -20,7 +20,7 @@ import pytest
 
 from kuberl.operator.handlers import OperatorConfig
 from kuberl.operator.main import operate
-from kuberl.operator.testing import ClusterEmulator
+from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
 
 NS = "e2e"
 API = "/apis/kuberl.io/v1alpha1/namespaces/e2e"
@@ -663,8 +663,6 @@ async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
     import signal
     import sys
 
-    import yaml
-
     async with (
         ClusterEmulator(namespaces={NS}) as emu,
         kmock.Server(emu) as srv,
@@ -672,20 +670,7 @@ async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
     ):
         url = str(srv.url).rstrip("/")
         kubeconfig = tmp_path / "kubeconfig"
-        kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "emu",
-                    "clusters": [{"name": "emu", "cluster": {"server": url}}],
-                    "users": [{"name": "u", "user": {"token": "test-token"}}],
-                    "contexts": [
-                        {"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": NS}}
-                    ],
-                }
-            )
-        )
+        write_kubeconfig(kubeconfig, url, NS)
         env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),

@@ -132,7 +132,7 @@ def _operator_on_emulator(tmp: Path):
 
     import kmock
 
-    from kuberl.operator.testing import ClusterEmulator
+    from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="emulator", daemon=True)
@@ -146,18 +146,7 @@ def _operator_on_emulator(tmp: Path):
 
     url = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     kubeconfig = tmp / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "emu",
-                "clusters": [{"name": "emu", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": NS}}],
-            }
-        )
-    )
+    write_kubeconfig(kubeconfig, url, NS)
     port = _free_port()
     env = {
         **os.environ,
