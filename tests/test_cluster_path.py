@@ -348,25 +348,27 @@ def test_large_checkpoints_go_to_s3_in_parts(s3):
 
 
 def _hf_job(model: Path, **rollout) -> AgenticRLJob:
-    return AgenticRLJob.model_validate(
-        {
-            "apiVersion": "kuberl.io/v1alpha1",
-            "kind": "AgenticRLJob",
-            "metadata": {"name": "hf-fleet"},
-            "spec": {
-                "model": {"base": str(model)},
-                "data": {"train": "builtin:arith"},
-                "algorithm": {"groupSize": 2, "learningRate": 0.001, "warmupSteps": 1, "batchPrompts": 2},
-                "rollout": {"maxTurns": 2, "maxResponseTokens": 32, "promptTemplate": "compact", **rollout},
-                "stages": [
-                    {"name": "sft", "type": "sft", "steps": 3, "learningRate": 0.003, "batchSize": 4},
-                    {"name": "rl", "type": "rl", "steps": 2},
-                ],
-                "trainer": {"device": "cpu", "threads": 1},
-                "checkpoint": {"uri": "ck", "everySteps": 50, "keep": 1},
-            },
-        }
-    )
+    return AgenticRLJob.model_validate(_hf_job_dict(model, **rollout))
+
+
+def _hf_job_dict(model: Path, **rollout) -> dict:
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "AgenticRLJob",
+        "metadata": {"name": "hf-fleet"},
+        "spec": {
+            "model": {"base": str(model)},
+            "data": {"train": "builtin:arith"},
+            "algorithm": {"groupSize": 2, "learningRate": 0.001, "warmupSteps": 1, "batchPrompts": 2},
+            "rollout": {"maxTurns": 2, "maxResponseTokens": 32, "promptTemplate": "compact", **rollout},
+            "stages": [
+                {"name": "sft", "type": "sft", "steps": 3, "learningRate": 0.003, "batchSize": 4},
+                {"name": "rl", "type": "rl", "steps": 2},
+            ],
+            "trainer": {"device": "cpu", "threads": 1},
+            "checkpoint": {"uri": "ck", "everySteps": 50, "keep": 1},
+        },
+    }
 
 
 async def _loads(srv: Servers) -> list[dict]:
@@ -576,3 +578,37 @@ def test_published_weights_take_the_models_serving_dtype(tiny_model, tmp_path):
     write_hf_folder(policy.state_dict(), src, tmp_path / "v1")
     (weights,) = (tmp_path / "v1").glob("*.safetensors")
     assert {t.dtype for t in load_file(weights).values()} == {torch.bfloat16}
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_ranks_other_than_0_receive_the_hf_weights_instead_of_reading_them(tiny_model):
+    """Rank 1 builds the HF model on the meta device; rank 0 reads it and hands out the shards:
+    weights, buffers (rotary inv_freq is in no state dict) and logits equal from_pretrained's."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+         str(HERE / "dist_hf_load.py"), str(tiny_model)],
+        capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert out["ranks_built_on_meta"] == 1  # rank 1 never held the weights
+    assert out["buffers"] > 0 and out["buffer_diff"] == 0.0
+    assert out["same_keys"] and out["weights_diff"] == 0.0
+    assert out["logits_diff"] < 1e-5, out
+
+
+@pytest.mark.timeout(300)
+def test_an_hf_run_on_two_ranks_trains_like_one_process(tiny_model, tmp_path):
+    """The whole trainer path of an HF model on torchrun ranks (rank 1 starts from the meta
+    device and gets rank 0's weights): the same SFT losses and RL batches as one process."""
+    job = _hf_job_dict(tiny_model, maxResponseTokens=64, maxTurns=3)  # room for the scripted answers
+    one, _ = _dist_run(tmp_path, "one", 1, job)
+    two, _ = _dist_run(tmp_path, "two", 2, job)
+    h1, h2 = one["history"], two["history"]
+    assert [h["type"] for h in h2] == ["sft"] * 3 + ["rl"] * 2
+    for a, b in zip(h1[:3], h2[:3], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+    for a, b in zip(h1[3:], h2[3:], strict=True):
+        assert a["reward_mean"] == b["reward_mean"] and a["rollouts_kept"] == b["rollouts_kept"] > 0

@@ -172,6 +172,28 @@ def shard_policy(model: nn.Module, ctx: DistContext, device_type: str = "cpu") -
     return model
 
 
+def load_from_rank0(
+    model: nn.Module, full: dict[str, torch.Tensor] | None, ctx: DistContext, device: torch.device
+) -> None:
+    """Give every rank its shards of rank 0's weights; the other ranks built ``model`` on the
+    meta device and so never held the whole model (a 14B model is 56 GB in float32 per rank).
+
+    Call after :func:`shard_policy`, on every rank: rank 0 passes its unsharded state dict
+    (taken before sharding), the others ``None``. Buffers are broadcast too: non-persistent
+    ones (rotary ``inv_freq``) are in no state dict and would stay uninitialised memory.
+    """
+    if not ctx.enabled:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not ctx.is_main:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full if ctx.is_main and full is not None else {}, options=options)
+    for buf in model.buffers():
+        dist.broadcast(buf, src=0)
+
+
 def full_state_dict(model: nn.Module, ctx: DistContext) -> dict[str, torch.Tensor]:
     """The unsharded weights on CPU at rank 0 (other ranks get {}); all ranks must call it."""
     if not ctx.enabled:

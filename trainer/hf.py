@@ -178,15 +178,22 @@ def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
         raise ValueError(f"model {source!r}: could not fetch it from the Hugging Face Hub ({err})") from err
 
 
-def load_hf_policy(path: str | Path, *, dtype: torch.dtype = torch.float32) -> HFPolicy:
+def load_hf_policy(path: str | Path, *, dtype: torch.dtype = torch.float32, weights: bool = True) -> HFPolicy:
     """Load ``AutoModelForCausalLM`` from a local directory (see :func:`resolve_model_dir`).
 
     float32 by default: these are the trainer's master weights (Adam's updates at lr 1e-6 are
     below bf16's resolution); on accelerators FSDP computes in bf16 (``shard_policy``).
+    ``weights=False`` builds the architecture on the meta device (no memory, nothing read but
+    config.json): FSDP ranks other than 0 do that and receive their shards from rank 0
+    (``distributed.load_from_rank0``) instead of each holding the whole model first.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
     return HFPolicy(model, str(path))
 
 

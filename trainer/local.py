@@ -30,7 +30,7 @@ from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
 from kuberl.trainer.checkpoint import CheckpointStore
-from kuberl.trainer.distributed import DistContext, shard_policy
+from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
 from kuberl.trainer.grpo import RolloutWorker
 from kuberl.trainer.metrics import MetricsSink, NullSink, RolloutMirror
 from kuberl.trainer.policy import (
@@ -246,14 +246,22 @@ def run_job(
             if not is_builtin(job):
                 model_dir(job, out)
         tok = BPETokenizer.from_str(ctx.broadcast(tok_json))
-        model = build_policy(job, tok, out).to(device)
+        # an HF model on several ranks: rank 0 reads the weights, the others receive shards
+        from_rank0 = ctx.enabled and not is_builtin(job)
+        model = build_policy(job, tok, out, weights=main or not from_rank0)
+        if main or not from_rank0:
+            model = model.to(device)
         if payload is not None and not same_architecture(payload.get("model_config"), model.config.to_dict()):
             raise ManifestError(
                 f"the checkpoint in {store.uri} is of a model with config {payload['model_config']}, "
                 f"but the job builds {model.config.to_dict()}; point checkpoint.uri elsewhere to start afresh"
             )
         n_params = model.num_params()
+        full = dict(model.state_dict()) if from_rank0 and main else None
         shard_policy(model, ctx, device.type)
+        if from_rank0:
+            load_from_rank0(model, full, ctx, device)
+            del full
         result = _run_pipeline(
             job, out, ctx, model, tok, store, payload, fleet, shared, n_params,
             algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
