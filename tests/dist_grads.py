@@ -79,6 +79,7 @@ def main() -> None:
         out["rl"] = max_diff(full, plain.state_dict())
         out["rl_stats"] = [got, want]
         print(json.dumps(out))
+    ctx.barrier()
     ctx.close()
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from kuberl.trainer.distributed import DistContext, full_state_dict, load_from_rank0, shard_policy  # noqa: E402
-from kuberl.trainer.hf import load_hf_policy  # noqa: E402
+from kuberl.trainer.hf import load_hf_policy, meta_hf_policy  # noqa: E402
 
 
 def main() -> None:
@@ -26,7 +26,9 @@ def main() -> None:
     ctx = DistContext.from_env()
     ctx.init("cpu")
     ref = load_hf_policy(path)  # what every rank would have read before: the reference
-    model = load_hf_policy(path, weights=ctx.is_main)
+    model = load_hf_policy(path) if ctx.is_main else None
+    config = ctx.broadcast(model.hf.config.to_dict() if ctx.is_main else None)
+    model = model if ctx.is_main else meta_hf_policy(config, path)
     meta_before = all(p.is_meta for p in model.parameters())
     full = dict(model.state_dict()) if ctx.is_main else None
     shard_policy(model, ctx)
@@ -42,6 +44,7 @@ def main() -> None:
     worst = ctx.all_reduce([buffer_diff, float((logits - want).abs().max())], op="max")
     metas = ctx.all_reduce([1.0 if meta_before else 0.0], op="sum")
     weights = full_state_dict(model, ctx)
+    ctx.barrier()
     if ctx.is_main:
         expect = ref.state_dict()
         print(

@@ -612,3 +612,19 @@ def test_an_hf_run_on_two_ranks_trains_like_one_process(tiny_model, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
     for a, b in zip(h1[3:], h2[3:], strict=True):
         assert a["reward_mean"] == b["reward_mean"] and a["rollouts_kept"] == b["rollouts_kept"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_ends_every_rank_instead_of_hanging():
+    """A barrier in close() would leave rank 0 waiting for rank 1, which waits in a broadcast
+    for rank 0: the job would hang for gloo's 30-minute timeout instead of failing."""
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+         str(HERE / "dist_fail.py")],
+        capture_output=True, text=True, timeout=90, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode != 0 and "rank 0 fails" in proc.stderr
+    assert time.monotonic() - t0 < 60

@@ -72,10 +72,11 @@ class DistContext:
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
 
     def close(self) -> None:
-        """Leave the group together: a rank that tears gloo down while a peer is still sending
-        aborts the peer (``terminate called without an active exception``)."""
+        """Leave the group. After a successful run call :meth:`barrier` first: a rank that tears
+        gloo down while a peer is still sending aborts the peer (``terminate called without an
+        active exception``). After an error do not: the peers may never reach a barrier, and
+        tearing down is what makes their pending collectives fail instead of hang."""
         if self.enabled and dist.is_initialized():
-            dist.barrier()
             dist.destroy_process_group()
 
     # -- collectives (no-ops for a single process) ----------------------------------------------
@@ -175,22 +176,25 @@ def shard_policy(model: nn.Module, ctx: DistContext, device_type: str = "cpu") -
 def load_from_rank0(
     model: nn.Module, full: dict[str, torch.Tensor] | None, ctx: DistContext, device: torch.device
 ) -> None:
-    """Give every rank its shards of rank 0's weights; the other ranks built ``model`` on the
-    meta device and so never held the whole model (a 14B model is 56 GB in float32 per rank).
+    """Materialize a sharded ``model`` on ``device`` with rank 0's weights: the other ranks built
+    it on the meta device and never hold the whole model (a 14B model is 56 GB in float32).
 
-    Call after :func:`shard_policy`, on every rank: rank 0 passes its unsharded state dict
-    (taken before sharding), the others ``None``. Buffers are broadcast too: non-persistent
-    ones (rotary ``inv_freq``) are in no state dict and would stay uninitialised memory.
+    Call after :func:`shard_policy`, on every rank: rank 0 passes its unsharded state dict on
+    the CPU (taken before sharding, so the accelerator never holds a full copy beside the
+    shards), the others ``None``. Buffers are broadcast too: non-persistent ones (rotary
+    ``inv_freq``) are in no state dict and would stay uninitialised memory.
     """
     if not ctx.enabled:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if not ctx.is_main:
-        model.to_empty(device=device)
+    buffers = [b.detach().clone() for b in model.buffers()] if ctx.is_main else []
+    model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full if ctx.is_main and full is not None else {}, options=options)
-    for buf in model.buffers():
+    for i, buf in enumerate(model.buffers()):
+        if ctx.is_main:
+            buf.copy_(buffers[i])
         dist.broadcast(buf, src=0)
 
 

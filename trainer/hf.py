@@ -178,23 +178,28 @@ def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
         raise ValueError(f"model {source!r}: could not fetch it from the Hugging Face Hub ({err})") from err
 
 
-def load_hf_policy(path: str | Path, *, dtype: torch.dtype = torch.float32, weights: bool = True) -> HFPolicy:
+def load_hf_policy(path: str | Path, *, dtype: torch.dtype = torch.float32) -> HFPolicy:
     """Load ``AutoModelForCausalLM`` from a local directory (see :func:`resolve_model_dir`).
 
     float32 by default: these are the trainer's master weights (Adam's updates at lr 1e-6 are
     below bf16's resolution); on accelerators FSDP computes in bf16 (``shard_policy``).
-    ``weights=False`` builds the architecture on the meta device (no memory, nothing read but
-    config.json): FSDP ranks other than 0 do that and receive their shards from rank 0
-    (``distributed.load_from_rank0``) instead of each holding the whole model first.
     """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return HFPolicy(model, str(path))
+
+
+def meta_hf_policy(config: dict[str, Any], path: str, *, dtype: torch.dtype = torch.float32) -> HFPolicy:
+    """The architecture of ``config`` (an HF ``config.to_dict()``) on the meta device: no memory
+    and no download. FSDP ranks other than 0 start from this and receive their shards from
+    rank 0 (``distributed.load_from_rank0``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if weights:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    else:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
-    return HFPolicy(model, str(path))
+    cfg = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return HFPolicy(model, path)
 
 
 def policy_from_config(config: dict[str, Any]) -> nn.Module:

@@ -32,6 +32,7 @@ from kuberl.rollout.fleet import FleetSource
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
 from kuberl.trainer.grpo import RolloutWorker
+from kuberl.trainer.hf import meta_hf_policy
 from kuberl.trainer.metrics import MetricsSink, NullSink, RolloutMirror
 from kuberl.trainer.policy import (
     BUILTIN_MODEL,
@@ -235,6 +236,10 @@ def run_job(
         fleet = rollout_target(job, engines)
         shared = weights_dir(out, weights_path) / job.metadata.name if fleet is not None else None
         payload = store.load() if main else None
+        if payload is not None and not (out / "events.jsonl").exists():
+            # a restarted pod's run folder is new: continue the run's events, kept beside the
+            # checkpoints, rather than replace them with this pod's alone at the next checkpoint
+            store.get_file("events.jsonl", out / "events.jsonl")
         # Rank 0 settles the tokenizer (trained, cached or from the checkpoint) and fetches an
         # HF model into the cache before the other ranks read them.
         tok_json = None
@@ -246,10 +251,15 @@ def run_job(
             if not is_builtin(job):
                 model_dir(job, out)
         tok = BPETokenizer.from_str(ctx.broadcast(tok_json))
-        # an HF model on several ranks: rank 0 reads the weights, the others receive shards
+        # An HF model on several ranks: rank 0 alone fetches and reads it (kept on the CPU until
+        # sharded); the others build its architecture on the meta device from rank 0's config
+        # and receive their shards.
         from_rank0 = ctx.enabled and not is_builtin(job)
-        model = build_policy(job, tok, out, weights=main or not from_rank0)
-        if main or not from_rank0:
+        model = build_policy(job, tok, out) if main or not from_rank0 else None
+        if from_rank0:
+            hf = ctx.broadcast((model.hf.config.to_dict(), model.config.path) if main else None)
+            model = model if main else meta_hf_policy(*hf)
+        else:
             model = model.to(device)
         if payload is not None and not same_architecture(payload.get("model_config"), model.config.to_dict()):
             raise ManifestError(
@@ -267,6 +277,7 @@ def run_job(
             algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
             executor_factory=executor_factory, engine_factory=engine_factory, quiet=quiet or not main, device=device,
         )  # fmt: skip
+        ctx.barrier()  # leave together (see DistContext.close)
     finally:
         ctx.close()
     return result

@@ -56,10 +56,7 @@ def build_tokenizer(job: AgenticRLJob, out: Path, saved: str | None = None) -> B
         raise ManifestError(f"spec.model.tokenizer: {err}") from err
 
 
-def build_policy(job: AgenticRLJob, tok: BPETokenizer, out: Path, *, weights: bool = True) -> nn.Module:
-    """The job's policy; ``weights=False`` leaves an HF model's weights on the meta device (an
-    FSDP rank other than 0, see ``distributed.load_from_rank0``); the builtin model is always
-    built (seeded: every rank builds the same one)."""
+def build_policy(job: AgenticRLJob, tok: BPETokenizer, out: Path) -> nn.Module:
     if not is_builtin(job):
         from kuberl.trainer.hf import load_hf_policy
 
@@ -67,7 +64,7 @@ def build_policy(job: AgenticRLJob, tok: BPETokenizer, out: Path, *, weights: bo
             raise ManifestError(
                 "spec.model.config overrides the builtin model only; an HF model has its config.json"
             )
-        policy = load_hf_policy(model_dir(job, out), weights=weights)
+        policy = load_hf_policy(model_dir(job, out))
         vocab = policy.hf.get_input_embeddings().num_embeddings
         if tok.vocab_size > vocab:
             raise ManifestError(
