@@ -228,6 +228,11 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
 
     with _moto_s3(monkeypatch, "ckpts") as s3:
         s3.upload_file(str(full / "checkpoints" / "ckpt-00000062.pt"), "ckpts", "rl/ckpt-00000062.pt")
+        # what the pod before the restart kept of its events
+        before = json.dumps(
+            {"time": 1.0, "kind": "checkpoint", "text": "from the pod before", "stage": "rl", "step": 62}
+        )
+        s3.put_object(Bucket="ckpts", Key="rl/events.jsonl", Body=(before + "\n").encode())
         job = job.model_copy(deep=True)
         job.spec.checkpoint.uri = "s3://ckpts/rl"
         out = tmp_path / "resumed"
@@ -240,6 +245,7 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
         # the run's events outlive its folder (a trainer pod's emptyDir): kept beside the checkpoints
         events = s3.get_object(Bucket="ckpts", Key="rl/events.jsonl")["Body"].read().decode()
         assert events == (out / "events.jsonl").read_text() and '"kind": "done"' in events
+        assert events.startswith(before + "\n") and '"kind": "resume"' in events  # continued, not replaced
     assert (out / "tokenizer.json").read_text() == (full / "tokenizer.json").read_text()  # the checkpoint's
     assert _untimed(res.history) == _untimed(ref.history)  # every step's reward, clip, loss, ratio...
     assert _evals(res.evals) == _evals(ref.evals)

@@ -124,6 +124,24 @@ class CheckpointStore:
             self._s3.upload_file(str(path), self.bucket, self._key(name))
         return self._location(name)
 
+    def get_file(self, name: str, dest: str | Path) -> bool:
+        """Copy a file kept by :meth:`put_file` to ``dest``; False when there is none."""
+        if self._s3 is None:
+            src = Path(self.uri) / name
+            if not src.is_file():
+                return False
+            Path(dest).write_bytes(src.read_bytes())
+            return True
+        from botocore.exceptions import ClientError
+
+        try:
+            self._s3.download_file(self.bucket, self._key(name), str(dest))
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return False
+            raise
+        return True
+
     def delete(self, name: str) -> None:
         if self._s3 is None:
             (Path(self.uri) / name).unlink(missing_ok=True)

@@ -17,6 +17,7 @@ run.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -38,6 +39,8 @@ from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
 from kuberl.trainer.weight_sync import LocalWeights
+
+log = logging.getLogger("kuberl.trainer")
 
 SFT_ERROR_FRACTION = 0.3  # SFT traces that make a tool error and then fix it
 SFT_POOL_MAX = 2048  # distinct SFT traces (cycled); each one's tool outputs come from the sandbox
@@ -112,7 +115,7 @@ class Pipeline:
             )
         self._saved_step: int | None = None  # global step of the newest checkpoint
         self._pools: dict[str, list[data_mod.Problem]] = {}
-        self._sft_cache: tuple[list[list[int]], list[list[int]]] | None = None
+        self._sft_cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -283,12 +286,17 @@ class Pipeline:
         """events.jsonl next to the checkpoints too: a trainer pod's run folder dies with the pod."""
         path = self.sink.events_path
         if path is not None and path.is_file():
-            self.store.put_file(path, "events.jsonl")
+            try:
+                self.store.put_file(path, "events.jsonl")
+            except Exception as err:  # noqa: BLE001 - the checkpoint is saved; annotations can wait
+                log.warning("could not copy events.jsonl to %s: %s", self.store.uri, err)
 
     def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
-        if self._sft_cache is None:
-            self._sft_cache = self.ctx.broadcast(self._build_sft_data(stage) if self.ctx.is_main else None)
-        return self._sft_cache
+        if stage.name not in self._sft_cache:  # each SFT stage may read its own data
+            self._sft_cache[stage.name] = self.ctx.broadcast(
+                self._build_sft_data(stage) if self.ctx.is_main else None
+            )
+        return self._sft_cache[stage.name]
 
     def _build_sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
         """The stage's traces: synthesized for ``builtin:arith`` (tool outputs from the sandbox),
