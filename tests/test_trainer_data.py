@@ -109,16 +109,20 @@ def test_chat_traces_become_rollout_layout_segments(tmp_path):
     f.write_text(json.dumps({"messages": msgs}) + "\n\n")
     assert load_sft_traces(str(f), "compact") == [segs]
     bad = {
-        "system first": [{"role": "system", "content": "x"}],
-        "ends with tool": msgs[:3],
-        "unknown role": [msgs[0], {"role": "critic", "content": "x"}],
-        "no assistant": msgs[:1],
+        "a trace starts with a user message": [{"role": "system", "content": "x"}],
+        "a trace ends with an assistant turn": msgs[:3],
+        "roles are assistant or tool; got 'critic'": [msgs[0], {"role": "critic", "content": "x"}],
+        "a trace ends with an assistant turn ": msgs[:1],
+        "list of \\{role, content\\} objects": [msgs[0], "hi"],
+        "two assistant messages in a row": [msgs[0], msgs[1], msgs[1]],
+        "a tool message answers an assistant turn": [msgs[0], msgs[2], msgs[1]],
+        "with string content": [{"role": "user", "content": None}, msgs[1]],
+        "content must be a string, got list": [msgs[0], {"role": "assistant", "content": ["x"]}],
     }
     for why, m in bad.items():
         f.write_text(json.dumps({"messages": m}) + "\n")
-        with pytest.raises(ValueError, match=r"sft.jsonl:1: ") as err:
+        with pytest.raises(ValueError, match=r"sft.jsonl:1: .*" + why.strip()):
             load_sft_traces(str(f), "compact")
-        assert err.value.args, why
     f.write_text('{"question": "1+1=?", "answer": "2"}\n')
     with pytest.raises(ValueError, match=r'expected \{"messages"'):
         load_sft_traces(str(f), "compact")

@@ -169,23 +169,34 @@ def messages_segments(messages: Sequence[dict], style: str) -> list[tuple[str, i
     tool-response block, as the rollout loop writes them). Assistant turns contain tool calls
     in the ``<tool_call>`` format the loop parses.
     """
-    if not messages or messages[0].get("role") != "user":
-        raise ValueError("a trace starts with a user message (the problem)")
-    segs: list[tuple[str, int]] = [(template.render_prompt(str(messages[0].get("content", "")), style), 0)]
+    if not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    first = messages[0]
+    if first.get("role") != "user" or not isinstance(first.get("content"), str):
+        raise ValueError("a trace starts with a user message (the problem) with string content")
+    segs: list[tuple[str, int]] = [(template.render_prompt(first["content"], style), 0)]
     tools: list[str] = []
+    last = "user"
     for m in messages[1:]:
         role, content = m.get("role"), m.get("content")
         if not isinstance(content, str):
             raise ValueError(f"message content must be a string, got {type(content).__name__}")
         if role == "tool":
+            if last == "user":
+                raise ValueError(
+                    "a tool message answers an assistant turn; the first reply is the assistant's"
+                )
             tools.append(content)
-            continue
-        if role != "assistant":
+        elif role == "assistant":
+            if last == "assistant":  # the loop always puts a tool response between model turns
+                raise ValueError("two assistant messages in a row; a tool message goes between them")
+            if tools:
+                segs.append((template.render_tool_responses(tools), 0))
+                tools = []
+            segs.append((content + template.IM_END, 1))
+        else:
             raise ValueError(f"after the first message, roles are assistant or tool; got {role!r}")
-        if tools:
-            segs.append((template.render_tool_responses(tools), 0))
-            tools = []
-        segs.append((content + template.IM_END, 1))
+        last = role
     if tools or len(segs) == 1:
         raise ValueError("a trace ends with an assistant turn")
     return segs
