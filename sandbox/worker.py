@@ -327,22 +327,26 @@ def _real_uid_and_threads(pid: str) -> tuple[int, int] | None:
     (ours, and every call after a uid change), so its owner says nothing about the uid.
     Runs for every process after every call outside a PID namespace: raw reads and ``find``
     instead of line parsing (30 -> 8 us a process)."""
+    chunks: list[bytes] = []
     try:
         fd = os.open(f"/proc/{pid}/status", os.O_RDONLY)
     except OSError:
         return None
     try:
-        text = os.read(fd, 4096)
+        while chunk := os.read(fd, 8192):  # long Groups: lines make it larger than a page
+            chunks.append(chunk)
     except OSError:
         return None
     finally:
         os.close(fd)
-    at = text.find(b"\nUid:")
-    if at < 0:
+    text = b"".join(chunks)
+    try:
+        at = text.index(b"\nUid:")
+        uid = int(text[at + 5 : text.index(b"\t", at + 6)])
+        at = text.find(b"\nThreads:")
+        threads = int(text[at + 9 : text.index(b"\n", at + 9)]) if at >= 0 else 1
+    except ValueError:  # not the format we know
         return None
-    uid = int(text[at + 5 : text.index(b"\t", at + 6)])
-    at = text.find(b"\nThreads:")
-    threads = int(text[at + 9 : text.index(b"\n", at + 9)]) if at >= 0 else 1
     return uid, threads
 
 

@@ -297,6 +297,9 @@ def scraped(tmp_path_factory):
         deadline = time.time() + 60
         while len(query(prom, "kuberl_autoscaler_ready_replicas > 0")) < 2 and time.time() < deadline:
             time.sleep(0.5)
+        assert len(query(prom, "kuberl_autoscaler_ready_replicas > 0")) == 2, (
+            f"the operator did not report both workloads ready: {(tmp / 'operator.log').read_text()[-3000:]}"
+        )
         job = find_one(load_manifests(_job_manifest(tmp)), AgenticRLJob)
         run_job(
             job,
@@ -317,6 +320,8 @@ def scraped(tmp_path_factory):
             if have and float(have[0]["value"][1]) >= 3 and len(ready) == 2 and time.time() > run_end + 1:
                 break
             time.sleep(0.5)
+        else:
+            raise AssertionError(f"Prometheus did not get the run's gauges 3 times within 60 s: {have}")
         if traffic is not None:
             assert traffic.error is None, traffic.error
             assert traffic.calls > 0
