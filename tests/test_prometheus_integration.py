@@ -123,6 +123,11 @@ def _post(url: str, body: dict) -> None:
         pass
 
 
+# the operator subprocess's series only: this pytest process's own exporter (the trainer's) also
+# serves the autoscaler gauges of in-process operator tests that ran before
+OPERATOR_READY = 'kuberl_autoscaler_ready_replicas{job="kuberl-operator"} > 0'
+
+
 @contextlib.contextmanager
 def _operator_on_emulator(tmp: Path):
     """`kuberl operator` reconciling a SandboxPool and a RolloutFleet in ClusterEmulator (over
@@ -295,9 +300,9 @@ def scraped(tmp_path_factory):
         # the operator's workloads become ready while the trainer runs, not after it: the
         # trainer's rates must still be inside the query window when the panels are evaluated
         deadline = time.time() + 60
-        while len(query(prom, "kuberl_autoscaler_ready_replicas > 0")) < 2 and time.time() < deadline:
+        while len(query(prom, OPERATOR_READY)) < 2 and time.time() < deadline:
             time.sleep(0.5)
-        assert len(query(prom, "kuberl_autoscaler_ready_replicas > 0")) == 2, (
+        assert len(query(prom, OPERATOR_READY)) == 2, (
             f"the operator did not report both workloads ready: {(tmp / 'operator.log').read_text()[-3000:]}"
         )
         job = find_one(load_manifests(_job_manifest(tmp)), AgenticRLJob)
@@ -316,12 +321,14 @@ def scraped(tmp_path_factory):
         deadline = time.time() + 60
         while time.time() < deadline:
             have = query(prom, f'count_over_time(kuberl_train_reward_mean{{job="{JOB}"}}[1m])')
-            ready = query(prom, "kuberl_autoscaler_ready_replicas > 0")
+            ready = query(prom, OPERATOR_READY)
             if have and float(have[0]["value"][1]) >= 3 and len(ready) == 2 and time.time() > run_end + 1:
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError(f"Prometheus did not get the run's gauges 3 times within 60 s: {have}")
+            raise AssertionError(
+                f"no 3 scrapes of the run's gauges, or not 2 ready workloads, in 60 s: {have} {ready}"
+            )
         if traffic is not None:
             assert traffic.error is None, traffic.error
             assert traffic.calls > 0
