@@ -195,6 +195,10 @@ class Slot:
             self.seccomp = SeccompProgram.compile(wanted) or self.seccomp
             self.protected = wanted
 
+    def child_fds(self) -> tuple[int, ...]:
+        """Descriptors a call's child needs until it enters the sandbox (the Landlock ruleset)."""
+        return (self.landlock.fd,) if self.landlock is not None else ()
+
     def disk_usage(self) -> int:
         """Bytes allocated beneath the slot directory (what counts against the disk quota)."""
         return _dir_bytes(self.dir)
@@ -449,7 +453,7 @@ class SeccompProgram:
 
     def __init__(self, bpf: bytes) -> None:
         self.bpf = bpf
-        self._libc = ctypes.CDLL(None, use_errno=True)
+        self._libc = _LIBC
         self._prog = _SockFprog(len(bpf) // 8, bpf)
 
     @classmethod
@@ -561,7 +565,7 @@ def _run_user_code(code: str) -> dict[str, Any]:
 
 
 def _close_fds(keep: tuple[int, ...]) -> None:
-    """Close every descriptor above stderr but ``keep`` (negative entries are ignored)."""
+    """Close every descriptor above stderr but ``keep``."""
     low = 3
     for fd in sorted(k for k in set(keep) if k >= low):
         os.closerange(low, fd)
@@ -579,7 +583,7 @@ def _child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int)
     for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
         os.dup2(fd, target)
         os.close(fd)
-    _close_fds(keep=(meta_w, slot.landlock.fd if slot.landlock is not None else -1))
+    _close_fds(keep=(meta_w, *slot.child_fds()))
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
@@ -606,7 +610,7 @@ def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: in
     devnull = os.open(os.devnull, os.O_RDWR)
     for target in (0, 1, 2):
         os.dup2(devnull, target)
-    _close_fds(keep=(meta_w, slot.landlock.fd if slot.landlock is not None else -1))
+    _close_fds(keep=(meta_w, *slot.child_fds()))
     _enter_sandbox(slot, cfg, float(req["timeout"]))
     from math_verify import parse, verify
 
@@ -737,10 +741,9 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
-    libc = ctypes.CDLL(None, use_errno=True)
     with contextlib.suppress(Exception):
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
+        _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     readable = False
     if cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0:
