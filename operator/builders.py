@@ -34,6 +34,13 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
+from kuberl.operator.engines import (
+    ENGINE_METRICS,
+    SGLANG_DIST_PORT,
+    engine_command,
+    engine_env,
+    engine_probes,
+)
 
 Manifest = dict[str, Any]
 
@@ -334,55 +341,17 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
 
 # --- RolloutFleet -------------------------------------------------------------------------
 
-SGLANG_DIST_PORT = 20000
-
-
-def sglang_args(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool = False) -> list[str]:
-    """``python -m sglang.launch_server`` arguments for one engine (leader pod for multi-node)."""
-    eng = spec.engine
-    args = [
-        "python3", "-m", "sglang.launch_server",
-        "--model-path", spec.model.uri,
-        "--served-model-name", spec.model.served_name or served_name,
-        "--tp", str(eng.tensor_parallel),
-        "--mem-fraction-static", f"{eng.mem_fraction_static:g}",
-        "--port", str(eng.port),
-        "--host", "0.0.0.0",
-        "--enable-metrics",
-    ]  # fmt: skip
-    if eng.context_length:
-        args += ["--context-length", str(eng.context_length)]
-    if spec.accelerator.profile == "cpu":
-        args += ["--device", "cpu"]
-    if multi_node:
-        # LeaderWorkerSet injects these into every pod of a group; $(VAR) is expanded by the kubelet.
-        args += [
-            "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{SGLANG_DIST_PORT}",
-            "--nnodes", "$(LWS_GROUP_SIZE)",
-            "--node-rank", "$(LWS_WORKER_INDEX)",
-        ]  # fmt: skip
-    return args + list(eng.extra_args)
-
-
 def _engine_pod_spec(
     spec: RolloutFleetSpec, served_name: str, *, multi_node: bool, leader: bool
 ) -> dict[str, Any]:
     eng = spec.engine
     acc = spec.accelerator
     container: dict[str, Any] = {
-        "name": "sglang",
+        "name": spec.engine.type,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": sglang_args(spec, served_name, multi_node=multi_node),
-        "env": [
-            {"name": "HF_HOME", "value": "/models"},
-            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            # GRPO-RoC's importance ratio needs the policy's own log-probabilities (temperature 1,
-            # before top-p/top-k); by default SGLang returns them after temperature scaling.
-            # sgl-project/sglang python/sglang/srt/layers/sampler.py reads it with
-            # get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") ("1" or "true").
-            {"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "1"},
-        ],
+        "command": engine_command(spec, served_name, multi_node=multi_node),
+        "env": engine_env(spec),
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
         "resources": accelerator_resources(acc, spec.resources),
         "volumeMounts": [
@@ -393,17 +362,7 @@ def _engine_pod_spec(
     if multi_node:
         container["ports"].append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
     if leader:
-        # Loading tens of GB of weights takes minutes: a startup probe holds liveness off until
-        # the first /health succeeds, then readiness gates traffic per engine.
-        probe = {"httpGet": {"path": "/health", "port": "http"}}
-        container["startupProbe"] = {**probe, "periodSeconds": 10, "failureThreshold": 180}
-        container["readinessProbe"] = {**probe, "periodSeconds": 5, "failureThreshold": 3}
-        container["livenessProbe"] = {
-            **probe,
-            "periodSeconds": 15,
-            "failureThreshold": 4,
-            "timeoutSeconds": 5,
-        }
+        container.update(engine_probes(spec))
     shm = "2Gi" if acc.profile == "cpu" else f"{min(256, 32 * acc.count)}Gi"
     volumes = [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}]
     if spec.weight_sync is not None:
@@ -437,7 +396,7 @@ def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
 
 
 def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list[Manifest]:
-    """SGLang engines for a RolloutFleet plus a headless Service for per-engine discovery.
+    """Engines (SGLang or vLLM) for a RolloutFleet plus a headless Service for per-engine discovery.
 
     One engine = one pod (Deployment) when its tensor-parallel group fits one node; otherwise
     one engine = one LeaderWorkerSet group of ``nodes_per_engine`` pods, and the Service
@@ -610,6 +569,7 @@ def endpoints_env(
         env.append({"name": "KUBERL_ROLLOUT_FLEET", "value": fleet})
         env.append({"name": "KUBERL_ROLLOUT_SERVICE", "value": f"{fleet}.{namespace}.svc:{port}"})
         if fleet_spec is not None:
+            env.append({"name": "KUBERL_ROLLOUT_ENGINE", "value": fleet_spec.engine.type})
             env.append({"name": "KUBERL_SCHEDULER_POLICY", "value": fleet_spec.scheduler.policy})
             if fleet_spec.weight_sync is not None:
                 env.append({"name": "KUBERL_WEIGHTS_DIR", "value": fleet_spec.weight_sync.mount_path})
@@ -868,17 +828,18 @@ def build_keda_scaled_object(
     else:
         component = "rollout"
         series = f'{{namespace="{namespace}",{PROM_INSTANCE_LABEL}="{name}"}}'
+        usage, queue = ENGINE_METRICS[resource.spec.engine.type]
         triggers = [
             trigger(
                 "kv-cache-utilization",
                 "Value",
-                f"avg(sglang:token_usage{series})",
+                f"avg({usage}{series})",
                 auto.target_kv_cache_utilization,
             ),
             trigger(
                 "queued-requests",
                 "AverageValue",
-                f"sum(sglang:num_queue_reqs{series})",
+                f"sum({queue}{series})",
                 auto.target_queued_requests,
             ),
         ]

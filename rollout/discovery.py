@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kuberl.rollout.http_engine import HTTPEngine
+from kuberl.rollout.http_engine import make_engine as new_engine
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.rollout.sglang_engine import SGLangEngine
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
@@ -92,31 +93,32 @@ def discover_fleet_urls(fleet: str, namespace: str, *, port_name: str = "http", 
     return urls_from_endpoint_slices(slices, port_name=port_name)
 
 
-def engines_from_urls(urls: str | Sequence[str], **kwargs: Any) -> list[SGLangEngine]:
-    """One SGLangEngine per URL; ``kwargs`` go to every engine (timeouts, retries)."""
-    return [SGLangEngine(u, **kwargs) for u in parse_url_list(urls)]
+def engines_from_urls(urls: str | Sequence[str], kind: str = "sglang", **kwargs: Any) -> list[HTTPEngine]:
+    """One engine of type ``kind`` per URL; ``kwargs`` go to every engine (timeouts, retries)."""
+    return [new_engine(kind, u, **kwargs) for u in parse_url_list(urls)]
 
 
 async def sync_engines(
     scheduler: Scheduler,
     urls: str | Sequence[str],
     *,
-    make_engine: Callable[[str], Awaitable[SGLangEngine | None]] | None = None,
+    prepare: Callable[[str], Awaitable[HTTPEngine | None]] | None = None,
+    kind: str = "sglang",
     **engine_kwargs: Any,
 ) -> tuple[list[str], list[str]]:
-    """Make the scheduler's SGLang engines match ``urls`` (e.g. a fresh EndpointSlice listing).
+    """Make the scheduler's HTTP engines match ``urls`` (e.g. a fresh EndpointSlice listing).
 
     New URLs become engines at once (waiting rollouts may start on them); engines whose URL
     disappeared are drained (their running rollouts finish) and closed once idle; a draining
-    engine whose URL comes back is put back into service. ``make_engine(url)`` may prepare a
+    engine whose URL comes back is put back into service. ``prepare(url)`` may prepare a
     new engine (health, current weights) or return None to try again on the next sync.
     Returns (added, drained) URLs.
     """
     wanted = parse_url_list(urls) if (urls if isinstance(urls, str) else list(urls)) else []
-    current = {st.engine.base_url: st for st in scheduler.stats if isinstance(st.engine, SGLangEngine)}
+    current = {st.engine.base_url: st for st in scheduler.stats if isinstance(st.engine, HTTPEngine)}
     added = []
     for u in (u for u in wanted if u not in current):
-        engine = await make_engine(u) if make_engine is not None else SGLangEngine(u, **engine_kwargs)
+        engine = await prepare(u) if prepare is not None else new_engine(kind, u, **engine_kwargs)
         if engine is not None:
             await scheduler.add_engine(engine)
             added.append(u)

@@ -1,11 +1,12 @@
-"""The SGLang engines of a run's RolloutFleet, kept in step with the fleet while the run goes on.
+"""The engines (SGLang or vLLM) of a run's RolloutFleet, kept in step with the fleet while the run goes on.
 
 Where the engines are (:class:`FleetSource`, read from the environment the operator gives
 trainer pods, or from ``kuberl run --engines``):
 
 * ``KUBERL_ROLLOUT_URLS``: a fixed comma-separated list of engine URLs;
 * ``KUBERL_ROLLOUT_FLEET`` (+ ``KUBERL_NAMESPACE``, else the pod's own namespace): the ready
-  endpoints of the fleet's headless Service, listed from its EndpointSlices.
+  endpoints of the fleet's headless Service, listed from its EndpointSlices;
+* ``KUBERL_ROLLOUT_ENGINE``: which server they are (``sglang``, the default, or ``vllm``).
 
 :class:`FleetWatcher` re-lists the fleet every ``interval`` seconds so that replicas the
 autoscaler adds start taking rollouts and removed ones drain. A joining engine first loads the
@@ -27,19 +28,23 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list, sync_engines
+from kuberl.rollout.http_engine import ENGINE_KINDS, HTTPEngine, make_engine
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.rollout.sglang_engine import SGLangEngine
 
 log = logging.getLogger("kuberl.rollout.fleet")
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-async def push_weights(engines: Iterable[Any], path: str) -> None:
-    """Every engine loads the HF folder ``path`` concurrently; raises naming each engine that failed."""
+async def push_weights(engines: Iterable[Any], path: str, version: int | None = None) -> None:
+    """Every engine loads the HF folder ``path`` concurrently; raises naming each engine that failed.
+
+    ``version`` (the trainer's step) is recorded by engines that report what they serve (vLLM's
+    ``/weight_info``).
+    """
     targets = list(engines)
     results = await asyncio.gather(
-        *(e.update_weights_from_disk(path) for e in targets), return_exceptions=True
+        *(e.update_weights_from_disk(path, version=version) for e in targets), return_exceptions=True
     )
     failed = [f"{e.name}: {r}" for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)]
     if failed:
@@ -51,23 +56,30 @@ class FleetSource:
     urls: tuple[str, ...] = ()
     fleet: str | None = None
     namespace: str | None = None
+    engine: str = "sglang"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine type {self.engine!r} is not one of {', '.join(ENGINE_KINDS)}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FleetSource | None:
         """The source the environment names, or None when it names none (local engine)."""
         env = os.environ if env is None else env
+        engine = env.get("KUBERL_ROLLOUT_ENGINE", "").strip() or "sglang"
         if env.get("KUBERL_ROLLOUT_URLS", "").strip():
-            return cls(urls=tuple(parse_url_list(env["KUBERL_ROLLOUT_URLS"])))
+            return cls(urls=tuple(parse_url_list(env["KUBERL_ROLLOUT_URLS"])), engine=engine)
         fleet = env.get("KUBERL_ROLLOUT_FLEET", "").strip()
         if not fleet:
             return None
         ns = env.get("KUBERL_NAMESPACE", "").strip()
         if not ns and SA_NAMESPACE_FILE.is_file():
             ns = SA_NAMESPACE_FILE.read_text().strip()
-        return cls(fleet=fleet, namespace=ns or "default")
+        return cls(fleet=fleet, namespace=ns or "default", engine=engine)
 
     def describe(self) -> str:
-        return f"fleet {self.namespace}/{self.fleet}" if self.fleet else f"engines {', '.join(self.urls)}"
+        where = f"fleet {self.namespace}/{self.fleet}" if self.fleet else f"engines {', '.join(self.urls)}"
+        return f"{self.engine} {where}"
 
     def list_urls(self, api: Any = None) -> list[str]:
         if self.fleet is None:
@@ -76,7 +88,7 @@ class FleetSource:
 
 
 class FleetWatcher:
-    """Owns the scheduler's SGLang engines: initial discovery, joins (prepared), drains."""
+    """Owns the scheduler's HTTP engines: initial discovery, joins (prepared), drains."""
 
     def __init__(
         self,
@@ -94,22 +106,36 @@ class FleetWatcher:
         self.engine_kwargs = dict(engine_kwargs or {})
         self.scheduler: Scheduler | None = None
         self.weights_path: str | None = None  # the policy version every engine in service has loaded
+        self.weights_version: int | None = None
         self.lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     async def _list(self) -> list[str]:
         return await asyncio.to_thread(self.source.list_urls, self.api)
 
-    async def _ready_engine(self, url: str) -> SGLangEngine | None:
-        """An engine for ``url`` that is healthy and prepared, or None (tried again next round)."""
-        engine = SGLangEngine(url, **self.engine_kwargs)
+    async def _ready_engine(self, url: str) -> HTTPEngine | None:
+        """An engine for ``url`` that is healthy and prepared, or None (tried again next round).
+
+        A server of another engine type than the fleet names is an error at once: no later
+        round would make it right.
+        """
+        engine = make_engine(self.source.engine, url, **self.engine_kwargs)
         try:
             if not await engine.health():
                 raise RuntimeError("not healthy yet")
-            if self.weights_path is not None:
-                await engine.update_weights_from_disk(self.weights_path)
-            return engine
+            await engine.check_kind()
+        except engine.error_type:
+            await engine.close()
+            raise
         except Exception as err:  # a pod that is still loading its model: next round
+            log.warning("engine %s not added: %s", url, err)
+            await engine.close()
+            return None
+        try:
+            if self.weights_path is not None:
+                await engine.update_weights_from_disk(self.weights_path, version=self.weights_version)
+            return engine
+        except Exception as err:
             log.warning("engine %s not added: %s", url, err)
             await engine.close()
             return None
@@ -124,7 +150,7 @@ class FleetWatcher:
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"no ready SGLang engine in {self.source.describe()} after {timeout:.0f} s "
+                    f"no ready engine in {self.source.describe()} after {timeout:.0f} s "
                     f"(listed: {', '.join(urls) or 'none'})"
                 )
             await asyncio.sleep(min(self.interval, 5.0))
@@ -135,26 +161,26 @@ class FleetWatcher:
         return self.scheduler
 
     @property
-    def engines(self) -> Sequence[SGLangEngine]:
+    def engines(self) -> Sequence[HTTPEngine]:
         if self.scheduler is None:
             return []
-        return [st.engine for st in self.scheduler.stats if isinstance(st.engine, SGLangEngine)]
+        return [st.engine for st in self.scheduler.stats if isinstance(st.engine, HTTPEngine)]
 
     async def sync_once(self) -> tuple[list[str], list[str]]:
         """Make the scheduler's engines match the fleet's ready endpoints; (added, drained)."""
         assert self.scheduler is not None, "start() first"
         wanted = await self._list()
         async with self.lock:  # no weight push between a joining engine's load and its join
-            added, drained = await sync_engines(self.scheduler, wanted, make_engine=self._ready_engine)
+            added, drained = await sync_engines(self.scheduler, wanted, prepare=self._ready_engine)
         if added or drained:
             log.info("fleet %s: added %s, draining %s", self.source.describe(), added, drained)
         return added, drained
 
-    async def load_weights(self, path: str) -> None:
+    async def load_weights(self, path: str, version: int | None = None) -> None:
         """Every engine in service loads ``path``; engines that join later load it first."""
         async with self.lock:
-            await push_weights(self.engines, path)
-            self.weights_path = path
+            await push_weights(self.engines, path, version)
+            self.weights_path, self.weights_version = path, version
 
     async def _watch(self) -> None:
         while True:

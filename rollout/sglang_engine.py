@@ -29,31 +29,23 @@ Wire shapes (SGLang native API, python/sglang/srt/entrypoints/http_server.py):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json as jsonlib
-from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.rollout.engine import Engine, EngineLoad, GenerateOutput, GenerateRequest
+from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest
+from kuberl.rollout.http_engine import EngineError, EngineHTTPError, HTTPEngine, error_message
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class SGLangError(RuntimeError):
-    """The server answered, but not with something the engine contract can use."""
+class SGLangError(EngineError):
+    """The SGLang server answered, but not with something the engine contract can use."""
 
 
-class SGLangHTTPError(SGLangError):
-    """The server answered with an HTTP error status; ``body`` is the (truncated) answer."""
-
-    def __init__(self, message: str, status: int, body: str):
-        super().__init__(message)
-        self.status = status
-        self.body = body
+class SGLangHTTPError(EngineHTTPError, SGLangError):
+    """The SGLang server answered with an HTTP error status; ``body`` is the (truncated) answer."""
 
 
 def build_generate_payload(req: GenerateRequest) -> dict[str, Any]:
@@ -166,22 +158,7 @@ def parse_metrics(text: str) -> EngineLoad:
     return EngineLoad(max(usage), int(running), int(queued))
 
 
-def _error_message(body: str) -> str:
-    """SGLang's own message out of an error body ({"message"} or {"error": {"message"}})."""
-    try:
-        doc = jsonlib.loads(body)
-    except ValueError:
-        return body
-    if isinstance(doc, dict):
-        err = doc.get("error")
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(doc.get("message"), str):
-            return doc["message"]
-    return body
-
-
-class SGLangEngine(Engine):
+class SGLangEngine(HTTPEngine):
     """One SGLang server.
 
     Connection errors and 5xx answers are retried with backoff, all attempts together within
@@ -190,90 +167,15 @@ class SGLangEngine(Engine):
     while the first request lives); retries of /generate get a fresh rid.
     """
 
-    shared = True  # a fleet's servers can serve other jobs too: their load counts
+    kind = "sglang"
+    error_type = SGLangError
+    http_error_type = SGLangHTTPError
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        name: str | None = None,
-        request_timeout: float = 3600.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        session: aiohttp.ClientSession | None = None,
-    ):
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"SGLang base_url must start with http:// or https://, got {base_url!r}")
-        if request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
-        self.base_url = base_url.rstrip("/")
-        self.name = name or self.base_url.split("://", 1)[1]
-        self.request_timeout = request_timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self._session = session
-        self._own_session = session is None
+    def __init__(self, base_url: str, **kwargs: Any):
+        super().__init__(base_url, **kwargs)
         self._capacity: int | None = None
         self._context_len: int | None = None
-        self.capacity_version = 0
-
-    async def _http(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            self._own_session = True
-        return self._session
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json: Any = None,
-        body_for_attempt: Callable[[int], Any] | None = None,
-        want: str = "json",
-        retry_timeouts: bool = True,
-    ) -> Any:
-        session = await self._http()
-        url = self.base_url + path
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.request_timeout
-        for attempt in range(self.retries + 1):
-            remaining = deadline - loop.time()
-            body = body_for_attempt(attempt) if body_for_attempt is not None else json
-            try:
-                async with session.request(
-                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=remaining)
-                ) as resp:
-                    if resp.status >= 500 and attempt < self.retries:
-                        raise aiohttp.ClientResponseError(
-                            resp.request_info, resp.history, status=resp.status, message=await resp.text()
-                        )
-                    if resp.status >= 400:
-                        text = (await resp.text())[:2000]
-                        raise SGLangHTTPError(
-                            f"{method} {url} -> HTTP {resp.status}: {_error_message(text)[:500]}",
-                            resp.status,
-                            text,
-                        )
-                    return await (resp.json(content_type=None) if want == "json" else resp.text())
-            except TimeoutError as err:  # includes aiohttp's ServerTimeoutError
-                if not retry_timeouts or attempt >= self.retries:
-                    raise SGLangError(
-                        f"{method} {url} timed out (attempt {attempt + 1}, {self.request_timeout:g} s budget)"
-                    ) from err
-                error: Exception = err
-            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
-                if attempt >= self.retries:
-                    raise SGLangError(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
-                error = err
-            pause = self.backoff_s * 2**attempt
-            if loop.time() + pause >= deadline:
-                raise SGLangError(
-                    f"{method} {url} failed and the {self.request_timeout:g} s budget leaves no time to retry: "
-                    f"{error!r}"
-                ) from error
-            await asyncio.sleep(pause)
-        raise AssertionError("unreachable")
+        self.weight_version: str | None = None
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         req.validate()
@@ -328,26 +230,21 @@ class SGLangEngine(Engine):
         assert self._context_len is not None
         return self._context_len
 
-    async def health(self) -> bool:
-        session = await self._http()
-        try:
-            async with session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                return r.status == 200
-        except (TimeoutError, aiohttp.ClientError):
-            return False
-
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))
 
-    async def update_weights_from_disk(self, model_path: str) -> None:
-        """Make the server load new weights (a checkpoint the trainer wrote to shared storage)."""
+    async def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
+        """Make the server load new weights (a checkpoint the trainer wrote to shared storage).
+
+        ``version`` is kept on the client (``weight_version``); the request carries the path only.
+        """
         try:
             body = await self._request("POST", "/update_weights_from_disk", json={"model_path": model_path})
         except SGLangHTTPError as err:
             if err.status != 400:
                 raise
             raise SGLangError(
-                f"{self.name}: update_weights_from_disk({model_path!r}) failed: {_error_message(err.body)}"
+                f"{self.name}: update_weights_from_disk({model_path!r}) failed: {error_message(err.body)}"
             ) from err
         if not isinstance(body, dict) or not body.get("success"):
             message = body.get("message") if isinstance(body, dict) else body
@@ -356,7 +253,5 @@ class SGLangEngine(Engine):
         # tell the scheduler (capacity_version) to re-read its copy.
         self._capacity = self._context_len = None
         self.capacity_version += 1
-
-    async def close(self) -> None:
-        if self._session is not None and self._own_session and not self._session.closed:
-            await self._session.close()
+        if version is not None:
+            self.weight_version = str(version)

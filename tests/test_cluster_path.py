@@ -202,7 +202,7 @@ async def test_push_names_every_failing_engine(tmp_path):
         def __init__(self, name, ok):
             self.name, self.ok, self.paths = name, ok, []
 
-        async def update_weights_from_disk(self, path):
+        async def update_weights_from_disk(self, path, version=None):
             self.paths.append(path)
             if not self.ok:
                 raise RuntimeError("HTTP 400")
@@ -284,7 +284,7 @@ async def test_fleet_watcher_prepares_joining_engines_and_drains_leaving_ones(se
 
 async def test_fleet_watcher_start_times_out_with_a_clear_message():
     watcher = FleetWatcher(FleetSource(urls=("http://127.0.0.1:9",)), interval=0.1)
-    with pytest.raises(RuntimeError, match="no ready SGLang engine in engines http://127.0.0.1:9"):
+    with pytest.raises(RuntimeError, match="no ready engine in sglang engines http://127.0.0.1:9"):
         await watcher.start(timeout=0.3)
 
 

@@ -122,6 +122,22 @@ def test_metrics_parsing() -> None:
     assert fleet_load([]) is None
 
 
+VLLM_TEXT = """\
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.25
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="policy"} 6.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} 9.0
+"""
+
+
+def test_fleet_load_reads_vllm_gauges_too() -> None:
+    fl = fleet_load([VLLM_TEXT, SGLANG_TEXT])  # a vLLM engine and an SGLang one: both counted
+    assert fl is not None and fl.token_usage == (0.25, 0.5) and fl.queued == (6.0, 3.0)
+    assert fleet_load(["vllm:num_requests_running 3\n"]) is None  # no usage nor queue gauge
+
+
 def test_compact_history_keeps_every_possible_window_maximum() -> None:
     hist = [Recommendation(t, r) for t, r in [(0, 3), (10, 5), (20, 2), (30, 4), (40, 1)]]
     kept = compact(hist)

@@ -150,6 +150,62 @@ def test_fleet_h100_and_cpu_profiles() -> None:
     assert c["command"][c["command"].index("--device") + 1] == "cpu"
 
 
+def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
+    fleet = _fleet(
+        replicas=2,
+        engine={"type": "vllm", "tensorParallel": 2, "memFractionStatic": 0.9, "contextLength": 16384},
+        accelerator={"profile": "h100", "count": 2},
+        autoscaling={"minReplicas": 1, "maxReplicas": 4},
+    )
+    objs = _by_kind(build_for(fleet))
+    dep = objs["Deployment"]
+    validate_manifest(dep)
+    c = _container(dep)
+    assert c["name"] == "vllm" and c["image"].startswith("vllm/vllm-openai:")
+    cmd = c["command"]
+    assert cmd[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]  # not the console script
+    for flag, value in [
+        ("--model", "Qwen/Qwen3-14B-Base"),
+        ("--tensor-parallel-size", "2"),
+        ("--gpu-memory-utilization", "0.9"),
+        ("--max-model-len", "16384"),
+        ("--port", "30000"),
+        ("--served-model-name", "f"),
+    ]:
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--enable-prefix-caching" in cmd and "--enable-metrics" not in cmd
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["path"] == "/health" and c[probe]["timeoutSeconds"] >= 5
+    mi = _container(_by_kind(build_for(_fleet(engine={"type": "vllm"})))["Deployment"])
+    assert "rocm" in mi["image"]
+    cpu = _container(_by_kind(build_for(_fleet(engine={"type": "vllm"}, accelerator={"profile": "cpu"})))["Deployment"])
+    assert "--no-enable-chunked-prefill" in cpu["command"]
+    # KEDA reads vLLM's own gauges for this fleet
+    queries = [t["metadata"]["query"] for t in build_keda_scaled_object(fleet, "ns")["spec"]["triggers"]]
+    assert queries[0].startswith("avg(vllm:kv_cache_usage_perc{") and queries[1].startswith(
+        "sum(vllm:num_requests_waiting{"
+    )
+
+
+def test_sglang_probes_allow_for_a_generating_health_check() -> None:
+    c = _container(_by_kind(build_for(_fleet()))["Deployment"])
+    assert c["name"] == "sglang"
+    assert all(c[p]["timeoutSeconds"] >= 10 for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+
+
+def test_trainer_pods_learn_the_fleets_engine_type() -> None:
+    job = _job(rollout={"engine": "vllm", "fleet": {"replicas": 1}})
+    assert job.spec.rollout.fleet is not None and job.spec.rollout.fleet.engine.type == "vllm"
+    objs = build_for(job)
+    fleet = next(o for o in objs if o["kind"] == "RolloutFleet")
+    assert fleet["spec"]["engine"]["type"] == "vllm"
+    trainer = next(o for o in objs if o["kind"] == "Job")
+    env = {e["name"]: e.get("value") for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBERL_ROLLOUT_ENGINE"] == "vllm"
+
+
 def test_fleet_spanning_nodes_is_a_leaderworkerset() -> None:
     fleet = _fleet(replicas=2, engine={"tensorParallel": 16}, accelerator={"profile": "mi300x", "count": 8})
     objs = _by_kind(build_for(fleet))

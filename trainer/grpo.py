@@ -125,15 +125,15 @@ class RolloutWorker:
     def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if self.engine is None:
             raise RuntimeError(
-                "this worker rolls out on an SGLang fleet: new weights go through load_weights"
+                "this worker rolls out on a fleet of HTTP engines: new weights go through load_weights"
             )
         self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, path: str, version: int | None = None) -> None:
         """Every fleet engine loads the HF folder ``path`` (engines that join later, too)."""
         if self.fleet is None:
             raise RuntimeError("this worker rolls out on a local engine: new weights go through set_weights")
-        self._run(self.fleet.load_weights(path))
+        self._run(self.fleet.load_weights(path, version))
 
     def rollouts(
         self,

