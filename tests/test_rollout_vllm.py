@@ -214,3 +214,53 @@ async def test_a_refused_reload_is_reported_as_fatal_for_that_engine(serve, tmp_
         assert "/resume" not in stub.calls  # a server without usable weights must not serve
     finally:
         await engine.close()
+
+
+def _job(engine: str, base: str = "/models/m"):
+    from kuberl.api.job import AgenticRLJob
+
+    return AgenticRLJob.model_validate(
+        {"metadata": {"name": "j"}, "spec": {"model": {"base": base}, "data": {"train": "x"}, "rollout": {"engine": engine}}}
+    )
+
+
+def test_where_a_local_run_rolls_out(monkeypatch):
+    from kuberl.api.loader import ManifestError
+    from kuberl.rollout.fleet import FleetSource
+    from kuberl.trainer.local import LOCAL_VLLM, rollout_target
+
+    for var in ("KUBERL_ROLLOUT_URLS", "KUBERL_ROLLOUT_FLEET", "KUBERL_ROLLOUT_ENGINE"):
+        monkeypatch.delenv(var, raising=False)
+    assert rollout_target(_job("vllm"), None) is LOCAL_VLLM  # kuberl run starts its own server
+    urls = FleetSource(urls=("http://a:8000",))
+    assert rollout_target(_job("vllm"), urls).engine == "vllm"  # --engines are the job's engine type
+    assert rollout_target(_job("auto"), urls).engine == "sglang"
+    with pytest.raises(ManifestError, match="vllm but the model is builtin:tiny-gpt"):
+        rollout_target(_job("vllm", "builtin:tiny-gpt"), None)
+    monkeypatch.setenv("KUBERL_ROLLOUT_URLS", "http://e:30000")
+    monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "sglang")
+    with pytest.raises(ManifestError, match="spec.rollout.engine is vllm but the fleet's engines are sglang"):
+        rollout_target(_job("vllm"), None)
+    assert FleetSource.from_env().engine == "sglang"
+    monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "tgi")
+    with pytest.raises(ValueError, match="engine type 'tgi' is not one of sglang, vllm"):
+        FleetSource.from_env()
+
+
+def test_a_model_without_a_chat_template_is_refused_naming_the_fix(tmp_path):
+    import json as jsonlib
+
+    from tokenizers import Tokenizer, models
+
+    from kuberl.api.loader import ManifestError
+    from kuberl.trainer.policy import check_chat_template
+
+    Tokenizer(models.BPE()).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(jsonlib.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    with pytest.raises(ManifestError, match="has no chat template .*kuberl models prepare"):
+        check_chat_template(tmp_path, "compact")
+    # a template in another format (Llama-2 style) is refused too, saying what was expected
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"}
+    (tmp_path / "tokenizer_config.json").write_text(jsonlib.dumps(cfg))
+    with pytest.raises(ManifestError, match="not ChatML as the rollout loop writes it"):
+        check_chat_template(tmp_path, "compact")

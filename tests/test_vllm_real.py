@@ -308,3 +308,49 @@ async def test_kv_aware_scheduler_over_two_real_servers_reads_their_metrics(
         assert big.external < 0.05 * big.capacity  # finished requests free their blocks
     finally:
         await watcher.close()
+
+
+def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_path):
+    """`spec.rollout.engine: vllm` without --engines: run_job starts a vLLM server on the model,
+    SFT and an RL step run, each update is pushed into the server (weight_info follows), and the
+    server is gone when the run ends."""
+    import json
+
+    from vllm_fixtures import vllm_available
+
+    from kuberl.api.job import AgenticRLJob
+    from kuberl.trainer.local import run_job
+
+    vllm_available()
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text("".join(json.dumps({"question": f"{a}*{a}=?", "answer": str(a * a)}) + "\n" for a in (12, 31)))
+    job = AgenticRLJob.model_validate(
+        {
+            "metadata": {"name": "real"},
+            "spec": {
+                "model": {"base": str(smollm2_dir)},
+                "data": {"train": "builtin:arith", "eval": [str(evals)]},
+                "algorithm": {"groupSize": 2, "oversample": 2, "batchPrompts": 2, "learningRate": 1e-5},
+                "rollout": {"engine": "vllm", "maxTurns": 2, "maxResponseTokens": 96, "promptTemplate": "compact"},
+                "stages": [
+                    {"name": "sft", "type": "sft", "steps": 1, "batchSize": 2, "learningRate": 1e-5},
+                    {"name": "rl", "type": "rl", "steps": 1},
+                ],
+                "trainer": {"device": "cpu", "threads": 1},
+                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 1},
+            },
+        }
+    )
+    result = run_job(job, tmp_path / "run", use_ray=False, quiet=True)
+    rl = [h for h in result.history if h.get("type") == "rl"]
+    assert len(rl) == 1 and rl[0]["rollouts"] == 8 and rl[0]["rollouts_aborted"] == 0
+    assert set(result.evals) >= {"sft", "rl"}
+    pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real").iterdir())
+    assert pushed and pushed[-1].startswith("v")
+    served = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("type") == "eval" for r in served)
+    # this run's server (1 GiB of KV cache; the session's shared one has 0.5 GiB) stopped with it
+    import subprocess
+
+    alive = subprocess.run(["pgrep", "-f", "kv-cache-memory-bytes 1073741824"], capture_output=True, text=True)
+    assert alive.stdout.strip() == "", alive.stdout

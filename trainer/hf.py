@@ -10,7 +10,8 @@ Positions come from the attention mask (``cumsum - 1``) exactly as in ``GPT``: a
 row sees the same positions as the unpadded sequence, so a rollout's log-probs do not depend
 on what it was batched with.
 
-Model sources (``spec.model.base``): a local directory with ``config.json`` and weights, an
+Model sources (``spec.model.base``): ``kuberl:NAME`` (a packaged model, ``trainer.pretrained``),
+a local directory with ``config.json`` and weights, an
 ``s3://bucket/prefix`` holding such a directory (downloaded once into the cache folder), or a
 Hub repo id (downloaded into ``HF_HOME``; the operator mounts a cache volume there). The
 tokenizer is the model directory's ``tokenizer.json`` unless ``spec.model.tokenizer`` names
@@ -182,8 +183,19 @@ def _download_s3_prefix(uri: str, dest: Path) -> Path:
     return dest
 
 
+PRETRAINED_PREFIX = "kuberl:"
+"""``kuberl:NAME``: a model ``kuberl models prepare`` knows, prepared on first use into the cache."""
+
+
 def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
-    """A local directory holding the model's files (downloaded first for s3:// and Hub ids)."""
+    """A local directory holding the model's files (downloaded first for s3:// and Hub ids,
+    prepared first for ``kuberl:NAME``)."""
+    if source.startswith(PRETRAINED_PREFIX):
+        from kuberl.trainer.pretrained import lookup, prepare
+
+        name = source[len(PRETRAINED_PREFIX) :]
+        lookup(name)  # unknown names fail here, naming the known ones
+        return prepare(name, Path(cache_dir) / "pretrained" / name)
     p = Path(source)
     if p.is_dir():
         if not (p / "config.json").is_file():

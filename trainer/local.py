@@ -15,6 +15,7 @@ with the job's inline pool limits, unless ``KUBERL_SANDBOX_URL`` points at a run
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -29,6 +30,7 @@ from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
+from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
 from kuberl.trainer.grpo import RolloutWorker
@@ -38,6 +40,7 @@ from kuberl.trainer.policy import (
     BUILTIN_MODEL,
     build_policy,
     build_tokenizer,
+    check_chat_template,
     is_builtin,
     model_dir,
     same_architecture,
@@ -56,28 +59,60 @@ def _device(job: AgenticRLJob) -> torch.device:
     return torch.device(d)
 
 
+LOCAL_VLLM = FleetSource(engine="vllm")
+"""``rollout_target``'s answer for ``spec.rollout.engine: vllm`` with no engines named: run_job
+starts a local vLLM server (``rollout.vllm_server``) for the run and rolls out on it."""
+
+
 def rollout_target(job: AgenticRLJob, engines: FleetSource | None) -> FleetSource | None:
-    """Where rollouts run: the SGLang fleet named by ``--engines`` or the environment, or None
-    for the in-process LocalEngine (``spec.rollout.engine``: auto picks the fleet when one is named)."""
+    """Where rollouts run: the fleet named by ``--engines`` or the environment, a local vLLM
+    server (:data:`LOCAL_VLLM`), or None for the in-process LocalEngine (``spec.rollout.engine``:
+    auto picks the fleet when one is named)."""
     choice = job.spec.rollout.engine
     fleet = engines or FleetSource.from_env()
     if choice == "local":
         if engines is not None:
             raise ManifestError(
-                "--engines conflicts with spec.rollout.engine: local; set it to auto or sglang"
+                "--engines conflicts with spec.rollout.engine: local; set it to auto, sglang or vllm"
             )
         return None
+    if fleet is not None and is_builtin(job):
+        raise ManifestError(
+            f"{BUILTIN_MODEL} runs on the local engine only (inference servers serve Hugging Face models); "
+            "set spec.rollout.engine: local or use an HF model"
+        )
     if choice == "sglang" and fleet is None:
         raise ManifestError(
             "spec.rollout.engine is sglang but no engines are named: pass --engines URL[,URL...] or run "
             "in a trainer pod (KUBERL_ROLLOUT_FLEET)"
         )
-    if fleet is not None and is_builtin(job):
-        raise ManifestError(
-            f"{BUILTIN_MODEL} runs on the local engine only (SGLang serves Hugging Face models); "
-            "set spec.rollout.engine: local or use an HF model"
-        )
+    if choice == "vllm" and fleet is None:
+        if is_builtin(job):
+            raise ManifestError(
+                f"spec.rollout.engine is vllm but the model is {BUILTIN_MODEL}, which vLLM cannot serve; "
+                "use an HF model (e.g. kuberl models prepare smollm2-135m-instruct DIR) or engine: local"
+            )
+        return LOCAL_VLLM
+    if fleet is not None and choice in ("sglang", "vllm") and fleet.engine != choice:
+        if engines is None and os.environ.get("KUBERL_ROLLOUT_ENGINE"):
+            raise ManifestError(
+                f"spec.rollout.engine is {choice} but the fleet's engines are {fleet.engine} "
+                "(KUBERL_ROLLOUT_ENGINE); make spec.rollout.engine match the RolloutFleet's spec.engine.type"
+            )
+        fleet = dataclasses.replace(fleet, engine=choice)
     return fleet
+
+
+def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
+    """The local server for a job: its inline fleet's context length and memory, else defaults
+    sized for the job's longest rollout."""
+    fleet = job.spec.rollout.fleet
+    longest = max([job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages])
+    context = (fleet.engine.context_length if fleet and fleet.engine.context_length else None) or max(
+        2048, longest + 1024
+    )
+    extra = list(fleet.engine.extra_args) if fleet else []
+    return VLLMServerConfig(model=str(model), served_name="policy", max_model_len=context, extra_args=extra)
 
 
 def weights_dir(out: Path, explicit: str | None) -> Path:
@@ -85,7 +120,7 @@ def weights_dir(out: Path, explicit: str | None) -> Path:
     where = explicit or os.environ.get("KUBERL_WEIGHTS_DIR")
     if not where:
         raise ManifestError(
-            "rollouts on an SGLang fleet need a folder the engines can read for weight updates: "
+            "rollouts on a fleet need a folder the engines can read for weight updates: "
             "give the RolloutFleet spec.weightSync (a ReadWriteMany PVC; the operator mounts it), "
             "or pass --weights-dir on a shared filesystem"
         )
@@ -227,6 +262,7 @@ def run_job(
     check_world_size(job, ctx.world_size)
     ctx.init(device.type)
     device = ctx.device(device.type)
+    servers = contextlib.ExitStack()  # a local vLLM server lives as long as the run
     try:
         seed_everything(spec.seed)
         uri = spec.checkpoint.uri
@@ -234,7 +270,21 @@ def run_job(
             uri = str(out / "checkpoints")
         store = CheckpointStore(uri, keep=spec.checkpoint.keep)
         fleet = rollout_target(job, engines)
-        shared = weights_dir(out, weights_path) / job.metadata.name if fleet is not None else None
+        if fleet is LOCAL_VLLM:
+            if ctx.world_size > 1:
+                raise ManifestError("a local vLLM server serves one trainer process; run without torchrun")
+            try:
+                vllm_python()
+            except RuntimeError as err:
+                raise ManifestError(f"spec.rollout.engine is vllm: {err}") from err
+            served = model_dir(job, out).resolve()
+            check_chat_template(served, spec.rollout.prompt_template)
+            url = servers.enter_context(
+                running_vllm(local_vllm_config(job, served), log_path=out / "vllm-server.log")
+            )
+            fleet = FleetSource(urls=(url,), engine="vllm")
+            weights_path = weights_path or str(out / "weights")
+        shared = weights_dir(out, weights_path).resolve() / job.metadata.name if fleet is not None else None
         payload = store.load() if main else None
         if payload is not None and not (out / "events.jsonl").exists():
             # a restarted pod's run folder is new: continue the run's events, kept beside the
@@ -279,6 +329,7 @@ def run_job(
         )  # fmt: skip
         ctx.barrier()  # leave together (see DistContext.close)
     finally:
+        servers.close()
         ctx.close()
     return result
 

@@ -93,3 +93,40 @@ def same_architecture(saved: dict[str, Any] | None, current: dict[str, Any]) -> 
     if "hf" in saved or "hf" in current:
         return ("hf" in saved) == ("hf" in current) and saved.get("block_size") == current.get("block_size")
     return saved == current
+
+
+def check_chat_template(model: Path, style: str) -> None:
+    """Refuse a model whose own chat template writes turns differently from the rollout loop.
+
+    Rollouts and SFT traces are rendered by ``rollout.template`` in ChatML (``<|im_start|>role
+    ... <|im_end|>``, tool results in a user turn, as rStar2-Agent's fig. 3); a pretrained chat
+    model learns fastest when that is its own format. The model's template renders a
+    user/assistant/tool exchange and the result must contain what the loop writes, so a model
+    with another format (or none) stops before the run with a message that says so.
+    """
+    from transformers import AutoTokenizer
+
+    from kuberl.rollout import template
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    if not getattr(tok, "chat_template", None):
+        raise ManifestError(
+            f"model folder {model} has no chat template (tokenizer_config.json chat_template or "
+            "chat_template.jinja): kuberl writes prompts and tool turns in the model's chat format, so it "
+            "needs one; add the model's template (`kuberl models prepare` writes it)"
+        )
+    q, a, t = "QUESTION", "ANSWER", "<tool_response>TOOL</tool_response>"
+    messages = [{"role": "user", "content": q}, {"role": "assistant", "content": a}, {"role": "user", "content": t}]
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # a template that fails on plain messages is as unusable as none
+        raise ManifestError(f"model folder {model}: its chat template fails on a plain conversation: {err}") from err
+    turn = a + template.IM_END + template.render_tool_responses(["TOOL"])
+    wanted = [turn] + ([template.render_prompt(q, "compact")] if style == "compact" else [])
+    missing = [w for w in wanted if w not in text]
+    if missing:
+        raise ManifestError(
+            f"model folder {model}: its chat template is not ChatML as the rollout loop writes it "
+            f"(expected {missing[0]!r} in {text!r}); kuberl's tool-call format needs a ChatML chat model "
+            "(SmolLM2, Qwen) or SFT on that format first"
+        )
