@@ -44,6 +44,14 @@ class EngineSpec(KubeModel):
         "sglang", description="Inference server: sglang (the paper's, the default) or vllm."
     )
     image: str | None = Field(None, description="Server image; defaults by engine type and accelerator profile.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description=(
+            "Weights and compute dtype of the server (--dtype); auto: the model's own. Pushed policy "
+            "versions are written in it: bf16 copies of float32 masters miss updates below bf16's "
+            "resolution (bench/README.md, mismatch study)."
+        ),
+    )
     tensor_parallel: int = Field(1, ge=1, le=64)
     mem_fraction_static: float = Field(
         0.85, gt=0, lt=1, description="Accelerator memory for weights + KV cache (vLLM: --gpu-memory-utilization)."

@@ -570,6 +570,7 @@ def endpoints_env(
         env.append({"name": "KUBERL_ROLLOUT_SERVICE", "value": f"{fleet}.{namespace}.svc:{port}"})
         if fleet_spec is not None:
             env.append({"name": "KUBERL_ROLLOUT_ENGINE", "value": fleet_spec.engine.type})
+            env.append({"name": "KUBERL_ROLLOUT_DTYPE", "value": fleet_spec.engine.dtype})
             env.append({"name": "KUBERL_SCHEDULER_POLICY", "value": fleet_spec.scheduler.policy})
             if fleet_spec.weight_sync is not None:
                 env.append({"name": "KUBERL_WEIGHTS_DIR", "value": fleet_spec.weight_sync.mount_path})

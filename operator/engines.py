@@ -45,6 +45,8 @@ def sglang_args(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool = 
     ]  # fmt: skip
     if eng.context_length:
         args += ["--context-length", str(eng.context_length)]
+    if eng.dtype != "auto":
+        args += ["--dtype", eng.dtype]
     if spec.accelerator.profile == "cpu":
         args += ["--device", "cpu"]
     if multi_node:
@@ -68,6 +70,7 @@ def vllm_args(spec: RolloutFleetSpec, served_name: str) -> list[str]:
         "--port", str(eng.port),
         "--host", "0.0.0.0",
         "--enable-prefix-caching",
+        "--dtype", eng.dtype,
     ]  # fmt: skip
     if spec.accelerator.profile == "cpu":
         # The CPU backend reserves a fraction of the node's memory for weights + KV; chunked

@@ -92,13 +92,19 @@ HF_SIDECAR_FILES = (
 )
 
 
-def write_hf_folder(state_dict: dict[str, torch.Tensor], source_dir: str | Path, dest: str | Path) -> None:
+def write_hf_folder(
+    state_dict: dict[str, torch.Tensor],
+    source_dir: str | Path,
+    dest: str | Path,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Write an :class:`HFPolicy` state dict as an HF model folder SGLang can load.
 
     Takes a (full, CPU) state dict rather than the module so the same writer serves an
     FSDP-sharded policy, whose rank 0 only holds the gathered tensors. The config and
     tokenizer files are copied from the folder the policy was loaded from; weights are
-    written as sharded safetensors with an index (tied weights stored once).
+    written as sharded safetensors with an index (tied weights stored once), in ``dtype`` (the
+    engines' serving dtype; default the model's own).
     """
     import shutil
 
@@ -109,7 +115,7 @@ def write_hf_folder(state_dict: dict[str, torch.Tensor], source_dir: str | Path,
     for name in HF_SIDECAR_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, out / name)
-    dtype = serving_dtype(source_dir)
+    dtype = dtype or serving_dtype(source_dir)
     weights = {
         k.removeprefix("hf."): v.to(dtype) if dtype is not None and v.is_floating_point() else v
         for k, v in state_dict.items()
@@ -191,11 +197,11 @@ def resolve_model_dir(source: str, cache_dir: str | Path) -> Path:
     """A local directory holding the model's files (downloaded first for s3:// and Hub ids,
     prepared first for ``kuberl:NAME``)."""
     if source.startswith(PRETRAINED_PREFIX):
-        from kuberl.trainer.pretrained import lookup, prepare
+        from kuberl.trainer.pretrained import default_dir, lookup, prepare
 
         name = source[len(PRETRAINED_PREFIX) :]
         lookup(name)  # unknown names fail here, naming the known ones
-        return prepare(name, Path(cache_dir) / "pretrained" / name)
+        return prepare(name, default_dir(name))
     p = Path(source)
     if p.is_dir():
         if not (p / "config.json").is_file():

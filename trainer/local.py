@@ -103,6 +103,15 @@ def rollout_target(job: AgenticRLJob, engines: FleetSource | None) -> FleetSourc
     return fleet
 
 
+def serving_dtype(job: AgenticRLJob) -> str:
+    """The engines' dtype: the inline fleet's ``engine.dtype``, else $KUBERL_ROLLOUT_DTYPE (the
+    operator sets it from a referenced fleet), else auto (the model's own)."""
+    fleet = job.spec.rollout.fleet
+    if fleet is not None and fleet.engine.dtype != "auto":
+        return fleet.engine.dtype
+    return os.environ.get("KUBERL_ROLLOUT_DTYPE", "").strip() or "auto"
+
+
 def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
     """The local server for a job: its inline fleet's context length and memory, else defaults
     sized for the job's longest rollout."""
@@ -112,7 +121,10 @@ def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
         2048, longest + 1024
     )
     extra = list(fleet.engine.extra_args) if fleet else []
-    return VLLMServerConfig(model=str(model), served_name="policy", max_model_len=context, extra_args=extra)
+    dtype = serving_dtype(job)
+    return VLLMServerConfig(
+        model=str(model), served_name="policy", max_model_len=context, extra_args=extra, dtype=dtype
+    )
 
 
 def weights_dir(out: Path, explicit: str | None) -> Path:
@@ -385,7 +397,7 @@ def _run_pipeline(
             stack.callback(worker.close)
         weights = None
         if fleet is not None:
-            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx)
+            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx, serving_dtype(job))
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,

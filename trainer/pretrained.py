@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,16 @@ MODELS: dict[str, PackagedModel] = {
 }
 
 MARKER = "kuberl-model.json"
+
+
+def default_dir(name: str) -> Path:
+    """Where ``kuberl:NAME`` is prepared: $KUBERL_MODELS_DIR/NAME, else $HF_HOME/kuberl/NAME (a
+    trainer pod's model-cache volume), else ~/.cache/kuberl/models/hf/NAME (shared by runs)."""
+    if os.environ.get("KUBERL_MODELS_DIR"):
+        return Path(os.environ["KUBERL_MODELS_DIR"]) / name
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]) / "kuberl" / name
+    return Path.home() / ".cache" / "kuberl" / "models" / "hf" / name
 
 
 def lookup(name: str) -> PackagedModel:

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from kuberl.rollout.fleet import push_weights
 from kuberl.trainer.distributed import DistContext, full_state_dict
 
@@ -115,12 +117,15 @@ class DiskWeights:
         disk: DiskWeightSync,
         source_dir: str | Path,
         ctx: DistContext | None = None,
+        dtype: str = "auto",
     ):
         self.call = call
         self.disk = disk
         self.source_dir = Path(source_dir)
         self.ctx = ctx or DistContext()
         self.version: int | None = None
+        # the engines' --dtype ("auto": the model's own); float32 engines get float32 copies
+        self.dtype = None if dtype == "auto" else getattr(torch, dtype)
 
     def sync(self, model, version: int) -> None:
         if version == self.version:
@@ -131,5 +136,5 @@ class DiskWeights:
         self.version = version
         if not self.ctx.is_main:
             return
-        path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d), version)
+        path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
         self.call("load_weights", path, version)
