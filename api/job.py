@@ -66,6 +66,12 @@ class ClipSpec(KubeModel):
         return self
 
 
+MAX_ASYNC_LEVEL = 4
+"""INTELLECT-2 (fig. 7) matched the synchronous reward curve up to four steps of delay."""
+DEFAULT_TIS_CAP = 2.0
+"""verl's default TIS cap: enough to undo typical staleness, small enough to bound the variance."""
+
+
 class AlgorithmSpec(KubeModel):
     name: Literal["grpo-roc", "grpo"] = Field("grpo-roc", description="grpo disables Resample-on-Correct.")
     group_size: int = Field(16, ge=2, le=1024, description="G: rollouts kept per prompt.")
@@ -89,6 +95,30 @@ class AlgorithmSpec(KubeModel):
     ppo_epochs: int = Field(1, ge=1, le=16)
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per RL step.")
     filter_zero_advantage: bool = Field(True, description="Drop groups whose rewards are all equal.")
+    async_level: int = Field(
+        0,
+        ge=0,
+        le=MAX_ASYNC_LEVEL,
+        description=(
+            "k: rollouts trained at step n come from a policy at most k versions old; the next k "
+            "batches generate while step n trains (INTELLECT-2 used 2). 0: synchronous, as rStar2-Agent."
+        ),
+    )
+    tis_cap: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Truncated importance sampling cap C: tokens weigh min(pi_old/mu, C), mu the engine that "
+            "sampled them. Default 2 when asyncLevel > 0, off at 0; 0 turns it off."
+        ),
+    )
+
+    @property
+    def effective_tis_cap(self) -> float | None:
+        """The cap the loss applies (None: no correction; see ``tis_cap``)."""
+        if self.tis_cap is None:
+            return DEFAULT_TIS_CAP if self.async_level > 0 else None
+        return self.tis_cap or None
 
     @model_validator(mode="after")
     def _oversample(self) -> AlgorithmSpec:

@@ -112,6 +112,17 @@ TRAINING: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
+        "Rollout staleness (asyncLevel)",
+        "Rollouts of the last step by how many policy versions behind the trained one they were "
+        "sampled (age 0 = fresh; asynchronous runs stay within asyncLevel), and the rate of rollouts "
+        "dropped for being older or from a version never pushed (an engine out of step).",
+        (
+            Query(f"kuberl_train_rollout_staleness{{{J}}}", "{{job}} age {{age}}"),
+            Query(f"rate(kuberl_train_rollouts_stale_total{{{J}}}[5m])", "{{job}} dropped/s"),
+        ),
+        min=0,
+    ),
+    PanelSpec(
         "Step time",
         "Wall time of the last optimizer step including rollouts, rewards and weight sync.",
         (Query(f"kuberl_train_step_seconds{{{J}}}", "{{job}}"),),

@@ -109,6 +109,20 @@ CATALOG: dict[str, MetricSpec] = {
         MetricSpec("kuberl_train_step", "gauge", ("job", "stage"), "trainer", "Current training step"),
         MetricSpec("kuberl_train_step_seconds", "gauge", ("job",), "trainer", "Wall time of the last step"),
         MetricSpec(
+            "kuberl_train_rollout_staleness",
+            "gauge",
+            ("job", "age"),
+            "trainer",
+            "Rollouts of the last step by policy versions behind the trained one (asyncLevel)",
+        ),
+        MetricSpec(
+            "kuberl_train_rollouts_stale_total",
+            "counter",
+            ("job",),
+            "trainer",
+            "Rollouts dropped for being older than asyncLevel or from a version never pushed",
+        ),
+        MetricSpec(
             "kuberl_autoscaler_desired_replicas",
             "gauge",
             ("namespace", "kind", "name"),

@@ -93,11 +93,14 @@ class GenerateOutput:
     logits (temperature 1.0), which is what the GRPO importance ratio compares against.
     ``finish_reason`` is "stop" (a stop token was emitted), "length" (max_new_tokens or the
     engine's context length was reached) or "abort" (the engine dropped the request).
+    ``weight_version`` is the policy version (trainer step) whose weights produced the tokens,
+    as the engine reports it; asynchronous runs bound and check it.
     """
 
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: FinishReason
+    weight_version: int | None = None  # the policy version the engine served (None: unknown)
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):

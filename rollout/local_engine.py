@@ -57,6 +57,7 @@ class _Seq:
     out_lps: list[float] = field(default_factory=list)
     finish: str | None = None
     reported: bool = False  # handed back to the caller; the row may still sit in the batch
+    version: int | None = None  # the engine's weight version when the request was accepted
 
     @property
     def reserved(self) -> int:
@@ -230,6 +231,7 @@ class LocalEngine(Engine):
         self._tokens_metric = GENERATED_TOKENS.labels(engine=name)
         self.fast_decode = _fast_decode_ok(self.model)
         self.last_error: BaseException | None = None
+        self.weight_version: int | None = None
 
     # -- Engine interface ---------------------------------------------------------------------
 
@@ -240,7 +242,7 @@ class LocalEngine(Engine):
             return GenerateOutput([], [], "length")
         loop = asyncio.get_running_loop()
         key = mix64(req.seed) if req.seed is not None else self._rng.getrandbits(64)
-        seq = _Seq(req=req, future=loop.create_future(), limit=limit, key=key)
+        seq = _Seq(req=req, future=loop.create_future(), limit=limit, key=key, version=self.weight_version)
         self._pending.append(seq)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive(), name=f"{self.name}-driver")
@@ -268,16 +270,21 @@ class LocalEngine(Engine):
                 pass
         for seq in [*self._running, *self._pending]:
             if not seq.future.done():
-                seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, "abort"))
+                seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, "abort", seq.version))
         self._running, self._pending = [], deque()
         self._past = self._mask = self._next = None
 
     # -- weights ------------------------------------------------------------------------------
 
-    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy new policy weights in (between decode steps); running requests continue with them."""
+    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
+        """Copy new policy weights in (between decode steps); running requests continue with them.
+
+        ``version`` (the trainer's step) is what later requests report; a request that was
+        running during the copy reports the version it started with (its oldest tokens').
+        """
         with self._lock, torch.no_grad():
             self.model.load_state_dict(state_dict)
+            self.weight_version = version
 
     load_state_dict = set_weights
 
@@ -301,7 +308,7 @@ class LocalEngine(Engine):
                 self.last_error = None
                 for seq in finished:
                     if not seq.future.done():
-                        seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, seq.finish))
+                        seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, seq.finish, seq.version))
         except BaseException as err:
             # A failed step poisons the shared batch: fail every request in it and start clean.
             for seq in [*admit, *self._running, *self._pending]:

@@ -78,6 +78,13 @@ class Trajectory:
     text: str = field(default="", repr=False)
     answer_tags: int = 0
     error: str | None = None
+    versions: list[int | None] = field(default_factory=list)  # policy version of each model turn
+
+    @property
+    def min_version(self) -> int | None:
+        """The oldest policy version that wrote a turn (None if an engine reported none)."""
+        known = [v for v in self.versions if v is not None]
+        return min(known) if known and len(known) == len(self.versions) else None
 
     @property
     def response_text(self) -> str:
@@ -126,6 +133,7 @@ async def rollout_one(
     turns = tool_calls = tool_errors = format_errors = answer_tags = 0
     answer: str | None = None
     error: str | None = None
+    versions: list[int | None] = []
     truncated = False
     finish = "max_turns"
     async with scheduler.session(len(prompt_ids), max_response_tokens) as engine:
@@ -150,6 +158,7 @@ async def rollout_one(
                 log.warning("rollout aborted after %d turns: %s", turns, error)
                 break
             turns += 1
+            versions.append(out.weight_version)
             response += out.output_ids
             mask += [1] * len(out.output_ids)
             logprobs += out.output_logprobs
@@ -208,6 +217,7 @@ async def rollout_one(
         text="".join(texts),
         answer_tags=answer_tags,
         error=error,
+        versions=versions,
     )
 
 

@@ -111,6 +111,13 @@ def parse_generate_response(body: dict[str, Any]) -> GenerateOutput:
     return GenerateOutput(logprob_ids, lps, _FINISH[ftype])  # type: ignore[arg-type]
 
 
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None  # a server started with a non-numeric --weight-version (e.g. "default")
+
+
 def _positive_int(value: Any) -> int | None:
     return (
         int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
@@ -188,9 +195,10 @@ class SGLangEngine(HTTPEngine):
             rid = sent.rid if attempt == 0 else f"{sent.rid}-retry{attempt}"
             return build_generate_payload(dataclasses.replace(sent, rid=rid))
 
-        out = parse_generate_response(
-            await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
-        )
+        answer = await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
+        out = parse_generate_response(answer)
+        served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
+        out.weight_version = _int_or_none(served if served is not None else self.weight_version)
         return out
 
     async def _server_info(self) -> dict[str, Any]:
@@ -236,10 +244,14 @@ class SGLangEngine(HTTPEngine):
     async def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
         """Make the server load new weights (a checkpoint the trainer wrote to shared storage).
 
-        ``version`` is kept on the client (``weight_version``); the request carries the path only.
+        ``version`` goes with the request (``weight_version``, which SGLang >= 0.5 echoes in
+        every answer's ``meta_info``) and is kept on the client for servers that do not echo it.
         """
         try:
-            body = await self._request("POST", "/update_weights_from_disk", json={"model_path": model_path})
+            payload: dict[str, Any] = {"model_path": model_path}
+            if version is not None:
+                payload["weight_version"] = str(version)  # SGLang >= 0.5 reports it per request
+            body = await self._request("POST", "/update_weights_from_disk", json=payload)
         except SGLangHTTPError as err:
             if err.status != 400:
                 raise

@@ -193,6 +193,13 @@ def check_weights_folder(path: str) -> None:
         raise VLLMError(f"weights folder {path} has no *.safetensors files")
 
 
+def _int_version(version: str | None) -> int | None:
+    try:
+        return int(version) if version is not None else None
+    except ValueError:
+        return None
+
+
 def tied_output_embeddings(path: str) -> bool:
     """Whether the HF folder's config ties lm_head to the input embeddings (False if unreadable)."""
     try:
@@ -246,7 +253,11 @@ class VLLMEngine(HTTPEngine):
             return build_completion_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
 
         answer = await self._request("POST", "/v1/completions", body_for_attempt=body, retry_timeouts=False)
-        return parse_completion_response(answer)
+        out = parse_completion_response(answer)
+        # A push pauses the server until running requests finish (mode=wait) and the version is
+        # set before it resumes: an answer belongs to the version current when it arrives.
+        out.weight_version = _int_version(self.weight_version)
+        return out
 
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))

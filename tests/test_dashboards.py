@@ -32,6 +32,8 @@ EXTENSIONS = {
     "kuberl_rollout_generated_tokens_total": "per-engine tokens/s on the rollout dashboard",
     "kuberl_autoscaler_desired_replicas": "what the operator's autoscaler decided",
     "kuberl_autoscaler_ready_replicas": "ready replicas the autoscaler sees",
+    "kuberl_train_rollout_staleness": "asynchronous RL: rollouts by policy versions behind (asyncLevel)",
+    "kuberl_train_rollouts_stale_total": "asynchronous RL: rollouts dropped as stale or out of step",
 }
 
 

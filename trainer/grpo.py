@@ -7,6 +7,8 @@ clipped loss -> optimizer step. The rollout side (engine + sandbox) lives in
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import math
 import threading
 import time
@@ -20,7 +22,7 @@ from torch import nn
 from kuberl.rollout.loop import Trajectory
 from kuberl.trainer.advantage import filter_groups, group_advantages
 from kuberl.trainer.distributed import DistContext, split_evenly
-from kuberl.trainer.loss import LossConfig, policy_loss, token_logprobs
+from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
 
@@ -95,6 +97,8 @@ class RolloutWorker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
         self._thread.start()
+        self._tickets = itertools.count()
+        self._inflight: dict[int, concurrent.futures.Future] = {}
         self.engine: Any = None
         self.fleet: Any = None
         if fleet is not None:
@@ -122,12 +126,16 @@ class RolloutWorker:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def set_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
         if self.engine is None:
             raise RuntimeError(
                 "this worker rolls out on a fleet of HTTP engines: new weights go through load_weights"
             )
-        self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()})
+        sd = {k: v.to(self.device) for k, v in state_dict.items()}
+        try:
+            self.engine.set_weights(sd, version=version)
+        except TypeError:  # an engine_factory engine without versions (tests' scripted ones)
+            self.engine.set_weights(sd)
 
     def load_weights(self, path: str, version: int | None = None) -> None:
         """Every fleet engine loads the HF folder ``path`` (engines that join later, too)."""
@@ -157,6 +165,40 @@ class RolloutWorker:
                 list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
             )
         )
+
+    def submit_rollouts(
+        self,
+        prompts: Sequence[str],
+        golds: Sequence[str],
+        n: int,
+        *,
+        max_turns: int,
+        max_response_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> int:
+        """Start :meth:`rollouts` in the background and return a ticket for :meth:`collect_rollouts`.
+
+        Asynchronous RL generates the next batches this way while the trainer updates; the
+        worker's event loop keeps serving weight pushes and other calls meanwhile.
+        """
+        coro = self._rollouts(
+            list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
+        )
+        ticket = next(self._tickets)
+        self._inflight[ticket] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return ticket
+
+    def collect_rollouts(self, ticket: int) -> list[list[Scored]]:
+        """The groups of a :meth:`submit_rollouts` call (waits for them)."""
+        return self._inflight.pop(ticket).result()
+
+    def discard_rollouts(self, ticket: int) -> None:
+        """Cancel a submitted batch (a run stopping early does not wait for batches it won't train)."""
+        fut = self._inflight.pop(ticket, None)
+        if fut is not None:
+            fut.cancel()
 
     async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
         from kuberl.rollout.loop import rollout_group
@@ -236,6 +278,8 @@ class StepBatch:
     old_logprobs: list[list[float]] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
+    # what the engines returned while sampling (mu); old_logprobs become pi_old on recompute
+    behavior_logprobs: list[list[float]] = field(default_factory=list)
 
 
 def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
@@ -245,16 +289,43 @@ def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
     return errors / calls if calls else math.nan
 
 
+def staleness(traj: Trajectory, version: int | None) -> int | None:
+    """How many policy versions older than ``version`` the oldest turn of ``traj`` is (None when
+    the engine reported no version, or the run tracks none)."""
+    if version is None or traj.min_version is None:
+        return None
+    return version - traj.min_version
+
+
 def prepare_batch(
-    groups: Sequence[Sequence[Scored]], group_size: int, *, roc: bool, seed: int, filter_zero: bool = True
+    groups: Sequence[Sequence[Scored]],
+    group_size: int,
+    *,
+    roc: bool,
+    seed: int,
+    filter_zero: bool = True,
+    version: int | None = None,
+    max_staleness: int | None = None,
 ) -> StepBatch:
     """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats.
 
     Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
-    dropped before selection and only counted (``rollouts_aborted``).
+    dropped before selection and only counted (``rollouts_aborted``). With ``version`` (the
+    policy version being trained) and ``max_staleness`` (asyncLevel), a rollout any of whose
+    turns came from a policy more than ``max_staleness`` versions older, or from a version newer
+    than ``version`` (an engine serving weights it was never given), is dropped the same way and
+    counted in ``rollouts_stale``; ``staleness_<k>`` counts the rollouts k versions old.
     """
     out = StepBatch()
     generated = sum(len(g) for g in groups)
+    ages = [staleness(s.traj, version) for g in groups for s in g]
+    stale = 0
+    if max_staleness is not None and version is not None:
+        before = sum(len(g) for g in groups)
+        groups = [
+            [s for s in g if (a := staleness(s.traj, version)) is None or 0 <= a <= max_staleness] for g in groups
+        ]
+        stale = before - sum(len(g) for g in groups)
     groups = [[s for s in g if s.traj.finish_reason != "abort"] for g in groups]
     all_scored = [s for g in groups for s in g]
     kept_groups: list[list[Scored]] = []
@@ -271,6 +342,7 @@ def prepare_batch(
             out.seqs.append(t.prompt_ids + t.response_ids)
             out.masks.append([0] * len(t.prompt_ids) + t.loss_mask)
             out.old_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
+            out.behavior_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
             out.advantages.append(a)
     n = max(1, len(all_scored))
     kept_flat = [s for g in kept_groups for s in g]
@@ -286,9 +358,16 @@ def prepare_batch(
         "groups": float(len(groups)),
         "groups_dropped_zero_adv": float(dropped),
         "rollouts": float(generated),
-        "rollouts_aborted": float(generated - len(all_scored)),
+        "rollouts_aborted": float(generated - len(all_scored) - stale),
         "rollouts_kept": float(len(out.seqs)),
     }
+    known = [a for a in ages if a is not None]
+    if known:
+        out.stats["rollouts_stale"] = float(stale)
+        out.stats["staleness_mean"] = sum(known) / len(known)
+        out.stats["staleness_max"] = float(max(known))
+        for k in sorted(set(known)):
+            out.stats[f"staleness_{k}"] = float(sum(a == k for a in known))
     return out
 
 
@@ -313,11 +392,15 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
             sb.masks.append(batch.masks[i])
             sb.old_logprobs.append(batch.old_logprobs[i])
             sb.advantages.append(batch.advantages[i])
+            if batch.behavior_logprobs:
+                sb.behavior_logprobs.append(batch.behavior_logprobs[i])
         for _ in range(width - len(g)):
             sb.seqs.append(batch.seqs[pad])
             sb.masks.append([0] * len(batch.seqs[pad]))
             sb.old_logprobs.append([0.0] * len(batch.seqs[pad]))
             sb.advantages.append(0.0)
+            if batch.behavior_logprobs:
+                sb.behavior_logprobs.append([0.0] * len(batch.seqs[pad]))
         out.append(sb)
     return out
 
@@ -372,8 +455,13 @@ def rl_update(
     micro_batch: int = 64,
     device: torch.device | str = "cpu",
     dist: DistContext | None = None,
+    tis_cap: float | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
+
+    ``tis_cap`` weights each token by min(pi_old / mu, cap), mu being the engine's sampling
+    log-probs (``batch.behavior_logprobs``): the off-policy correction of asynchronous runs
+    (``loss.tis_weights``); None leaves the loss exactly as without it.
 
     Returned stats cover every micro-batch of every epoch: fractions and means weighted by
     their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
@@ -409,6 +497,13 @@ def rl_update(
                     o = batch.old_logprobs[i][1:]
                     old[row, : len(o)] = torch.tensor(o, dtype=old.dtype)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
+                weights = None
+                if tis_cap is not None:
+                    beh = torch.zeros_like(tm)
+                    for row, i in enumerate(part):
+                        b = batch.behavior_logprobs[i][1:]
+                        beh[row, : len(b)] = torch.tensor(b, dtype=beh.dtype)
+                    weights = tis_weights(old, beh, tis_cap)
                 logits, _ = model(inp, attention_mask=att)
                 lp, ent = token_logprobs(logits, tgt)
                 loss, st = policy_loss(
@@ -419,6 +514,8 @@ def rl_update(
                     cfg,
                     entropy=ent if cfg.entropy_coef > 0 else None,
                     num_tokens=max(1.0, tokens),
+                    is_weights=weights,
+                    is_cap=tis_cap,
                 )
                 if cfg.aggregation == "token-mean":
                     # Denominator over all ranks: FSDP's average of the ranks' gradients, times

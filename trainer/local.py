@@ -200,7 +200,7 @@ class _Ray:
 
     def __call__(self, name: str, *args, **kwargs):
         result = self.ray.get(getattr(self.handle, name).remote(*args, **kwargs))
-        if name == "rollouts":
+        if name in ("rollouts", "collect_rollouts"):
             self.sync_metrics()
         return result
 

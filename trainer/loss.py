@@ -17,6 +17,13 @@ policy generated; prompt and tool-response tokens are 0):
 Optional terms (0 by default, as in the paper): ``kl_coef`` * k3-estimator KL to a reference
 policy (needs ``ref_logprobs``), minus ``entropy_coef`` * token entropy (needs ``entropy``).
 
+Off-policy rollouts (``asyncLevel`` > 0, INTELLECT-2 section 2.1): pi_old is the policy at the
+start of the optimisation step (the trainer's recomputation), but the tokens were sampled by an
+older engine policy mu. ``is_weights`` = min(pi_old / mu, C) per token (truncated importance
+sampling, as verl's TIS and prime-rl's) multiplies the clipped policy term, so the gradient is
+an estimate under pi_old again without letting a rare token's huge ratio dominate; stats
+``tis_mean`` and ``tis_capped`` (fraction of tokens at the cap C).
+
 Stats (all token-level over kept tokens): ``clip_low`` = fraction with A < 0 and r < 1 - eps_low
 (the gradient is cut), ``clip_high`` = fraction with A > 0 and r > 1 + eps_high, ``cap_frac`` =
 fraction where the negative-advantage cap is active, ``approx_kl`` = mean of 0.5 (log r)^2 to the
@@ -82,6 +89,8 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     num_tokens: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    is_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss (scalar, differentiable w.r.t. ``logprobs``) and token-level stats.
 
@@ -107,6 +116,10 @@ def policy_loss(
         capped = torch.where(adv < 0, ratio.clamp(max=cfg.negative_ratio_cap), ratio)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     per_token = -torch.minimum(capped * adv, clipped * adv)
+    if is_weights is not None:
+        if is_weights.shape != logprobs.shape:
+            raise ValueError(f"is_weights must be {tuple(logprobs.shape)}, got {tuple(is_weights.shape)}")
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
     if cfg.kl_coef > 0:
         if ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs ref_logprobs")
@@ -132,7 +145,19 @@ def policy_loss(
             "ratio_mean": float(r.mean()) if n else 1.0,
             "ratio_max": float(r.max()) if n else 1.0,
         }
+        if is_weights is not None:
+            w = is_weights[kept]
+            stats["tis_mean"] = float(w.mean()) if n else 1.0
+            stats["tis_capped"] = float((w >= is_cap).sum()) / max(1, n) if is_cap is not None else 0.0
     return loss, stats
+
+
+def tis_weights(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(exp(log pi_old - log mu), cap) per token: the truncated importance weight of a token
+    sampled by the behaviour policy mu (the engine) under the policy being optimised (pi_old)."""
+    if cap <= 0:
+        raise ValueError(f"the TIS cap must be > 0, got {cap}")
+    return torch.exp(old_logprobs - behavior_logprobs).clamp(max=cap)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

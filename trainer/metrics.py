@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Gauge, start_http_server
+from prometheus_client import Counter, Gauge, start_http_server
 
 from kuberl.rollout.engine import GENERATED_TOKENS
 from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
@@ -47,6 +47,16 @@ def _gauges() -> dict[str, Gauge]:
             length=Gauge("kuberl_train_response_length_tokens", "Mean response length (tokens)", ["job"]),
             step=Gauge("kuberl_train_step", "Current training step", ["job", "stage"]),
             step_s=Gauge("kuberl_train_step_seconds", "Wall time of the last step", ["job"]),
+            staleness=Gauge(
+                "kuberl_train_rollout_staleness",
+                "Rollouts of the last step by policy versions behind the trained one (asyncLevel)",
+                ["job", "age"],
+            ),
+            stale=Counter(
+                "kuberl_train_rollouts_stale",
+                "Rollouts dropped for being older than asyncLevel or from a version never pushed",
+                ["job"],
+            ),
         )
     return _GAUGES
 
@@ -99,6 +109,10 @@ class MetricsSink:
             v = record.get(key)
             if v is not None and math.isfinite(v):
                 g[gauge].labels(self.job, *extra).set(v)
+        if "staleness_max" in record:
+            for age in range(int(record["staleness_max"]) + 1):
+                g["staleness"].labels(self.job, str(age)).set(record.get(f"staleness_{age}", 0.0))
+            g["stale"].labels(self.job).inc(record.get("rollouts_stale", 0.0))
 
     @property
     def events_path(self) -> Path:

@@ -416,70 +416,44 @@ class Pipeline:
         return keep
 
     def _run_rl(self, stage: StageSpec) -> None:
+        """GRPO-RoC steps; with ``algorithm.asyncLevel`` k > 0 the rollouts of the next k steps
+        generate while this one trains (INTELLECT-2 section 2.1).
+
+        Step n's batch is submitted right after version n-k reached the engines, so it is at most
+        k versions old when trained on; the weight push of each new version overlaps the
+        generation in flight. A turn is one engine request, and a request finishes on the
+        weights it started with (vLLM: ``pause?mode=wait``; LocalEngine: reports the version it
+        started with), so a multi-turn rollout that spans a push carries the version of each turn
+        and counts as old as its oldest turn: nothing is trained on with a staleness it does not
+        have. Batches submitted ahead are not checkpointed: a resumed run generates them afresh.
+        """
         a = self.spec.algorithm
+        k = a.async_level
         batch = stage.batch_size or a.batch_prompts
         pool = self._rl_pool(stage)
         n = a.rollouts_per_prompt if self.algorithm == "grpo-roc" else a.group_size
         self.model.eval()
-        while self.state.stage_step < stage.steps:
-            if self._out_of_time():
-                self.result.stopped_early = True
-                break
-            t0 = time.perf_counter()
-            gstep = self.state.global_step
-            seed_everything(self.spec.seed * 1_000_003 + gstep)
-            lr = self._set_lr(stage, self.state.stage_step)
-            probs = [pool[(self.state.cursor + i) % len(pool)] for i in range(batch)]
-            self._sync_weights()
-            t1 = time.perf_counter()
-            parts = None
-            if self.ctx.is_main:
-                groups = self.call(
-                    "rollouts",
-                    [self._prompt(p) for p in probs],
-                    [p.answer for p in probs],
-                    n,
-                    temperature=self.spec.rollout.temperature,
-                    top_p=self.spec.rollout.top_p,
-                    seed=self.spec.seed * 1_000_003 + gstep,
-                    **self._rl_limits(stage),
-                )
-                sb = prepare_batch(
-                    groups,
-                    a.group_size,
-                    roc=self.algorithm == "grpo-roc",
-                    seed=self.spec.seed + gstep,
-                    filter_zero=a.filter_zero_advantage,
-                )
-                parts = shard_step_batch(sb, self.ctx.world_size) if self.ctx.enabled else [sb]
-            t_roll = time.perf_counter() - t1
-            sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
-            logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
-            logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
-            upd = rl_update(
-                self.model,
-                self.optimizer,
-                sb,
-                self.loss_cfg,
-                grad_clip=a.grad_clip,
-                mini_batches=min(a.mini_batches, max(1, len(sb.seqs))),
-                ppo_epochs=a.ppo_epochs,
-                device=self.device,
-                dist=self.ctx,
-            )
-            self.model.eval()
-            self.state.cursor = (self.state.cursor + batch) % len(pool)
-            rec = {
-                "type": "rl",
-                "algorithm": self.algorithm,
-                "lr": lr,
-                **sb.stats,
-                **upd,
-                "rollout_logprob_gap": logprob_gap,
-                "rollout_seconds": t_roll,
-                "step_seconds": time.perf_counter() - t0,
+        pending: dict[int, Any] = {}  # global step -> ticket of its submitted rollouts (rank 0)
+
+        def request(ahead: int) -> tuple[tuple, dict[str, Any]]:
+            probs = [pool[(self.state.cursor + ahead * batch + i) % len(pool)] for i in range(batch)]
+            kwargs = {
+                "temperature": self.spec.rollout.temperature,
+                "top_p": self.spec.rollout.top_p,
+                "seed": self.spec.seed * 1_000_003 + self.state.global_step + ahead,
+                **self._rl_limits(stage),
             }
-            self._after_step(stage, rec)
+            return ([self._prompt(p) for p in probs], [p.answer for p in probs], n), kwargs
+
+        try:
+            while self.state.stage_step < stage.steps:
+                if self._out_of_time():
+                    self.result.stopped_early = True
+                    break
+                self._rl_step(stage, request, pending, k, batch, pool)
+        finally:
+            for ticket in pending.values():  # stopped early or failed: not trained on
+                self.call("discard_rollouts", ticket)
         if self.result.stopped_early:
             self._checkpoint_unless_saved(stage)
             self.evaluate(stage, stage.name)  # the accuracy at the time limit; not in the checkpoint
@@ -487,6 +461,65 @@ class Pipeline:
         if stage.name not in self.result.evals:  # a run resumed at the stage's end has it already
             self.evaluate(stage, stage.name)
         self._checkpoint_unless_saved(stage)
+
+    def _rl_step(self, stage: StageSpec, request, pending: dict[int, Any], k: int, batch: int, pool) -> None:
+        a = self.spec.algorithm
+        t0 = time.perf_counter()
+        gstep = self.state.global_step
+        seed_everything(self.spec.seed * 1_000_003 + gstep)
+        lr = self._set_lr(stage, self.state.stage_step)
+        self._sync_weights()  # version gstep reaches the engines (overlapping generation if k > 0)
+        t1 = time.perf_counter()
+        parts = None
+        if self.ctx.is_main:
+            if k == 0:
+                args, kwargs = request(0)
+                groups = self.call("rollouts", *args, **kwargs)
+            else:
+                for ahead in range(min(k + 1, stage.steps - self.state.stage_step)):
+                    if gstep + ahead not in pending:
+                        args, kwargs = request(ahead)
+                        pending[gstep + ahead] = self.call("submit_rollouts", *args, **kwargs)
+                groups = self.call("collect_rollouts", pending.pop(gstep))
+            sb = prepare_batch(
+                groups,
+                a.group_size,
+                roc=self.algorithm == "grpo-roc",
+                seed=self.spec.seed + gstep,
+                filter_zero=a.filter_zero_advantage,
+                version=gstep,
+                max_staleness=k,
+            )
+            parts = shard_step_batch(sb, self.ctx.world_size) if self.ctx.enabled else [sb]
+        t_roll = time.perf_counter() - t1
+        sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
+        logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
+        logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
+        upd = rl_update(
+            self.model,
+            self.optimizer,
+            sb,
+            self.loss_cfg,
+            grad_clip=a.grad_clip,
+            mini_batches=min(a.mini_batches, max(1, len(sb.seqs))),
+            ppo_epochs=a.ppo_epochs,
+            device=self.device,
+            dist=self.ctx,
+            tis_cap=a.effective_tis_cap,
+        )
+        self.model.eval()
+        self.state.cursor = (self.state.cursor + batch) % len(pool)
+        rec = {
+            "type": "rl",
+            "algorithm": self.algorithm,
+            "lr": lr,
+            **sb.stats,
+            **upd,
+            "rollout_logprob_gap": logprob_gap,
+            "rollout_seconds": t_roll,
+            "step_seconds": time.perf_counter() - t0,
+        }
+        self._after_step(stage, rec)
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1

@@ -101,7 +101,7 @@ class LocalWeights:
     def sync(self, model, version: int) -> None:
         sd = full_state_dict(model, self.ctx)
         if self.ctx.is_main:
-            self.call("set_weights", sd)
+            self.call("set_weights", sd, version)
 
 
 class DiskWeights:

@@ -1,0 +1,153 @@
+"""Asynchronous RL (algorithm.asyncLevel): bounded staleness, versions on every rollout, and the
+truncated importance-sampling correction."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kuberl.api.job import AgenticRLJob
+from kuberl.rollout.loop import Trajectory
+from kuberl.trainer.grpo import Scored, prepare_batch, rl_update
+from kuberl.trainer.local import run_job
+from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights
+from tests.test_trainer_pipeline import TINY
+from tests.trainer_fakes import FakeSandbox
+
+
+def _traj(versions: list[int | None], reward_tokens: int = 3) -> Trajectory:
+    return Trajectory(
+        prompt_ids=[1, 2],
+        response_ids=[3] * reward_tokens,
+        loss_mask=[1] * reward_tokens,
+        logprobs=[-0.5] * reward_tokens,
+        turns=len(versions),
+        tool_calls=0,
+        tool_errors=0,
+        format_errors=0,
+        answer="1",
+        truncated=False,
+        finish_reason="answer",
+        versions=versions,
+    )
+
+
+def test_rollouts_older_than_the_bound_or_from_unknown_versions_are_dropped_and_counted():
+    group = [
+        Scored(_traj([5]), 1.0),
+        Scored(_traj([4]), 0.0),
+        Scored(_traj([4, 5]), 1.0),  # spans a push: as old as its oldest turn
+        Scored(_traj([3]), 1.0),  # two versions old with asyncLevel 1: stale
+        Scored(_traj([6]), 0.0),  # newer than the policy being trained: an engine out of step
+        Scored(_traj([None]), 0.0),  # an engine that reports no version is not judged
+    ]
+    sb = prepare_batch([group], 4, roc=False, seed=0, version=5, max_staleness=1)
+    st = sb.stats
+    assert st["rollouts_stale"] == 2 and st["rollouts"] == 6 and st["rollouts_aborted"] == 0
+    assert st["staleness_0"] == 1 and st["staleness_1"] == 2 and st["staleness_2"] == 1
+    assert st["staleness_max"] == 2
+    assert len(sb.seqs) == 4  # the four fresh enough rollouts form the group
+    # the behaviour log-probs are kept beside pi_old, which recompute_old_logprobs overwrites
+    assert sb.behavior_logprobs == sb.old_logprobs
+    # synchronous (bound 0): only the current version passes
+    sync = prepare_batch([group], 2, roc=False, seed=0, version=5, max_staleness=0)
+    assert sync.stats["rollouts_stale"] == 4
+
+
+def test_tis_weights_truncate_and_leave_the_loss_alone_when_off():
+    torch.manual_seed(0)
+    lp = torch.randn(2, 5, requires_grad=True)
+    old = lp.detach() + 0.1 * torch.randn(2, 5)
+    beh = old + torch.tensor([[0.0, -2.0, 2.0, 0.0, 0.5]] * 2)  # mu: one token far less likely
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 5)
+    w = tis_weights(old, beh, cap=2.0)
+    assert torch.allclose(w[0], torch.exp(old - beh)[0].clamp(max=2.0))
+    assert float(w.max()) == 2.0 and float(w[0, 2]) == pytest.approx(float(torch.exp(torch.tensor(-2.0))))
+    base, _ = policy_loss(lp, old, adv, mask, LossConfig())
+    ones, st1 = policy_loss(lp, old, adv, mask, LossConfig(), is_weights=torch.ones(2, 5), is_cap=2.0)
+    assert torch.equal(base, ones) and st1["tis_mean"] == 1.0 and st1["tis_capped"] == 0.0
+    weighted, st = policy_loss(lp, old, adv, mask, LossConfig(), is_weights=w, is_cap=2.0)
+    assert not torch.allclose(base, weighted)
+    assert st["tis_capped"] == pytest.approx(2 / 10)  # token 1 of both rows hits the cap
+    with pytest.raises(ValueError, match="is_weights must be"):
+        policy_loss(lp, old, adv, mask, LossConfig(), is_weights=torch.ones(1, 5))
+
+
+def test_rl_update_without_a_cap_is_the_update_without_the_correction():
+    """asyncLevel 0 keeps today's loss bit for bit: no cap, no weights, whatever mu says."""
+    from kuberl.trainer.grpo import StepBatch
+
+    torch.manual_seed(0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 8)
+            self.out = torch.nn.Linear(8, 8)
+
+        def forward(self, ids, attention_mask=None):
+            return self.out(self.emb(ids)), None
+
+    model = Tiny()
+    sb = StepBatch(
+        seqs=[[1, 2, 3, 4], [1, 5, 6]],
+        masks=[[0, 1, 1, 1], [0, 1, 1]],
+        old_logprobs=[[0.0, -2.0, -2.1, -2.2], [0.0, -1.9, -2.0]],
+        advantages=[1.0, -1.0],
+        behavior_logprobs=[[0.0, -5.0, -0.1, -2.2], [0.0, -1.9, -9.0]],
+    )
+    m1, m2, m3 = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    stats = []
+    for m, cap in ((m1, None), (m2, None), (m3, 2.0)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        stats.append(rl_update(m, opt, sb, LossConfig(), grad_clip=1.0, tis_cap=cap))
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m3.state_dict().values(), strict=True)
+    )
+    assert "tis_mean" not in stats[0] and 0 < stats[2]["tis_capped"] < 1
+
+
+def _job(tmp_path, level: int, steps: int = 4) -> AgenticRLJob:
+    doc = copy.deepcopy(TINY)
+    doc["spec"]["algorithm"]["asyncLevel"] = level
+    doc["spec"]["stages"][1]["steps"] = steps
+    doc["spec"]["checkpoint"]["uri"] = str(tmp_path / f"ck{level}")
+    return AgenticRLJob.model_validate(doc)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    res = run_job(_job(tmp_path, level), tmp_path / f"out{level}", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    rl = [h for h in res.history if h.get("type") == "rl"]
+    assert len(rl) == 4
+    # step i (0-based) trains on rollouts submitted while version (first RL step) + max(0, i - k)
+    # was served: at most min(i, k) old (a batch whose first turns start after a later push is
+    # younger). Step 1's batch was submitted with step 0's, before any push: exactly 1 old.
+    ages = [h["staleness_max"] for h in rl]
+    assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
+    assert ages[0] == 0 and ages[1] == 1, ages
+    assert all(h["rollouts_stale"] == 0 for h in rl)
+    assert all("tis_mean" in h for h in rl if h.get("tokens", 0) > 0)
+    assert all(h["rollouts"] == 8 for h in rl)
+
+
+def test_async_level_is_bounded_and_named_in_errors():
+    doc = copy.deepcopy(TINY)
+    doc["spec"]["algorithm"]["asyncLevel"] = 5
+    with pytest.raises(ValueError, match="asyncLevel"):
+        AgenticRLJob.model_validate(doc)
+    doc["spec"]["algorithm"]["asyncLevel"] = -1
+    with pytest.raises(ValueError, match="asyncLevel"):
+        AgenticRLJob.model_validate(doc)
+    doc["spec"]["algorithm"]["asyncLevel"] = 2
+    job = AgenticRLJob.model_validate(doc)
+    assert job.spec.algorithm.effective_tis_cap == 2.0
+    doc["spec"]["algorithm"]["tisCap"] = 0
+    assert AgenticRLJob.model_validate(doc).spec.algorithm.effective_tis_cap is None
+    doc["spec"]["algorithm"] = {**doc["spec"]["algorithm"], "asyncLevel": 0, "tisCap": None}
+    assert AgenticRLJob.model_validate(doc).spec.algorithm.effective_tis_cap is None
