@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,17 @@ from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
+
+
+def pin_to_cpus(spec: str | None) -> None:
+    """Restrict this process to the cores of ``spec`` ("0", "0,2", "1-3"); None or "" leaves it."""
+    if not spec:
+        return
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -77,6 +89,7 @@ class RolloutWorker:
     ):
         if threads:
             torch.set_num_threads(threads)
+        pin_to_cpus(os.environ.get("KUBERL_ROLLOUT_CPUS"))  # benches: the engine on its own cores
         from kuberl.rollout.local_engine import LocalEngine
         from kuberl.rollout.scheduler import Scheduler
         from kuberl.trainer.hf import policy_from_config
@@ -99,6 +112,9 @@ class RolloutWorker:
         self._thread.start()
         self._tickets = itertools.count()
         self._inflight: dict[int, concurrent.futures.Future] = {}
+        self._active = 0  # rollout batches in flight, and the time any was: the engine side's busy time
+        self._busy_since = 0.0
+        self.busy_total = 0.0
         self.engine: Any = None
         self.fleet: Any = None
         if fleet is not None:
@@ -200,7 +216,24 @@ class RolloutWorker:
         if fut is not None:
             fut.cancel()
 
+    def busy_seconds(self) -> float:
+        """Wall time during which at least one rollout batch was generating (up to now)."""
+        return self.busy_total + (time.monotonic() - self._busy_since if self._active else 0.0)
+
     async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
+        if self._active == 0:
+            self._busy_since = time.monotonic()
+        self._active += 1
+        try:
+            return await self._rollouts_inner(
+                prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
+            )
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self.busy_total += time.monotonic() - self._busy_since
+
+    async def _rollouts_inner(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
         from kuberl.rollout.loop import rollout_group
 
         groups = await rollout_group(

@@ -434,6 +434,7 @@ class Pipeline:
         n = a.rollouts_per_prompt if self.algorithm == "grpo-roc" else a.group_size
         self.model.eval()
         pending: dict[int, Any] = {}  # global step -> ticket of its submitted rollouts (rank 0)
+        self._engine_busy_mark = self.call("busy_seconds") if self.ctx.is_main else None
 
         def request(ahead: int) -> tuple[tuple, dict[str, Any]]:
             probs = [pool[(self.state.cursor + ahead * batch + i) % len(pool)] for i in range(batch)]
@@ -516,9 +517,14 @@ class Pipeline:
             **sb.stats,
             **upd,
             "rollout_logprob_gap": logprob_gap,
-            "rollout_seconds": t_roll,
+            "rollout_seconds": t_roll,  # waiting for this step's rollouts (all of their time when k = 0)
+            "update_seconds": time.perf_counter() - t1 - t_roll,  # recompute + update
             "step_seconds": time.perf_counter() - t0,
         }
+        busy = self.call("busy_seconds") if self.ctx.is_main else None
+        if busy is not None and self._engine_busy_mark is not None:
+            rec["engine_busy_seconds"] = busy - self._engine_busy_mark  # generation during this step
+        self._engine_busy_mark = busy
         self._after_step(stage, rec)
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:

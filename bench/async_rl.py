@@ -1,0 +1,133 @@
+"""Benchmark: synchronous RL vs asyncLevel 1 and 2 on the same work (INTELLECT-2 section 2.1).
+
+One SFT run of the manifest (default examples/quickstart.yaml) makes a checkpoint; every arm
+(asyncLevel 0, 1, 2) resumes a copy of it for the same RL steps, seeds and data, with the rollout
+worker (a Ray actor: the engine and the scheduler) pinned to core 0 and the trainer to core 1, so
+each side stands for its own hardware as trainer and fleet pods do on a cluster. Per arm: wall
+time per RL step, trainer busy fraction (recompute + update over wall time), engine busy fraction
+(time with a batch generating over wall time), held-out sampled accuracy after the stage and the
+mean reward of the last steps. ``--ppo-epochs`` makes the update heavier, to find the
+configuration where generation and update take similar time in the synchronous run (the one
+where overlap can win most: ideal speed-up = (gen + update) / max(gen, update)).
+
+    python bench/async_rl.py [--steps 20] [--seeds 1] [--ppo-epochs 1] [--out /tmp/async-rl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from kuberl.api.job import AgenticRLJob
+from kuberl.api.loader import find_one, load_manifests
+from kuberl.trainer.local import run_job
+
+REPO = Path(__file__).resolve().parent.parent
+LEVELS = (0, 1, 2)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def arm_summary(records: list[dict]) -> dict[str, float]:
+    """Figures of one arm's RL stage from its metrics records (pure)."""
+    rl = [r for r in records if r.get("type") == "rl"]
+    wall = sum(r["step_seconds"] for r in rl)
+    upd = sum(r.get("update_seconds", 0.0) for r in rl)
+    busy = sum(r.get("engine_busy_seconds", 0.0) for r in rl)
+    evals = [r["accuracy"] for r in records if r.get("type") == "eval" and r.get("label") == "rl"]
+    tail = rl[-5:]
+    return {
+        "steps": len(rl),
+        "step_s": wall / max(1, len(rl)),
+        "steps_per_hour": 3600 * len(rl) / wall if wall else float("nan"),
+        "trainer_busy": upd / wall if wall else float("nan"),
+        "engine_busy": busy / wall if wall else float("nan"),
+        "gen_s_sync": sum(r["rollout_seconds"] for r in rl) / max(1, len(rl)),
+        "update_s": upd / max(1, len(rl)),
+        "accuracy": evals[-1] if evals else float("nan"),
+        "reward_last5": sum(r["reward_mean"] for r in tail) / max(1, len(tail)),
+        "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in rl) / max(1, len(rl)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("manifest", nargs="?", default=str(REPO / "examples" / "quickstart.yaml"))
+    ap.add_argument("--steps", type=int, default=20, help="RL steps per arm")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--out", default="/tmp/kuberl-async-rl")
+    args = ap.parse_args(argv)
+    base = find_one(load_manifests(args.manifest), AgenticRLJob)
+    out = Path(args.out)
+    shutil.rmtree(out, ignore_errors=True)
+    os.environ["KUBERL_ROLLOUT_CPUS"] = "0"  # the Ray actor (engine side) pins itself here
+    os.sched_setaffinity(0, {1})  # the trainer (this process; Ray workers set their own)
+    results: dict[int, list[dict[str, float]]] = {k: [] for k in LEVELS}
+    for seed in range(args.seeds):
+        doc = base.model_dump(by_alias=True, exclude_none=True)
+        spec = doc["spec"]
+        spec["seed"] = base.spec.seed + seed
+        spec["stages"][-1]["steps"] = args.steps
+        spec["algorithm"]["ppoEpochs"] = args.ppo_epochs
+        spec["trainer"]["threads"] = 1
+        spec["checkpoint"].update(everySteps=10_000, keep=2, uri="checkpoints")  # in each run folder
+        for k in LEVELS:
+            spec["algorithm"]["asyncLevel"] = k
+            job = AgenticRLJob.model_validate(doc)
+            run = out / f"seed{seed}" / f"async{k}"
+            if k > 0:  # resume the synchronous arm's end-of-SFT checkpoint: same start for all
+                sft = base.spec.stages[0].steps  # every stage ends with a checkpoint
+                src = out / f"seed{seed}" / "async0" / "checkpoints" / f"ckpt-{sft:08d}.pt"
+                (run / "checkpoints").mkdir(parents=True)
+                shutil.copy(src, run / "checkpoints" / src.name)
+            run_job(job, run, use_ray=True, quiet=True)
+            s = arm_summary(_records(run))
+            results[k].append(s)
+            print(
+                f"seed {seed} asyncLevel {k}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
+                flush=True,
+            )
+    print(f"\n{'':<28}" + "".join(f"{'asyncLevel ' + str(k):>22}" for k in LEVELS))
+    for key in (
+        "step_s",
+        "steps_per_hour",
+        "trainer_busy",
+        "engine_busy",
+        "accuracy",
+        "reward_last5",
+        "staleness_mean",
+    ):
+        cells = []
+        for k in LEVELS:
+            vals = [r[key] for r in results[k]]
+            sd = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
+            cells.append(f"{statistics.fmean(vals):.3f}{sd}")
+        print(f"{key:<28}" + "".join(f"{c:>22}" for c in cells))
+    sync = results[0]
+    gen = statistics.fmean(r["gen_s_sync"] for r in sync)
+    upd = statistics.fmean(r["update_s"] for r in sync)
+    ideal = (gen + upd) / max(gen, upd)
+    for k in (1, 2):
+        speed = statistics.fmean(r["steps_per_hour"] for r in results[k]) / statistics.fmean(
+            r["steps_per_hour"] for r in sync
+        )
+        longer = max(gen, upd)
+        step = statistics.fmean(r["step_s"] for r in results[k])
+        print(
+            f"asyncLevel {k}: {speed:.2f}x the synchronous steps/hour (ideal {ideal:.2f}x: generation "
+            f"{gen:.2f} s + update {upd:.2f} s per synchronous step); step {step:.2f} s = "
+            f"{step / longer:.2f}x the longer side (goal <= 1.1x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
