@@ -164,6 +164,21 @@ class RolloutSpec(KubeModel):
     max_turns: int = Field(10, ge=1, le=100, description="T: max assistant turns per rollout.")
     max_response_tokens: int = Field(8192, ge=1)
     tools: list[Literal["python"]] = Field(default_factory=lambda: ["python"])
+    spot_check_tolerance: float | None = Field(
+        0.15,
+        gt=0,
+        description=(
+            "Flag an engine whose sampling log-probs of the trained rollouts differ from the trainer's "
+            "by more than this mean (nats/token): it serves other weights than were pushed. Measured "
+            "mismatch of a correct bf16 vLLM server: 0.03 (bench/README.md); null turns the check off."
+        ),
+    )
+    spot_check_rollouts: int = Field(
+        8,
+        ge=0,
+        le=1024,
+        description="Rollouts per RL step (trained on or not, spread over the engines) for the spot check; 0: off.",
+    )
     prompt_template: Literal["rstar2", "compact"] = Field(
         "rstar2", description="compact drops the long system prompt (tiny local models)."
     )

@@ -123,6 +123,14 @@ TRAINING: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
+        "Engine log-prob gap (spot check)",
+        "Mean |engine - trainer| log-probability per token of the step's rollouts sampled by the "
+        "current policy version, per engine. A correct bf16 vLLM server measures ~0.03 nats/token; an "
+        "engine above rollout.spotCheckTolerance (0.15) serves other weights than were pushed to it.",
+        (Query(f"kuberl_train_engine_logprob_gap{{{J}}}", "{{job}} {{engine}}"),),
+        min=0,
+    ),
+    PanelSpec(
         "Step time",
         "Wall time of the last optimizer step including rollouts, rewards and weight sync.",
         (Query(f"kuberl_train_step_seconds{{{J}}}", "{{job}}"),),

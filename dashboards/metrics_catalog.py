@@ -116,6 +116,13 @@ CATALOG: dict[str, MetricSpec] = {
             "Rollouts of the last step by policy versions behind the trained one (asyncLevel)",
         ),
         MetricSpec(
+            "kuberl_train_engine_logprob_gap",
+            "gauge",
+            ("job", "engine"),
+            "trainer",
+            "Mean |engine - trainer| log-prob of the step's fresh rollouts, per engine (spot check)",
+        ),
+        MetricSpec(
             "kuberl_train_rollouts_stale_total",
             "counter",
             ("job",),

@@ -79,6 +79,7 @@ class Trajectory:
     answer_tags: int = 0
     error: str | None = None
     versions: list[int | None] = field(default_factory=list)  # policy version of each model turn
+    engine: str | None = None  # the engine that generated it (a rollout keeps one engine)
 
     @property
     def min_version(self) -> int | None:
@@ -134,9 +135,11 @@ async def rollout_one(
     answer: str | None = None
     error: str | None = None
     versions: list[int | None] = []
+    engine_name: str | None = None
     truncated = False
     finish = "max_turns"
     async with scheduler.session(len(prompt_ids), max_response_tokens) as engine:
+        engine_name = engine.name
         while turns < max_turns:
             budget = max_response_tokens - len(response)
             if budget <= 0:
@@ -218,6 +221,7 @@ async def rollout_one(
         answer_tags=answer_tags,
         error=error,
         versions=versions,
+        engine=engine_name,
     )
 
 

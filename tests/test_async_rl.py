@@ -104,7 +104,9 @@ def test_rl_update_without_a_cap_is_the_update_without_the_correction():
     for m, cap in ((m1, None), (m2, None), (m3, 2.0)):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         stats.append(rl_update(m, opt, sb, LossConfig(), grad_clip=1.0, tis_cap=cap))
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True)
+    )
     assert not all(
         torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m3.state_dict().values(), strict=True)
     )
@@ -122,7 +124,13 @@ def _job(tmp_path, level: int, steps: int = 4) -> AgenticRLJob:
 @pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
-    res = run_job(_job(tmp_path, level), tmp_path / f"out{level}", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    res = run_job(
+        _job(tmp_path, level),
+        tmp_path / f"out{level}",
+        use_ray=False,
+        executor_factory=FakeSandbox,
+        quiet=True,
+    )
     rl = [h for h in res.history if h.get("type") == "rl"]
     assert len(rl) == 4
     # step i (0-based) trains on rollouts submitted while version (first RL step) + max(0, i - k)
@@ -151,3 +159,51 @@ def test_async_level_is_bounded_and_named_in_errors():
     assert AgenticRLJob.model_validate(doc).spec.algorithm.effective_tis_cap is None
     doc["spec"]["algorithm"] = {**doc["spec"]["algorithm"], "asyncLevel": 0, "tisCap": None}
     assert AgenticRLJob.model_validate(doc).spec.algorithm.effective_tis_cap is None
+
+
+class _WrongWeightsEngine:
+    """A LocalEngine that reports every pushed version but keeps serving weights of its own:
+    what a replica that missed a push (restarted, failed reload) looks like to the trainer."""
+
+    def __new__(cls, model, tokenizer):
+        from kuberl.rollout.local_engine import LocalEngine
+
+        engine = LocalEngine(model, max_total_tokens=1 << 20, max_batch=64, seed=0, name="wrong-0")
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+
+        def set_weights(state_dict, version=None):
+            engine.weight_version = version  # claims the version, keeps its weights
+
+        engine.set_weights = set_weights
+        return engine
+
+
+def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job = _job(tmp_path, 0, steps=2)
+    bad = run_job(
+        job,
+        tmp_path / "bad",
+        use_ray=False,
+        executor_factory=FakeSandbox,
+        engine_factory=_WrongWeightsEngine,
+        quiet=True,
+    )
+    rl = [h for h in bad.history if h.get("type") == "rl" and h.get("engine_logprob_gap")]
+    assert rl and all(h["engine_logprob_gap"]["wrong-0"] > 0.15 for h in rl), rl
+    events = [json.loads(x) for x in (tmp_path / "bad" / "events.jsonl").read_text().splitlines()]
+    flagged = [e for e in events if e["kind"] == "engine"]
+    assert len(flagged) == 1 and "wrong-0" in flagged[0]["text"] and "other weights" in flagged[0]["text"]
+    good = run_job(
+        _job(tmp_path, 1, steps=2), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
+    )
+    gaps = [
+        g for h in good.history if h.get("type") == "rl" for g in (h.get("engine_logprob_gap") or {}).values()
+    ]
+    assert gaps and max(gaps) < 1e-3  # the same float32 weights on both sides
+    events = (tmp_path / "good" / "events.jsonl").read_text()
+    assert '"kind": "engine"' not in events

@@ -34,6 +34,7 @@ EXTENSIONS = {
     "kuberl_autoscaler_ready_replicas": "ready replicas the autoscaler sees",
     "kuberl_train_rollout_staleness": "asynchronous RL: rollouts by policy versions behind (asyncLevel)",
     "kuberl_train_rollouts_stale_total": "asynchronous RL: rollouts dropped as stale or out of step",
+    "kuberl_train_engine_logprob_gap": "spot check: an engine serving other weights than pushed",
 }
 
 

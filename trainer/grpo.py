@@ -313,6 +313,11 @@ class StepBatch:
     stats: dict[str, float] = field(default_factory=dict)
     # what the engines returned while sampling (mu); old_logprobs become pi_old on recompute
     behavior_logprobs: list[list[float]] = field(default_factory=list)
+    # per row: the engine that sampled it, whether that was the current policy version (only
+    # those can be spot-checked against the trainer), and |mu - pi_old| summed / counted
+    engines: list[str | None] = field(default_factory=list)
+    fresh: list[bool] = field(default_factory=list)
+    gaps: list[tuple[float, int]] = field(default_factory=list)
 
 
 def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
@@ -376,6 +381,8 @@ def prepare_batch(
             out.masks.append([0] * len(t.prompt_ids) + t.loss_mask)
             out.old_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
             out.behavior_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
+            out.engines.append(t.engine)
+            out.fresh.append(version is None or staleness(t, version) == 0)
             out.advantages.append(a)
     n = max(1, len(all_scored))
     kept_flat = [s for g in kept_groups for s in g]
@@ -427,6 +434,9 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
             sb.advantages.append(batch.advantages[i])
             if batch.behavior_logprobs:
                 sb.behavior_logprobs.append(batch.behavior_logprobs[i])
+            if batch.engines:
+                sb.engines.append(batch.engines[i])
+                sb.fresh.append(batch.fresh[i])
         for _ in range(width - len(g)):
             sb.seqs.append(batch.seqs[pad])
             sb.masks.append([0] * len(batch.seqs[pad]))
@@ -434,6 +444,9 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
             sb.advantages.append(0.0)
             if batch.behavior_logprobs:
                 sb.behavior_logprobs.append([0.0] * len(batch.seqs[pad]))
+            if batch.engines:
+                sb.engines.append(None)
+                sb.fresh.append(False)
         out.append(sb)
     return out
 
@@ -456,6 +469,7 @@ def recompute_old_logprobs(
     was_training = model.training
     model.eval()
     gap, count = 0.0, 0
+    batch.gaps = []
     try:
         for start in range(0, len(batch.seqs), micro_batch):
             part = range(start, min(start + micro_batch, len(batch.seqs)))
@@ -468,8 +482,11 @@ def recompute_old_logprobs(
                 n = len(batch.seqs[i]) - 1
                 mask = tm[row, :n].cpu() > 0
                 engine = torch.tensor(batch.old_logprobs[i][1:], dtype=lp.dtype)
-                gap += float((engine - lp[row, :n]).abs()[mask].sum())
-                count += int(mask.sum())
+                row_gap, row_count = float((engine - lp[row, :n]).abs()[mask].sum()), int(mask.sum())
+                gap += row_gap
+                count += row_count
+                if len(batch.gaps) < len(batch.seqs):
+                    batch.gaps.append((row_gap, row_count))
                 batch.old_logprobs[i] = [0.0, *lp[row, :n].tolist()]
     finally:
         model.train(was_training)
@@ -590,3 +607,53 @@ def timed(fn, *args, **kwargs):
     t = time.perf_counter()
     r = fn(*args, **kwargs)
     return r, time.perf_counter() - t
+
+
+def engine_gaps(batch: StepBatch) -> dict[str, float]:
+    """Mean |engine - trainer| log-prob per engine over the batch's fresh rows (sampled by the
+    policy version being trained: older rows differ by the update, not by the engine).
+
+    The spot check of asynchronous and fleet runs: an engine far above the measured mismatch
+    (bench/README.md) serves other weights than were pushed to it. Pure, after
+    :func:`recompute_old_logprobs` filled ``batch.gaps``.
+    """
+    sums: dict[str, list[float]] = {}
+    for name, fresh, (gap, count) in zip(batch.engines, batch.fresh, batch.gaps, strict=False):
+        if name is None or not fresh or count == 0:
+            continue
+        acc = sums.setdefault(name, [0.0, 0.0])
+        acc[0] += gap
+        acc[1] += count
+    return {name: g / c for name, (g, c) in sums.items() if c}
+
+
+def spot_rows(groups: Sequence[Sequence[Scored]], version: int | None, count: int) -> StepBatch:
+    """Up to ``count`` of the step's rollouts for the engine spot check, trained on or not:
+    fresh (sampled by the current policy version), complete, taken in turn from each engine so
+    that every engine of the fleet is looked at. Pure; ``recompute_old_logprobs`` then
+    ``engine_gaps`` on the result give each engine's mismatch."""
+    by_engine: dict[str | None, list[Trajectory]] = {}
+    for g in groups:
+        for s in g:
+            t = s.traj
+            if t.finish_reason == "abort" or not any(t.loss_mask):
+                continue
+            if version is not None and staleness(t, version) != 0:
+                continue
+            by_engine.setdefault(t.engine, []).append(t)
+    picked: list[Trajectory] = []
+    queues = [list(ts) for _, ts in sorted(by_engine.items(), key=lambda kv: str(kv[0]))]
+    while len(picked) < count and any(queues):
+        for q in queues:
+            if q and len(picked) < count:
+                picked.append(q.pop(0))
+    out = StepBatch()
+    for t in picked:
+        out.seqs.append(t.prompt_ids + t.response_ids)
+        out.masks.append([0] * len(t.prompt_ids) + t.loss_mask)
+        out.old_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
+        out.behavior_logprobs.append(list(out.old_logprobs[-1]))
+        out.advantages.append(0.0)
+        out.engines.append(t.engine)
+        out.fresh.append(True)
+    return out

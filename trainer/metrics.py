@@ -52,6 +52,11 @@ def _gauges() -> dict[str, Gauge]:
                 "Rollouts of the last step by policy versions behind the trained one (asyncLevel)",
                 ["job", "age"],
             ),
+            engine_gap=Gauge(
+                "kuberl_train_engine_logprob_gap",
+                "Mean |engine - trainer| log-prob of the step's fresh rollouts, per engine (spot check)",
+                ["job", "engine"],
+            ),
             stale=Counter(
                 "kuberl_train_rollouts_stale",
                 "Rollouts dropped for being older than asyncLevel or from a version never pushed",
@@ -109,6 +114,8 @@ class MetricsSink:
             v = record.get(key)
             if v is not None and math.isfinite(v):
                 g[gauge].labels(self.job, *extra).set(v)
+        for engine, gap in (record.get("engine_logprob_gap") or {}).items():
+            g["engine_gap"].labels(self.job, engine).set(gap)
         if "staleness_max" in record:
             for age in range(int(record["staleness_max"]) + 1):
                 g["staleness"].labels(self.job, str(age)).set(record.get(f"staleness_{age}", 0.0))

@@ -33,7 +33,14 @@ from kuberl.rollout import template
 from kuberl.trainer import data as data_mod
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.distributed import DistContext
-from kuberl.trainer.grpo import prepare_batch, recompute_old_logprobs, rl_update, shard_step_batch
+from kuberl.trainer.grpo import (
+    engine_gaps,
+    prepare_batch,
+    recompute_old_logprobs,
+    rl_update,
+    shard_step_batch,
+    spot_rows,
+)
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
@@ -115,6 +122,8 @@ class Pipeline:
             )
         self._saved_step: int | None = None  # global step of the newest checkpoint
         self._pools: dict[str, list[data_mod.Problem]] = {}
+        self._out_of_step: set[str] = set()  # engines the spot check flagged
+        self._engine_busy_mark: float | None = None
         self._sft_cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------
@@ -472,6 +481,7 @@ class Pipeline:
         self._sync_weights()  # version gstep reaches the engines (overlapping generation if k > 0)
         t1 = time.perf_counter()
         parts = None
+        groups: list = []
         if self.ctx.is_main:
             if k == 0:
                 args, kwargs = request(0)
@@ -496,6 +506,16 @@ class Pipeline:
         sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
         logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
         logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
+        gaps: dict[str, float] = {}
+        n_check = self.spec.rollout.spot_check_rollouts
+        if self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None:
+            if self.ctx.enabled:  # a forward is collective under FSDP: rank 0's trained share
+                gaps = engine_gaps(sb)
+            else:
+                probe = spot_rows(groups, gstep, n_check)
+                if probe.seqs:
+                    recompute_old_logprobs(self.model, probe, device=self.device)
+                    gaps = engine_gaps(probe)
         upd = rl_update(
             self.model,
             self.optimizer,
@@ -521,11 +541,34 @@ class Pipeline:
             "update_seconds": time.perf_counter() - t1 - t_roll,  # recompute + update
             "step_seconds": time.perf_counter() - t0,
         }
+        if gaps:
+            rec["engine_logprob_gap"] = gaps
+            self._spot_check(stage, gaps)
         busy = self.call("busy_seconds") if self.ctx.is_main else None
         if busy is not None and self._engine_busy_mark is not None:
             rec["engine_busy_seconds"] = busy - self._engine_busy_mark  # generation during this step
         self._engine_busy_mark = busy
         self._after_step(stage, rec)
+
+    def _spot_check(self, stage: StageSpec, gaps: dict[str, float]) -> None:
+        """Flag engines whose log-probs leave ``rollout.spotCheckTolerance`` (an event per engine
+        when it goes out of tolerance, again when it comes back; the gauge every step)."""
+        tol = self.spec.rollout.spot_check_tolerance
+        if tol is None:
+            return
+        for name, gap in sorted(gaps.items()):
+            out = gap > tol
+            if out != (name in self._out_of_step):
+                if out:
+                    self._out_of_step.add(name)
+                    text = (
+                        f"engine {name} samples {gap:.3f} nats/token away from the trained policy "
+                        f"(tolerance {tol:g}): it serves other weights than were pushed to it"
+                    )
+                else:
+                    self._out_of_step.discard(name)
+                    text = f"engine {name} is back within tolerance ({gap:.3f} <= {tol:g} nats/token)"
+                self.sink.event("engine", text, stage.name, self.state.global_step)
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1
