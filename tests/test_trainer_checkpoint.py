@@ -155,7 +155,11 @@ spec:
   checkpoint: {uri: ck, everySteps: 62, keep: 10}
 """
 # wall-clock fields, and the engine's batch-dependent float noise (its log-probs vs the trainer's)
-TIMING = {"time", "step_seconds", "rollout_seconds", "rollout_logprob_gap"}
+TIMING = {
+    "time", "step_seconds", "rollout_seconds", "update_seconds", "engine_busy_seconds",
+    # the engine's log-probs depend on how requests shared its batches (noise at 1e-7)
+    "rollout_logprob_gap", "engine_logprob_gap",
+}  # fmt: skip
 
 
 def _learning_job(tmp_path) -> AgenticRLJob:
