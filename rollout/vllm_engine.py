@@ -310,6 +310,12 @@ class VLLMEngine(HTTPEngine):
         await self._rl_call("/reset_prefix_cache")
         if version is not None:
             await self._rl_call("/update_weight_version", {"new_version": str(version)})
+            served = await self.served_weight_version()
+            if served != str(version):
+                raise VLLMError(
+                    f"{self.name}: after loading version {version} the server reports serving {served!r}; "
+                    "it is out of step with the trainer (restart it)"
+                )
             self.weight_version = str(version)
         await self._rl_call("/resume")
         self._capacity = self._context_len = None
