@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.rollout.engine import Engine
+from kuberl.rollout.engine import Engine, EngineLoad
 
 EngineKind = Literal["sglang", "vllm"]
 ENGINE_KINDS: tuple[str, ...] = ("sglang", "vllm")
@@ -207,6 +208,27 @@ async def engine_kind(base_url: str, *, session: aiohttp.ClientSession | None = 
     finally:
         if own:
             await session.close()
+
+
+def load_from_metrics(
+    text: str, usage: str, running: str, queued: str, missing: Callable[[], Exception]
+) -> EngineLoad:
+    """EngineLoad from a server's Prometheus text: the max of the ``usage`` gauge (KV-cache use
+    in [0, 1]) and the sums of ``running``/``queued`` over all label sets; ``missing()`` is raised
+    when the usage gauge is absent."""
+    use: list[float] = []
+    run = queue = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == usage:
+                use.append(sample.value)
+            elif sample.name == running:
+                run += sample.value
+            elif sample.name == queued:
+                queue += sample.value
+    if not use:
+        raise missing()
+    return EngineLoad(max(use), int(run), int(queue))
 
 
 def make_engine(kind: str, base_url: str, **kwargs: Any) -> HTTPEngine:

@@ -32,10 +32,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest
-from kuberl.rollout.http_engine import EngineError, EngineHTTPError, HTTPEngine, error_message
+from kuberl.rollout.http_engine import (
+    EngineError,
+    EngineHTTPError,
+    HTTPEngine,
+    error_message,
+    load_from_metrics,
+)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -150,19 +154,13 @@ def parse_context_length(info: dict[str, Any], models: dict[str, Any] | None = N
 
 def parse_metrics(text: str) -> EngineLoad:
     """EngineLoad from SGLang's Prometheus text (labels are ignored, samples aggregated)."""
-    usage: list[float] = []
-    running = queued = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "sglang:token_usage":
-                usage.append(sample.value)
-            elif sample.name == "sglang:num_running_reqs":
-                running += sample.value
-            elif sample.name == "sglang:num_queue_reqs":
-                queued += sample.value
-    if not usage:
-        raise SGLangError("/metrics has no sglang:token_usage (start SGLang with --enable-metrics)")
-    return EngineLoad(max(usage), int(running), int(queued))
+    return load_from_metrics(
+        text,
+        "sglang:token_usage",
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        lambda: SGLangError("/metrics has no sglang:token_usage (start SGLang with --enable-metrics)"),
+    )
 
 
 class SGLangEngine(HTTPEngine):

@@ -41,7 +41,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest
-from kuberl.rollout.http_engine import EngineError, EngineHTTPError, HTTPEngine, error_message
+from kuberl.rollout.http_engine import (
+    EngineError,
+    EngineHTTPError,
+    HTTPEngine,
+    error_message,
+    load_from_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +135,13 @@ def parse_models(doc: Any) -> tuple[str, int]:
 
 def parse_metrics(text: str) -> EngineLoad:
     """EngineLoad from vLLM's Prometheus text (per-engine samples aggregated: max usage, summed counts)."""
-    usage: list[float] = []
-    running = queued = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:kv_cache_usage_perc":
-                usage.append(sample.value)
-            elif sample.name == "vllm:num_requests_running":
-                running += sample.value
-            elif sample.name == "vllm:num_requests_waiting":
-                queued += sample.value
-    if not usage:
-        raise VLLMError("/metrics has no vllm:kv_cache_usage_perc (is this a vLLM server?)")
-    return EngineLoad(max(usage), int(running), int(queued))
+    return load_from_metrics(
+        text,
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        lambda: VLLMError("/metrics has no vllm:kv_cache_usage_perc (is this a vLLM server?)"),
+    )
 
 
 def parse_kv_capacity(text: str) -> int:

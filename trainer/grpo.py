@@ -159,28 +159,9 @@ class RolloutWorker:
             raise RuntimeError("this worker rolls out on a local engine: new weights go through set_weights")
         self._run(self.fleet.load_weights(path, version))
 
-    def rollouts(
-        self,
-        prompts: Sequence[str],
-        golds: Sequence[str],
-        n: int,
-        *,
-        max_turns: int,
-        max_response_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-    ) -> list[list[Scored]]:
-        """``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer).
-
-        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
-        sample index, turn), so the result does not depend on tool latency or batching.
-        """
-        return self._run(
-            self._rollouts(
-                list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
-            )
-        )
+    def rollouts(self, *args: Any, **kwargs: Any) -> list[list[Scored]]:
+        """:meth:`submit_rollouts` and wait for them: the synchronous path."""
+        return self.collect_rollouts(self.submit_rollouts(*args, **kwargs))
 
     def submit_rollouts(
         self,
@@ -194,8 +175,11 @@ class RolloutWorker:
         top_p: float = 1.0,
         seed: int | None = None,
     ) -> int:
-        """Start :meth:`rollouts` in the background and return a ticket for :meth:`collect_rollouts`.
+        """Start ``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)
+        in the background; returns a ticket for :meth:`collect_rollouts`.
 
+        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
+        sample index, turn), so the result does not depend on tool latency or batching.
         Asynchronous RL generates the next batches this way while the trainer updates; the
         worker's event loop keeps serving weight pushes and other calls meanwhile.
         """
