@@ -27,24 +27,45 @@ REPO = Path(__file__).resolve().parent.parent
 def summarize(metrics: list[dict]) -> dict[str, float]:
     """The figures of one run from its metrics records (pure, for reuse on any run folder)."""
     evals = {r["label"]: r["accuracy"] for r in metrics if r.get("type") == "eval"}
-    rl = [r for r in metrics if r.get("type") == "rl" and not r.get("skipped")]
+    rl = [r for r in metrics if r.get("type") == "rl"]
+    trained_steps = [r for r in rl if not r.get("skipped")]  # a step whose groups all tie trains nothing
     sft = [r for r in metrics if r.get("type") == "sft"]
     gen_s = sum(r.get("rollout_seconds", 0.0) for r in rl)
-    rest_s = sum(r["step_seconds"] - r.get("rollout_seconds", 0.0) for r in rl)
+    rest_s = sum(r["step_seconds"] - r.get("rollout_seconds", 0.0) for r in trained_steps)
     sampled = sum(r.get("response_length", 0.0) * r.get("rollouts", 0.0) for r in rl)
-    trained = sum(r.get("tokens", 0.0) for r in rl)
+    trained = sum(r.get("tokens", 0.0) for r in trained_steps)
     return {
         "acc_after_sft": evals.get("sft", float("nan")),
         "acc_after_rl": evals.get("rl", float("nan")),
         "rl_steps": len(rl),
+        "rl_steps_trained": len(trained_steps),
         "sft_steps": len(sft),
         "sft_seconds": sum(r["step_seconds"] for r in sft),
-        "rl_step_seconds_mean": (gen_s + rest_s) / len(rl) if rl else float("nan"),
+        "rl_step_seconds_mean": sum(r["step_seconds"] for r in rl) / len(rl) if rl else float("nan"),
         "rollout_tok_s": sampled / gen_s if gen_s else float("nan"),
         "update_tok_s": trained / rest_s if rest_s else float("nan"),
         "reward_first5": sum(r["reward_mean"] for r in rl[:5]) / max(1, len(rl[:5])),
         "reward_last5": sum(r["reward_mean"] for r in rl[-5:]) / max(1, len(rl[-5:])),
     }
+
+
+def report(out: Path, load: float | None, wall: float | None, code: int) -> None:
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    s = summarize(metrics)
+    if wall is not None:
+        print(f"\nload average at start {load:.2f}; kuberl run exit {code}; wall {wall:.0f} s")
+    print(
+        f"held-out sampled accuracy: after SFT {100 * s['acc_after_sft']:.1f} %, after "
+        f"{s['rl_steps']} GRPO-RoC steps {100 * s['acc_after_rl']:.1f} % "
+        f"({100 * (s['acc_after_rl'] - s['acc_after_sft']):+.1f} points; goal +10 within 45 min)"
+    )
+    print(
+        f"SFT {s['sft_steps']} steps in {s['sft_seconds']:.0f} s; RL step {s['rl_step_seconds_mean']:.1f} s mean "
+        f"({s['rl_steps_trained']} of {s['rl_steps']} steps had a group to train on); rollout "
+        f"{s['rollout_tok_s']:.0f} tok/s sampled; update {s['update_tok_s']:.0f} tok/s trained "
+        "(recompute + update + weight push)"
+    )
+    print(f"train reward: first 5 steps {s['reward_first5']:.3f}, last 5 {s['reward_last5']:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--keep", action="store_true", help="resume an existing run folder instead of starting afresh"
     )
+    ap.add_argument("--report", action="store_true", help="only summarize the run folder --out (no run)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.report:
+        report(out, None, None, 0)
+        return 0
     if out.exists() and not args.keep:
         shutil.rmtree(out)
     # the manifest's checkpoint.uri is relative: inside the run folder
@@ -64,20 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, KUBERL_NO_RAY="1")
     done = subprocess.run([sys.executable, "-m", "kuberl", "run", args.manifest, "--out", str(out)], env=env)
     wall = time.monotonic() - t0
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    s = summarize(metrics)
-    print(f"\nload average at start {load[0]:.2f}; kuberl run exit {done.returncode}; wall {wall:.0f} s")
-    print(
-        f"held-out sampled accuracy: after SFT {100 * s['acc_after_sft']:.1f} %, after "
-        f"{s['rl_steps']} GRPO-RoC steps {100 * s['acc_after_rl']:.1f} % "
-        f"({100 * (s['acc_after_rl'] - s['acc_after_sft']):+.1f} points; goal +10 within 45 min)"
-    )
-    print(
-        f"SFT {s['sft_steps']} steps in {s['sft_seconds']:.0f} s; RL step {s['rl_step_seconds_mean']:.1f} s mean; "
-        f"rollout {s['rollout_tok_s']:.0f} tok/s sampled; update {s['update_tok_s']:.0f} tok/s trained "
-        f"(recompute + update + weight push)"
-    )
-    print(f"train reward: first 5 steps {s['reward_first5']:.3f}, last 5 {s['reward_last5']:.3f}")
+    report(out, load[0], wall, done.returncode)
     return done.returncode
 
 
