@@ -341,7 +341,7 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
             },
         }
     )
-    result = run_job(job, tmp_path / "run", use_ray=False, quiet=True)
+    result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)  # kuberl run's default path
     rl = [h for h in result.history if h.get("type") == "rl"]
     assert len(rl) == 1 and rl[0]["rollouts"] == 8 and rl[0]["rollouts_aborted"] == 0
     assert set(result.evals) >= {"sft", "rl"}

@@ -30,6 +30,7 @@ from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
+from kuberl.rollout.http_engine import EngineError
 from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
@@ -539,7 +540,7 @@ def run_file(
         result = run_job(
             job, out, algorithm=ablation, max_minutes=max_minutes, engines=fleet, weights_path=weights_dir
         )
-    except (ManifestError, ValueError) as err:
+    except (ManifestError, ValueError, EngineError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if result.stopped_early:
