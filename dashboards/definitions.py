@@ -114,11 +114,11 @@ TRAINING: tuple[PanelSpec, ...] = (
     PanelSpec(
         "Rollout staleness (asyncLevel)",
         "Rollouts of the last step by how many policy versions behind the trained one they were "
-        "sampled (age 0 = fresh; asynchronous runs stay within asyncLevel), and the rate of rollouts "
-        "dropped for being older or from a version never pushed (an engine out of step).",
+        "sampled (age 0 = fresh; asynchronous runs stay within asyncLevel), and how many rollouts the "
+        "run dropped for being older or from a version never pushed (an engine out of step; 0 normally).",
         (
             Query(f"kuberl_train_rollout_staleness{{{J}}}", "{{job}} age {{age}}"),
-            Query(f"rate(kuberl_train_rollouts_stale_total{{{J}}}[5m])", "{{job}} dropped/s"),
+            Query(f"kuberl_train_rollouts_stale_total{{{J}}}", "{{job}} dropped (run total)"),
         ),
         min=0,
     ),

@@ -99,8 +99,9 @@ class ScriptedArithEngine(Engine):
             engine=name
         )  # served at 0 from the start, as LocalEngine's
 
-    def set_weights(self, state_dict) -> None:
+    def set_weights(self, state_dict, version=None) -> None:
         self.weight_updates += 1  # the script is the policy: weights do not change what it writes
+        self.weight_version = version
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         req.validate()
@@ -129,7 +130,7 @@ class ScriptedArithEngine(Engine):
             ids, finish = ids[: req.max_new_tokens], "length"
         self.generated_tokens += len(ids)
         self._tokens_metric.inc(len(ids))
-        return GenerateOutput(ids, [-1.0] * len(ids), finish)
+        return GenerateOutput(ids, [-1.0] * len(ids), finish, getattr(self, "weight_version", None))
 
     async def max_total_tokens(self) -> int:
         return 1 << 20

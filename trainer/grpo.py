@@ -622,7 +622,7 @@ def spot_rows(groups: Sequence[Sequence[Scored]], version: int | None, count: in
             t = s.traj
             if t.finish_reason == "abort" or not any(t.loss_mask):
                 continue
-            if version is not None and staleness(t, version) != 0:
+            if staleness(t, version) not in (0, None):  # unknown versions cannot be told stale
                 continue
             by_engine.setdefault(t.engine, []).append(t)
     picked: list[Trajectory] = []
