@@ -92,6 +92,7 @@ class HTTPEngine(Engine):
         self._session = session
         self._own_session = session is None
         self.capacity_version = 0
+        self.weight_version: int | None = None  # the policy version this client last pushed
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -134,8 +135,6 @@ class HTTPEngine(Engine):
                             resp.status,
                             text,
                         )
-                    if want == "none":
-                        return None
                     return await (resp.json(content_type=None) if want == "json" else resp.text())
             except TimeoutError as err:  # includes aiohttp's ServerTimeoutError
                 if not retry_timeouts or attempt >= self.retries:

@@ -180,7 +180,6 @@ class SGLangEngine(HTTPEngine):
         super().__init__(base_url, **kwargs)
         self._capacity: int | None = None
         self._context_len: int | None = None
-        self.weight_version: str | None = None
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         req.validate()
@@ -196,7 +195,7 @@ class SGLangEngine(HTTPEngine):
         answer = await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
         out = parse_generate_response(answer)
         served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
-        out.weight_version = _int_or_none(served if served is not None else self.weight_version)
+        out.weight_version = _int_or_none(served) if served is not None else self.weight_version
         return out
 
     async def _server_info(self) -> dict[str, Any]:
@@ -239,7 +238,7 @@ class SGLangEngine(HTTPEngine):
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))
 
-    async def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Make the server load new weights (a checkpoint the trainer wrote to shared storage).
 
         ``version`` goes with the request (``weight_version``, which SGLang >= 0.5 echoes in
@@ -264,4 +263,4 @@ class SGLangEngine(HTTPEngine):
         self._capacity = self._context_len = None
         self.capacity_version += 1
         if version is not None:
-            self.weight_version = str(version)
+            self.weight_version = version

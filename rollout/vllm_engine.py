@@ -193,13 +193,6 @@ def check_weights_folder(path: str) -> None:
         raise VLLMError(f"weights folder {path} has no *.safetensors files")
 
 
-def _int_version(version: str | None) -> int | None:
-    try:
-        return int(version) if version is not None else None
-    except ValueError:
-        return None
-
-
 def tied_output_embeddings(path: str) -> bool:
     """Whether the HF folder's config ties lm_head to the input embeddings (False if unreadable)."""
     try:
@@ -220,7 +213,6 @@ class VLLMEngine(HTTPEngine):
         self.served_model = served_model
         self._capacity: int | None = None
         self._context_len: int | None = None
-        self.weight_version: str | None = None  # the version this client last pushed
         self._warned_tied = False
 
     async def _read_models(self) -> None:
@@ -256,7 +248,7 @@ class VLLMEngine(HTTPEngine):
         out = parse_completion_response(answer)
         # A push pauses the server until running requests finish (mode=wait) and the version is
         # set before it resumes: an answer belongs to the version current when it arrives.
-        out.weight_version = _int_version(self.weight_version)
+        out.weight_version = self.weight_version
         return out
 
     async def load_metrics(self) -> EngineLoad:
@@ -281,7 +273,7 @@ class VLLMEngine(HTTPEngine):
                 raise VLLMError(f"{self.name}: POST {path} is not served: {DEV_MODE_HINT}") from err
             raise
 
-    async def update_weights_from_disk(self, model_path: str, version: int | str | None = None) -> None:
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Make the server serve the HF folder ``model_path`` (written by the trainer), in place.
 
         Running requests finish on the old weights first (``pause?mode=wait``), so no single
@@ -316,7 +308,7 @@ class VLLMEngine(HTTPEngine):
                     f"{self.name}: after loading version {version} the server reports serving {served!r}; "
                     "it is out of step with the trainer (restart it)"
                 )
-            self.weight_version = str(version)
+            self.weight_version = version
         await self._rl_call("/resume")
         self._capacity = self._context_len = None
         self.capacity_version += 1

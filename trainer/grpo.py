@@ -147,11 +147,7 @@ class RolloutWorker:
             raise RuntimeError(
                 "this worker rolls out on a fleet of HTTP engines: new weights go through load_weights"
             )
-        sd = {k: v.to(self.device) for k, v in state_dict.items()}
-        try:
-            self.engine.set_weights(sd, version=version)
-        except TypeError:  # an engine_factory engine without versions (tests' scripted ones)
-            self.engine.set_weights(sd)
+        self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()}, version=version)
 
     def load_weights(self, path: str, version: int | None = None) -> None:
         """Every fleet engine loads the HF folder ``path`` (engines that join later, too)."""
@@ -319,6 +315,12 @@ def staleness(traj: Trajectory, version: int | None) -> int | None:
     return version - traj.min_version
 
 
+def is_fresh(traj: Trajectory, version: int | None) -> bool:
+    """Sampled by the policy version being trained, as far as anyone can tell: an engine that
+    reports no version cannot be told stale (so it is spot-checked rather than skipped)."""
+    return staleness(traj, version) in (0, None)
+
+
 def prepare_batch(
     groups: Sequence[Sequence[Scored]],
     group_size: int,
@@ -366,7 +368,7 @@ def prepare_batch(
             out.old_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
             out.behavior_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
             out.engines.append(t.engine)
-            out.fresh.append(version is None or staleness(t, version) == 0)
+            out.fresh.append(is_fresh(t, version))
             out.advantages.append(a)
     n = max(1, len(all_scored))
     kept_flat = [s for g in kept_groups for s in g]
@@ -469,12 +471,21 @@ def recompute_old_logprobs(
                 row_gap, row_count = float((engine - lp[row, :n]).abs()[mask].sum()), int(mask.sum())
                 gap += row_gap
                 count += row_count
-                if len(batch.gaps) < len(batch.seqs):
-                    batch.gaps.append((row_gap, row_count))
+                batch.gaps.append((row_gap, row_count))
                 batch.old_logprobs[i] = [0.0, *lp[row, :n].tolist()]
     finally:
         model.train(was_training)
     return gap / count if count else 0.0
+
+
+def _shifted_rows(per_row: list[list[float]], part: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """Per-token values of rows ``part`` aligned with next-token targets (position 0 dropped),
+    zero-padded to ``like``'s shape: the layout ``pad_batch`` gives the targets."""
+    out = torch.zeros_like(like)
+    for row, i in enumerate(part):
+        values = per_row[i][1:]
+        out[row, : len(values)] = torch.tensor(values, dtype=out.dtype)
+    return out
 
 
 def rl_update(
@@ -526,18 +537,11 @@ def rl_update(
                 inp, att, tgt, tm = pad_batch(
                     [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
                 )
-                old = torch.zeros_like(tm)
-                for row, i in enumerate(part):
-                    o = batch.old_logprobs[i][1:]
-                    old[row, : len(o)] = torch.tensor(o, dtype=old.dtype)
+                old = _shifted_rows(batch.old_logprobs, part, tm)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
                 weights = None
                 if tis_cap is not None:
-                    beh = torch.zeros_like(tm)
-                    for row, i in enumerate(part):
-                        b = batch.behavior_logprobs[i][1:]
-                        beh[row, : len(b)] = torch.tensor(b, dtype=beh.dtype)
-                    weights = tis_weights(old, beh, tis_cap)
+                    weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
                 logits, _ = model(inp, attention_mask=att)
                 lp, ent = token_logprobs(logits, tgt)
                 loss, st = policy_loss(
@@ -622,7 +626,7 @@ def spot_rows(groups: Sequence[Sequence[Scored]], version: int | None, count: in
             t = s.traj
             if t.finish_reason == "abort" or not any(t.loss_mask):
                 continue
-            if staleness(t, version) not in (0, None):  # unknown versions cannot be told stale
+            if not is_fresh(t, version):
                 continue
             by_engine.setdefault(t.engine, []).append(t)
     picked: list[Trajectory] = []

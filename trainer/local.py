@@ -104,7 +104,7 @@ def rollout_target(job: AgenticRLJob, engines: FleetSource | None) -> FleetSourc
     return fleet
 
 
-def serving_dtype(job: AgenticRLJob) -> str:
+def engine_dtype(job: AgenticRLJob) -> str:
     """The engines' dtype: the inline fleet's ``engine.dtype``, else $KUBERL_ROLLOUT_DTYPE (the
     operator sets it from a referenced fleet), else auto (the model's own)."""
     fleet = job.spec.rollout.fleet
@@ -114,15 +114,15 @@ def serving_dtype(job: AgenticRLJob) -> str:
 
 
 def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
-    """The local server for a job: its inline fleet's context length and memory, else defaults
-    sized for the job's longest rollout."""
+    """The local server for a job: its inline fleet's context length, extra args and dtype; the
+    context defaults to the job's longest response budget plus room for the prompt."""
     fleet = job.spec.rollout.fleet
     longest = max([job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages])
     context = (fleet.engine.context_length if fleet and fleet.engine.context_length else None) or max(
         2048, longest + 1024
     )
     extra = list(fleet.engine.extra_args) if fleet else []
-    dtype = serving_dtype(job)
+    dtype = engine_dtype(job)
     return VLLMServerConfig(
         model=str(model), served_name="policy", max_model_len=context, extra_args=extra, dtype=dtype
     )
@@ -398,7 +398,7 @@ def _run_pipeline(
             stack.callback(worker.close)
         weights = None
         if fleet is not None:
-            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx, serving_dtype(job))
+            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx, engine_dtype(job))
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,

@@ -41,6 +41,12 @@ def version_dir(root: str | Path, version: int) -> Path:
     return Path(root) / f"v{version:08d}"
 
 
+def version_of(path: str | Path) -> int | None:
+    """The version a published folder holds (its name ``vNNNNNNNN``), None for other folders."""
+    m = VERSION_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def versions(root: str | Path) -> list[int]:
     """Complete versions under ``root``, oldest first."""
     p = Path(root)
@@ -63,7 +69,6 @@ class DiskWeightSync:
         self.root = Path(root)
         self.keep = keep
         self.current: str | None = None
-        self.version: int | None = None
 
     def publish(self, write: Writer, version: int) -> str:
         """Write version ``version`` with ``write`` (atomically), prune old ones; returns its path."""
@@ -77,7 +82,7 @@ class DiskWeightSync:
         tmp.rename(final)
         for v in stale_versions(versions(self.root), self.keep):
             shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
-        self.current, self.version = str(final), version
+        self.current = str(final)
         return self.current
 
     async def push(self, engines: Iterable[WeightTarget], path: str | None = None) -> None:
@@ -85,7 +90,7 @@ class DiskWeightSync:
         path = path or self.current
         if path is None:
             raise RuntimeError("no weights published yet")
-        await push_weights(engines, path, self.version)
+        await push_weights(engines, path, version_of(path))
 
 
 class LocalWeights:
