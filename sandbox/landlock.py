@@ -1,10 +1,12 @@
-"""Landlock: confine a tool call's writes to its slot directory, unprivileged.
+"""Landlock: confine what a tool call may read and write, unprivileged.
 
 Without a slot uid (``--isolation basic``, a non-root pod) a call shares the uid of the
-server and the other workers: it could fill ``/tmp`` around the slot's disk quota, tamper
-with another slot's files or signal the server. Landlock (Linux 5.13+) lets any process
-that set ``no_new_privs`` drop those rights for itself and its descendants: writes are
-allowed only beneath the slot directory (and to ``/dev/null``); reads stay unrestricted.
+server and the other workers: it could read the service's files and the other slots', fill
+``/tmp`` around the slot's disk quota, tamper with another slot's files or signal the server.
+Landlock (Linux 5.13+) lets any process that set ``no_new_privs`` drop those rights for itself
+and its descendants, root included: writes are allowed only beneath the slot directory (and to
+``/dev/null``), reads only beneath the interpreter, its packages and the shared libraries
+(:func:`kuberl.sandbox.fsview.readonly_paths`) and the slot directory.
 From ABI 6 (Linux 6.12) the same domain also scopes signals and abstract unix sockets to
 the call's own processes. Where the kernel or the container's seccomp profile lacks
 Landlock, :func:`abi_version` is 0 and the worker reports ``landlock: false``.
@@ -23,7 +25,10 @@ _CREATE_RULESET_VERSION = 1 << 0
 _RULE_PATH_BENEATH = 1
 
 # LANDLOCK_ACCESS_FS_* (uapi/linux/landlock.h)
+EXECUTE = 1 << 0
 WRITE_FILE = 1 << 1
+READ_FILE = 1 << 2
+READ_DIR = 1 << 3
 REMOVE_DIR = 1 << 4
 REMOVE_FILE = 1 << 5
 MAKE_CHAR = 1 << 6
@@ -42,7 +47,8 @@ _WRITES_V1 = (
     WRITE_FILE | REMOVE_DIR | REMOVE_FILE | MAKE_CHAR | MAKE_DIR | MAKE_REG | MAKE_SOCK | MAKE_FIFO
     | MAKE_BLOCK | MAKE_SYM
 )  # fmt: skip
-_FILE_RIGHTS = WRITE_FILE | TRUNCATE  # the subset that applies to a non-directory
+_READS = EXECUTE | READ_FILE | READ_DIR
+_FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE  # the subset that applies to a non-directory
 
 
 def _libc() -> ctypes.CDLL:
@@ -59,17 +65,21 @@ def abi_version() -> int:
     return max(0, int(version))
 
 
-def handled_rights(abi: int) -> tuple[int, int]:
-    """(filesystem rights, scopes) a ruleset of this ABI restricts (pure; unit-tested)."""
+def handled_rights(abi: int, reads: bool = False) -> tuple[int, int]:
+    """(filesystem rights, scopes) a ruleset of this ABI restricts (pure; unit-tested).
+
+    ``reads``: reading and listing are restricted too (then only the readable paths given to
+    :meth:`Ruleset.build` can be read)."""
     if abi < 1:
         return 0, 0
-    fs = _WRITES_V1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
+    fs = _WRITES_V1 | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0) | (_READS if reads else 0)
     scoped = SCOPE_SIGNAL | SCOPE_ABSTRACT_UNIX_SOCKET if abi >= 6 else 0
     return fs, scoped
 
 
-class WriteRuleset:
-    """A ruleset allowing writes only beneath some directories and to some files.
+class Ruleset:
+    """A ruleset allowing writes only beneath some directories and to some files, and, where
+    readable paths are given, reads only beneath those and the writable ones.
 
     Built once (by the worker, per slot) and enforced by each call's child with one
     ``landlock_restrict_self``: building it in every child cost ~0.6 ms of a ~4 ms call (the
@@ -84,9 +94,12 @@ class WriteRuleset:
         self._fd_arg, self._flags_arg = ctypes.c_int(fd), ctypes.c_uint32(0)
 
     @classmethod
-    def build(cls, writable_dirs: list[str], writable_files: list[str], abi: int) -> WriteRuleset:
-        """Raises OSError where Landlock is missing or a path cannot be opened."""
-        fs, scoped = handled_rights(abi)
+    def build(
+        cls, writable_dirs: list[str], writable_files: list[str], abi: int, readable: list[str] | None = None
+    ) -> Ruleset:
+        """Raises OSError where Landlock is missing or a writable path cannot be opened
+        (readable paths that do not exist are skipped: not every system has /lib64)."""
+        fs, scoped = handled_rights(abi, reads=readable is not None)
         if not fs:
             raise OSError(0, "Landlock is not available")
         syscall = _libc().syscall
@@ -100,9 +113,18 @@ class WriteRuleset:
         if ruleset < 0:
             raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
         try:
-            rules = [(p, fs) for p in writable_dirs] + [(p, fs & _FILE_RIGHTS) for p in writable_files]
-            for path, rights in rules:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            reads = fs & _READS
+            rules = [(p, fs, True) for p in writable_dirs] + [(p, fs & _FILE_RIGHTS, True) for p in writable_files]
+            rules += [(p, reads, False) for p in readable or ()]
+            for path, rights, required in rules:
+                try:
+                    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                except OSError:
+                    if required:
+                        raise
+                    continue
+                if not os.path.isdir(path):
+                    rights &= _FILE_RIGHTS
                 try:
                     # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed)
                     rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)

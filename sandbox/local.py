@@ -26,11 +26,13 @@ def running_sandbox(
     startup_timeout: float = 120.0,
     extra_args: Sequence[str] = (),
     wrapper: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200.
 
     ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``); ``wrapper``
-    is a command prefix it runs under (e.g. one that drops to a non-root uid, like a pod).
+    is a command prefix it runs under (e.g. one that drops to a non-root uid, like a pod);
+    ``env`` adds variables to the service's environment (calls never see them).
     The limits travel as ``KUBERL_SANDBOX_LIMITS``, the way a SandboxPool pod gets them.
     """
     lim = limits or SandboxLimits()
@@ -38,9 +40,9 @@ def running_sandbox(
         *wrapper, sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
         "--workers", str(workers), "--pool", pool, *extra_args,
     ]  # fmt: skip
-    env = dict(os.environ, KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
+    service_env = dict(os.environ, **(env or {}), KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=env
+        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env
     )
     try:
         assert proc.stdout is not None

@@ -36,9 +36,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.cgroups import remove_cgroup_dirs
+from kuberl.sandbox.fsview import worker_env
 from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
-from kuberl.sandbox.types import ExecResult
-from kuberl.sandbox.worker import kill_children
+from kuberl.sandbox.procs import kill_children
+from kuberl.sandbox.types import ExecResult, valid_text
 
 log = logging.getLogger("kuberl.sandbox")
 
@@ -99,6 +100,12 @@ def build_result(raw: dict[str, Any], timeout: float) -> ExecResult:
     """Map a worker's raw report to one of the five outcomes (pure; unit-tested)."""
     meta = raw.get("meta") or {}
     duration = float(raw.get("duration_s", 0.0))
+    result = _build_result(raw, meta, duration, timeout)
+    # whatever a call wrote, the client gets valid UTF-8 (no lone surrogates in the JSON)
+    return ExecResult(result.outcome, valid_text(result.output), result.truncated, result.duration_s)
+
+
+def _build_result(raw: dict[str, Any], meta: dict[str, Any], duration: float, timeout: float) -> ExecResult:
     stdout = raw.get("stdout", "")
     truncated = bool(raw.get("stdout_truncated")) or bool(meta.get("truncated"))
     if raw.get("disk_exceeded_mb"):
@@ -186,9 +193,10 @@ class WorkerProc:
         wcfg["isolation"] = self.cfg.isolation
         wcfg["uid_base"] = self.cfg.uid_base
         cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        for key, value in FORK_FRIENDLY_MALLOC.items():
-            env.setdefault(key, value)
+        # an allowlist, never the service's own environment: every call is forked from the
+        # worker, and /proc/self/environ shows the environment the worker started with
+        threads = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = worker_env(dict(os.environ), {**FORK_FRIENDLY_MALLOC, **threads})
         async with spawn_lock or contextlib.nullcontext():  # the orphan sweep must see our pid
             self.proc = await asyncio.create_subprocess_exec(
                 *(ns + cmd),
@@ -269,7 +277,7 @@ def _namespace_prefix() -> list[str]:
     prefix: list[str] = []
     exe = shutil.which("unshare")
     if exe and os.geteuid() == 0:
-        cand = [exe, "--net", "--pid", "--fork", "--mount-proc", "--kill-child"]
+        cand = [exe, "--net", "--pid", "--ipc", "--fork", "--mount-proc", "--kill-child"]
         import subprocess
 
         try:

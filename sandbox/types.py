@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 Outcome = Literal["stdout", "no_stdout", "error", "timeout", "memory_limit"]
 OUTCOMES: tuple[str, ...] = ("stdout", "no_stdout", "error", "timeout", "memory_limit")
 TRUNCATED_MARKER = "[output truncated]"
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` as valid UTF-8 (pure): lone surrogates (from bytes a call decoded with
+    ``surrogateescape``) become U+FFFD instead of breaking the JSON a client parses."""
+    return _SURROGATES.sub("\ufffd", text)
 
 
 @dataclass(frozen=True)

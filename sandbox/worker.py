@@ -1,16 +1,18 @@
 """Warm fork-server: one per core, forks one contained child per tool call.
 
 Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
-``unshare --net --pid --fork --mount-proc --kill-child`` when available), it preloads and
-warms numpy, sympy, scipy and math-verify, calls ``gc.freeze()`` and then reads one JSON
+``unshare --net --pid --ipc --fork --mount-proc --kill-child`` when available) with an
+allowlisted environment, it preloads and warms numpy, sympy, scipy and math-verify, builds the
+filesystem view its calls get (:mod:`kuberl.sandbox.fsview`: a private read-only root with a
+per-call tmpfs, or a Landlock read allowlist), calls ``gc.freeze()`` and then reads one JSON
 request (a batch of calls) per line on its protocol pipe and answers one JSON line per call,
 as soon as that call is done (so the server knows which call was running if the worker dies).
-Per call the cost is one ``fork``: the child does setsid, joins the slot's cgroup (memory,
-pids), sets rlimits (AS, CPU, FSIZE, NOFILE, CORE, NPROC), drops to the slot's non-root uid,
-confines its writes to the slot directory (Landlock), installs a seccomp filter and runs the
-code. The parent enforces the wall deadline and the slot's disk quota and afterwards kills
-everything left in the slot (cgroup members, the process group, its orphans and every process
-of the slot uid), so daemons cannot outlive a call.
+Per call the cost is one ``fork``: the child (:mod:`kuberl.sandbox.child`) enters the sandbox
+and runs the code; its output comes back on pipes the worker opened, never through files the
+call could swap. The parent enforces the wall deadline and the slot's disk quota, afterwards
+kills everything left in the slot (cgroup members, the process group, its orphans and every
+process of the slot uid), so daemons cannot outlive a call, and empties the scratch space in
+bounded time.
 
 The worker and the server are not dumpable (``PR_SET_DUMPABLE`` 0): a call running under
 their uid (``--isolation basic``) can then neither open their ``/proc/PID/mem`` or ``fd``
@@ -19,15 +21,11 @@ nor ptrace them, and the seccomp filter refuses to signal them (see :class:`Secc
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import ctypes
-import errno
 import gc
 import json
-import math
 import os
-import resource
 import select
 import shutil
 import signal
@@ -36,12 +34,15 @@ import sys
 import sysconfig
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from kuberl.sandbox import landlock
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
+from kuberl.sandbox.child import Pipes, child_exec, child_verify
+from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, readonly_paths
+from kuberl.sandbox.procs import kill_children, reap_zombies, uid_has_processes
+from kuberl.sandbox.seccomp import SeccompProgram
 
 DEFAULT_UID_BASE = 61000
 _PR_SET_DUMPABLE = 4
@@ -49,6 +50,9 @@ _PR_SET_CHILD_SUBREAPER = 36
 # prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)
 DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
+CLEAN_BUDGET_SECONDS = 1.0  # removing what a call left (basic isolation); the rest is moved aside
+TRASH_SLICE_SECONDS = 0.05  # what each later call spends removing trees moved aside
+META_LIMIT = 1 << 20  # what the worker reads of a call's result record (its own code could write there)
 
 
 @dataclass
@@ -138,22 +142,34 @@ def _preload() -> None:
 
 
 class Slot:
-    """The cgroup, uid, scratch directory and seccomp filter one worker's calls run in."""
+    """The cgroup, uid, scratch space, filesystem view and seccomp filter one worker's calls run in.
 
-    def __init__(self, cfg: WorkerConfig, python_readable: bool) -> None:
+    ``dir`` is the scratch space as the worker sees it, ``call_dir`` as the call does (the same
+    path, except under a :class:`PrivateRoot`, where the call sees ``/tmp``).
+    """
+
+    def __init__(self, cfg: WorkerConfig, python_readable: bool, root: PrivateRoot | None = None) -> None:
         self.cfg = cfg
         full = cfg.isolation == "full"
         # a root worker always drops calls to a slot uid where the interpreter allows it: as
         # root a call would ignore RLIMIT_NPROC and could signal or ptrace anything
         uid_ok = os.geteuid() == 0 and python_readable
         self.uid = cfg.uid_base + cfg.slot if uid_ok else None
-        # unique even across services: in a PID namespace every worker is pid 1
-        self.dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{cfg.pool}-{cfg.slot}-")
-        if self.uid is not None:
-            os.chown(self.dir, self.uid, self.uid)
-        os.chmod(self.dir, 0o700)
-        memory = cfg.memory_mb * 2**20 + 64 * 2**20  # the interpreter's own pages on top
-        name = os.path.basename(self.dir)
+        self.root = root
+        self.trash: list[str] = []  # what clear_dir could not remove in its budget, moved aside
+        if root is not None:
+            root.uid = self.uid
+            root.fresh_tmp()
+            self.dir, self.call_dir = root.tmp, "/tmp"
+            name = os.path.basename(root.root)
+        else:
+            # unique even across services: in a PID namespace every worker is pid 1
+            self.dir = self._new_dir()
+            self.call_dir = self.dir
+            name = os.path.basename(self.dir)
+        # the interpreter's own pages on top; under a private root the call's files live in
+        # memory (tmpfs pages are charged to the cgroup of whoever wrote them)
+        memory = (cfg.memory_mb + 64 + (cfg.disk_mb if root is not None else 0)) * 2**20
         self.cgroup = slot_cgroup(name, memory, cfg.max_processes) if full else SlotCgroup()
         # the worker itself (and its threads, if a library started any), and outside a PID
         # namespace the server (our parent); the server adds its threads and the other
@@ -163,12 +179,8 @@ class Slot:
         self.protected = self.own_pids
         self.seccomp = SeccompProgram.compile(self.protected)
         self.landlock_abi = landlock.abi_version()
-        self.landlock: landlock.WriteRuleset | None = None
-        if self.landlock_abi >= 1:
-            try:
-                self.landlock = landlock.WriteRuleset.build([self.dir], [os.devnull], self.landlock_abi)
-            except OSError as err:  # e.g. a container seccomp profile that allows only some calls
-                print(f"landlock unavailable: {err}", file=sys.stderr)
+        self.landlock: landlock.Ruleset | None = None
+        self._build_landlock()
         self.protections = {
             "cgroup_memory": self.cgroup.memory,
             "cgroup_pids": self.cgroup.pids,
@@ -181,8 +193,36 @@ class Slot:
             "disk_quota": True,
             "rlimits": True,
             "setsid": True,
-            "home_hidden": python_readable and cfg.in_namespace,
+            "home_hidden": root is not None or (python_readable and cfg.in_namespace),
+            "env_allowlist": True,
+            # reads limited to the interpreter, its packages and shared libraries
+            "fs_view": root is not None or self.landlock is not None,
+            "private_root": root is not None,
+            "call_tmpfs": root is not None,
+            "ipc_namespace": cfg.in_namespace,
+            "stack_limit": True,
+            "capabilities_dropped": True,
         }
+
+    def _new_dir(self) -> str:
+        path = tempfile.mkdtemp(prefix=f"kuberl-sbx-{self.cfg.pool}-{self.cfg.slot}-")
+        if self.uid is not None:
+            os.chown(path, self.uid, self.uid)
+        os.chmod(path, 0o700)
+        return path
+
+    def _build_landlock(self) -> None:
+        """Basic isolation (and full without a private root): reads and writes allowlisted."""
+        if self.root is not None or self.landlock_abi < 1:
+            return
+        if self.landlock is not None:
+            self.landlock.close()
+            self.landlock = None
+        readable = [*readonly_paths(), *DEVICES]
+        try:
+            self.landlock = landlock.Ruleset.build([self.dir], [os.devnull], self.landlock_abi, readable)
+        except OSError as err:  # e.g. a container seccomp profile that allows only some calls
+            print(f"landlock unavailable: {err}", file=sys.stderr)
 
     def protect(self, pids: list[int]) -> None:
         """Also refuse signals to ``pids`` (host pids: meaningless inside a PID namespace).
@@ -199,12 +239,22 @@ class Slot:
         """Descriptors a call's child needs until it enters the sandbox (the Landlock ruleset)."""
         return (self.landlock.fd,) if self.landlock is not None else ()
 
-    def disk_usage(self) -> int:
-        """Bytes allocated beneath the slot directory (what counts against the disk quota)."""
-        return _dir_bytes(self.dir)
+    def disk_usage(self) -> tuple[int, bool]:
+        """(bytes the call's files hold, whether that is over the quota or the space is full)."""
+        if self.root is not None:
+            return self.root.tmp_usage()
+        used = _dir_bytes(self.dir)
+        return used, used > self.cfg.disk_mb * 2**20
 
     def join(self) -> None:
         self.cgroup.join(os.getpid())
+
+    def enter(self) -> None:
+        """In the call's child, as root: into the private root, or into the slot directory."""
+        if self.root is not None:
+            self.root.enter()
+        else:
+            os.chdir(self.dir)
 
     def kill_all(self) -> None:
         """SIGKILL every process of the slot: cgroup members, then all processes of its uid.
@@ -227,7 +277,7 @@ class Slot:
         tracked = emptied and self.cgroup.pids
         if not tracked:
             kill_children()
-        if self.uid is not None and (not tracked or _uid_has_processes(self.uid)):
+        if self.uid is not None and (not tracked or uid_has_processes(self.uid)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:
@@ -239,76 +289,51 @@ class Slot:
                 finally:
                     os._exit(0)
             os.waitpid(pid, 0)
-        _reap_zombies()
+        reap_zombies()
 
     def _cgroup_pids(self) -> list[int]:
         return sorted(self.cgroup.members() - {os.getpid()})
 
-    def clean_dir(self) -> None:
-        for name in os.listdir(self.dir):
-            p = os.path.join(self.dir, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
+    def recycle(self) -> None:
+        """Empty the scratch space for the next call, in bounded time, whatever the last left.
+
+        Private root: a fresh tmpfs. Otherwise :func:`clear_dir` with a budget; a tree it cannot
+        finish is moved aside whole (a new slot directory and Landlock ruleset take its place)
+        and removed a slice at a time after later calls, so no call waits long for it."""
+        if self.root is not None:
+            self.root.fresh_tmp()
+            return
+        try:
+            done = clear_dir(self.dir, CLEAN_BUDGET_SECONDS)
+        except OSError as err:
+            print(f"kuberl sandbox worker: cleaning {self.dir} failed ({err}); replacing it", file=sys.stderr)
+            done = False
+        if not done:
+            aside = f"{self.dir}.trash-{len(self.trash)}-{time.monotonic_ns()}"
+            os.rename(self.dir, aside)
+            self.trash.append(aside)
+            self.dir = self.call_dir = self._new_dir()
+            self._build_landlock()
+        self._empty_trash(TRASH_SLICE_SECONDS)
+
+    def _empty_trash(self, budget: float) -> None:
+        while self.trash:
+            path = self.trash[0]
+            try:
+                if not clear_dir(path, budget):
+                    return
+                os.rmdir(path)
+            except OSError as err:
+                print(f"kuberl sandbox worker: giving up on {path} ({err})", file=sys.stderr)
+            self.trash.pop(0)
 
     def remove(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.cgroup.remove()
-
-
-def _children_of(pid: int) -> list[int]:
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(b")") + 2 :].split()  # comm may contain spaces and ")"
-            if int(fields[1]) == pid:
-                kids.append(int(name))
-    return kids
-
-
-def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
-    """Kill every child of this process but ``keep``; returns how many were killed.
-
-    Used where no cgroup tracks a call: this process (the worker, or the server after a worker
-    died) is a child subreaper or PID-namespace init, so orphans, however many times they
-    setsid and double-fork, are reparented to it; grandchildren of a killed process show up
-    as children in the next round. Only the killed pids are reaped: the others' exit status
-    belongs to whoever waits for them (asyncio, in the server)."""
-    me = os.getpid()
-    killed = 0
-    for _ in range(rounds):
-        kids = [k for k in _children_of(me) if k not in keep]
-        if not kids:
-            break
-        for pid in kids:
+        if self.root is None:
+            self._empty_trash(5.0)
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        killed += len(kids)
-        _reap(kids, patience=0.05)
-    return killed
-
-
-def _reap(pids: list[int], patience: float) -> None:
-    deadline = time.monotonic() + patience
-    left = set(pids)
-    while left:
-        for pid in list(left):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                left.discard(pid)
-        if not left or time.monotonic() > deadline:
-            return
-        time.sleep(0.001)
+                clear_dir(self.dir, 5.0)
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.cgroup.remove()
 
 
 def _dir_bytes(path: str) -> int:
@@ -326,55 +351,6 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def _real_uid_and_threads(pid: str) -> tuple[int, int] | None:
-    """From /proc/PID/status: /proc/PID itself is owned by root for a non-dumpable process
-    (ours, and every call after a uid change), so its owner says nothing about the uid.
-    Runs for every process after every call outside a PID namespace: raw reads and ``find``
-    instead of line parsing (30 -> 8 us a process)."""
-    chunks: list[bytes] = []
-    try:
-        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        while chunk := os.read(fd, 8192):  # long Groups: lines make it larger than a page
-            chunks.append(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    text = b"".join(chunks)
-    try:
-        at = text.index(b"\nUid:")
-        uid = int(text[at + 5 : text.index(b"\t", at + 6)])
-        at = text.find(b"\nThreads:")
-        threads = int(text[at + 9 : text.index(b"\n", at + 9)]) if at >= 0 else 1
-    except ValueError:  # not the format we know
-        return None
-    return uid, threads
-
-
-def _uid_task_count(uid: int) -> int:
-    """Tasks (threads included: RLIMIT_NPROC counts them) of real uid ``uid`` in /proc."""
-    count = 0
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            found = _real_uid_and_threads(name)
-            if found is not None and found[0] == uid:
-                count += found[1]
-    return count
-
-
-def _uid_has_processes(uid: int) -> bool:
-    """Is any process of real uid ``uid`` alive?"""
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            found = _real_uid_and_threads(name)
-            if found is not None and found[0] == uid:
-                return True
-    return False
-
-
 def _readable_by_others(path: str) -> bool:
     """Could a non-root uid open ``path`` (every directory on the way world-searchable)?"""
     cur = os.path.realpath(path)
@@ -390,274 +366,73 @@ def _readable_by_others(path: str) -> bool:
     return True
 
 
-def _reap_zombies(patience: float = 1.0) -> None:
-    """Reap every child (orphans of a call are ours: subreaper / PID-namespace init).
+class _Capture:
+    """What the worker keeps of one pipe: the first ``keep`` bytes; the rest is read and dropped
+    (so a writer never blocks on a full pipe) but counted."""
 
-    Called right after SIGKILLing the slot, so it waits briefly for those deaths to land."""
-    deadline = time.monotonic() + patience
-    while True:
+    def __init__(self, fd: int, keep: int) -> None:
+        self.fd, self.keep, self.total = fd, keep, 0
+        self.chunks: list[bytes] = []
+        self.open = True
+        os.set_blocking(fd, False)
+
+    def read(self) -> None:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
             return
-        if pid == 0:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.001)
+        if not data:
+            self.open = False
+            return
+        room = self.keep - min(self.total, self.keep)
+        if room > 0:
+            self.chunks.append(data[:room])
+        self.total += len(data)
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
 
 
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
-_SECCOMP_MODE_FILTER = 2
-_SECCOMP_DENY = (
-    "ptrace", "mount", "umount2", "unshare", "setns", "reboot", "kexec_load", "init_module",
-    "finit_module", "delete_module", "swapon", "swapoff", "pivot_root", "chroot", "bpf",
-    "perf_event_open", "process_vm_readv", "process_vm_writev", "keyctl", "add_key", "request_key",
-    # a pidfd for any pid can also come from open("/proc/PID"): no signals through pidfds at all
-    "pidfd_send_signal",
-)  # fmt: skip
-# syscalls that signal a pid given in argument N (tgkill checks that its tid belongs to tgid)
-_SIGNAL_PID_ARGS = {
-    "kill": 0,
-    "tkill": 0,
-    "tgkill": 0,
-    "rt_sigqueueinfo": 0,
-    "rt_tgsigqueueinfo": 0,
-    "pidfd_open": 0,
-}
-# fcntl/ioctl commands that make the kernel signal an arbitrary pid or group on I/O (SIGIO,
-# or any signal chosen with F_SETSIG, SIGKILL included)
-_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
-_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
-_PID_MASK = 0xFFFFFFFF  # pid_t is 32 bits: compare only what the kernel reads of the register
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
-
-
-class SeccompProgram:
-    """The call filter, compiled to classic BPF once per worker.
-
-    libseccomp needs ~10 ms to build and compile the filter, as much as the rest of a call, so
-    the worker compiles it at start and each child only hands the ready program to the kernel
-    (two prctl calls). Denies network sockets, ptrace, mounts, namespaces and kernel-level calls
-    with EPERM; everything else is allowed.
-
-    Without a slot uid (basic isolation) a call may signal every process of its uid, the server
-    and the workers included; the filter therefore also refuses kill/tkill/tgkill/
-    rt_(tg)sigqueueinfo/pidfd_open aimed at a protected pid (the worker, the server and its
-    threads, the other workers, pid 1) or at a negative pid (a process group, or -1: everyone),
-    any pidfd_send_signal, and the fcntl/ioctl commands that route SIGIO to another process.
-    """
-
-    def __init__(self, bpf: bytes) -> None:
-        self.bpf = bpf
-        self._libc = _LIBC
-        self._prog = _SockFprog(len(bpf) // 8, bpf)
-
-    @classmethod
-    def compile(cls, protected: frozenset[int] = frozenset()) -> SeccompProgram | None:
-        """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it)."""
-        try:
-            import pyseccomp as sc
-        except Exception:  # noqa: BLE001 - libseccomp missing
-            return None
-        import socket
-
-        f = sc.SyscallFilter(defaction=sc.ALLOW)
-        deny = sc.ERRNO(errno.EPERM)
-        for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
-            f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
-        for name in _SECCOMP_DENY:
-            with contextlib.suppress(Exception):  # a syscall this arch does not have
-                f.add_rule(deny, name)
-        for name, arg in _SIGNAL_PID_ARGS.items():
-            with contextlib.suppress(Exception):
-                f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, 0x80000000, 0x80000000))  # pid < 0
-                for pid in sorted(protected):
-                    f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, _PID_MASK, pid))
-        for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
-            f.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, cmd))
-        for cmd in (_FIOSETOWN, _SIOCSPGRP):
-            f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, _PID_MASK, cmd))
-        with tempfile.TemporaryFile() as fh:
-            f.export_bpf(fh)
-            fh.seek(0)
-            bpf = fh.read()
-        if not bpf or len(bpf) % 8:
-            return None
-        return cls(bpf)
-
-    def load(self) -> None:
-        """Install the filter on the calling process (and everything it will fork)."""
-        if self._libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if self._libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(self._prog), 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
-
-
-def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
-    """Runs in the forked child, as root, right before the untrusted code."""
-    os.setsid()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    slot.join()
-    os.chdir(slot.dir)
-    with open("/proc/self/statm") as fh:
-        vsize = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    mem = cfg.memory_mb * 2**20
-    cpu = max(1, math.ceil(timeout)) + 1
-    for res, value in (
-        (resource.RLIMIT_AS, vsize + mem),
-        (resource.RLIMIT_CPU, cpu),
-        (resource.RLIMIT_FSIZE, cfg.max_file_mb * 2**20),
-        (resource.RLIMIT_NOFILE, 64),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        resource.setrlimit(res, (value, value))
-    if slot.uid is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
-    elif os.geteuid() != 0:  # shared uid (unprivileged pod): cap what this call may add to it
-        nproc = _uid_task_count(os.getuid()) + cfg.max_processes
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if slot.uid is not None:
-        os.setgroups([])
-        os.setgid(slot.uid)
-        os.setuid(slot.uid)
-    os.environ["HOME"] = slot.dir
-    os.environ["TMPDIR"] = slot.dir  # the only place it may write
-    if _LIBC.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if slot.landlock is not None:
-        slot.landlock.restrict_self()
-        slot.landlock.close()
-    if slot.seccomp is not None:
-        slot.seccomp.load()
-
-
-def _run_user_code(code: str) -> dict[str, Any]:
-    """Execute ``code`` as __main__; IPython-style value of a trailing expression."""
-    try:
-        tree = ast.parse(code, filename="<string>", mode="exec")
-    except SyntaxError:
-        return {"status": "error", "traceback": traceback.format_exc(limit=0)}
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
-    env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    try:
-        exec(compile(tree, "<string>", "exec"), env)  # noqa: S102 - this is the sandbox
-        value = eval(compile(last, "<string>", "eval"), env) if last is not None else None  # noqa: S307
-        sys.stdout.flush()
-        if value is None:
-            return {"status": "ok", "repr": None}
-        return {"status": "ok", "repr": repr(value)}
-    except MemoryError:
-        return {"status": "memory"}
-    except BaseException as exc:  # noqa: BLE001 - SystemExit etc. are the program's result too
-        if isinstance(exc, SystemExit) and exc.code in (None, 0):
-            return {"status": "ok", "repr": None}
-        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
-        text = "".join(traceback.format_exception(type(exc), exc, tb))
-        return {"status": "error", "traceback": text}
-
-
-def _close_fds(keep: tuple[int, ...]) -> None:
-    """Close every descriptor above stderr but ``keep``."""
-    low = 3
-    for fd in sorted(k for k in set(keep) if k >= low):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, 1 << 16)
-
-
-def _child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int) -> None:
-    stdin_path = os.path.join(slot.dir, ".stdin")
-    with open(stdin_path, "w") as fh:
-        fh.write(req.get("stdin", ""))
-    fd_in = os.open(stdin_path, os.O_RDONLY)
-    fd_out = os.open(os.path.join(slot.dir, ".stdout"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    fd_err = os.open(os.path.join(slot.dir, ".stderr"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    _close_fds(keep=(meta_w, *slot.child_fds()))
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    _enter_sandbox(slot, cfg, float(req["timeout"]))
-    meta = _run_user_code(req["code"])
-    _write_meta(meta_w, meta, cfg.max_output_bytes)
-
-
-def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:
-    for key in ("repr", "traceback"):
-        if isinstance(meta.get(key), str) and len(meta[key]) > limit:
-            meta[key] = meta[key][:limit]
-            meta["truncated"] = True
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    data = json.dumps(meta).encode()
-    while data:
-        n = os.write(fd, data)
-        data = data[n:]
-
-
-def _child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], meta_w: int) -> None:
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for target in (0, 1, 2):
-        os.dup2(devnull, target)
-    _close_fds(keep=(meta_w, *slot.child_fds()))
-    _enter_sandbox(slot, cfg, float(req["timeout"]))
-    from math_verify import parse, verify
-
-    def parse_any(text: str) -> list[Any]:
-        # answers arrive extracted from \boxed{} (rollout.template.extract_answer); re-box bare
-        # ones so the LaTeX extractor sees the whole expression ("1+x" alone parses as 1)
-        if "$" in text or "\\boxed" in text:
-            return parse(text, parsing_timeout=None)
-        return parse(f"\\boxed{{{text}}}", parsing_timeout=None) or parse(text, parsing_timeout=None)
-
-    # math-verify's own SIGALRM timeouts (5 s per parse and per comparison, whole seconds only)
-    # are off: they would race the outer deadline, or stretch a verify to 3x their value; the
-    # parent's kill at req["timeout"] is the single deadline and is reported as a timeout
-    try:
-        ok = bool(verify(parse_any(req["gold"]), parse_any(req["prediction"]), timeout_seconds=None))
-    except Exception:  # noqa: BLE001 - unparsable answers are simply wrong
-        ok = False
-    _write_meta(meta_w, {"status": "ok", "correct": ok}, 1024)
+def _drain(captures: list[_Capture], budget: float) -> None:
+    """Read what is left once every writer is dead (EOF follows at once), for at most ``budget``."""
+    end = time.monotonic() + budget
+    while any(c.open for c in captures) and (left := end - time.monotonic()) > 0:
+        ready, _, _ = select.select([c.fd for c in captures if c.open], [], [], left)
+        for c in captures:
+            if c.fd in ready:
+                c.read()
 
 
 def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, Any]:
     """Fork one contained child for ``req``, enforce the deadline, clean the slot, report."""
     timeout = float(req["timeout"])
+    limit = cfg.max_output_bytes
     slot.cgroup.mark()
-    meta_r, meta_w = os.pipe()
+    pipes = Pipes.open()
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child; coverage cannot follow the fork
         code = 0
         try:
-            os.close(meta_r)
             if req["op"] == "verify":
-                _child_verify(slot, cfg, req, meta_w)
+                child_verify(slot, cfg, req, pipes)
             else:
-                _child_exec(slot, cfg, req, meta_w)
+                child_exec(slot, cfg, req, pipes)
         except BaseException:  # noqa: BLE001
             code = 70
         finally:
             os._exit(code)
-    os.close(meta_w)
+    pipes.close_write_ends()
     pidfd = os.pidfd_open(pid)
-    chunks: list[bytes] = []
+    meta_cap = _Capture(pipes.meta[0], META_LIMIT + 1)
+    out_cap, err_cap = _Capture(pipes.out[0], limit + 1), _Capture(pipes.err[0], limit + 1)
+    captures = [meta_cap, out_cap, err_cap]
     deadline = start + timeout
-    quota = cfg.disk_mb * 2**20
+    # a private root's tmpfs is its own quota (the kernel refuses writes past it); a plain slot
+    # directory is measured while the call runs
+    poll_disk = slot.root is None
     next_disk_check = start + DISK_POLL_SECONDS
     timed_out = disk_exceeded = False
-    meta_open = True
     status = None
     try:
         while True:
@@ -666,20 +441,18 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
             if left <= 0:
                 timed_out = True
                 break
-            if now >= next_disk_check:
-                if slot.disk_usage() > quota:
+            if poll_disk and now >= next_disk_check:
+                if slot.disk_usage()[1]:
                     disk_exceeded = True
                     break
                 # a slot full of small files takes long to scan: never spend over 1/4 of the call on it
                 next_disk_check = time.monotonic() + max(DISK_POLL_SECONDS, 3 * (time.monotonic() - now))
-            watch = [pidfd, meta_r] if meta_open else [pidfd]
-            ready, _, _ = select.select(watch, [], [], max(0.0, min(left, next_disk_check - now)))
-            if meta_r in ready:
-                data = os.read(meta_r, 65536)
-                if data:
-                    chunks.append(data)
-                else:
-                    meta_open = False
+            wait = min(left, next_disk_check - now) if poll_disk else left
+            watch = [pidfd, *(c.fd for c in captures if c.open)]
+            ready, _, _ = select.select(watch, [], [], max(0.0, wait))
+            for c in captures:
+                if c.fd in ready:
+                    c.read()
             if pidfd in ready:
                 break
         if timed_out or disk_exceeded:
@@ -688,26 +461,21 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        while meta_open:
-            r, _, _ = select.select([meta_r], [], [], 0.05)
-            if not r:
-                break
-            data = os.read(meta_r, 65536)
-            if not data:
-                break
-            chunks.append(data)
     finally:
         os.close(pidfd)
-        os.close(meta_r)
         duration = time.monotonic() - start
-        slot.kill_all()
+        slot.kill_all()  # every process that could still hold a write end
+        _drain(captures, 0.5)
+        for c in captures:
+            os.close(c.fd)
     oom = slot.cgroup.hit_memory_limit()
     # what the call left when it ended counts too (it may have written it faster than one poll)
-    disk_exceeded = disk_exceeded or slot.disk_usage() > quota
+    disk_exceeded = disk_exceeded or slot.disk_usage()[1]
     meta: dict[str, Any] = {}
-    if chunks:
+    if meta_cap.chunks and meta_cap.total <= META_LIMIT:
         with contextlib.suppress(ValueError):
-            meta = json.loads(b"".join(chunks))
+            parsed = json.loads(meta_cap.data())
+            meta = parsed if isinstance(parsed, dict) else {}
     out = {"duration_s": duration, "timed_out": timed_out, "meta": meta, "oom": oom}
     if disk_exceeded:
         out["disk_exceeded_mb"] = cfg.disk_mb
@@ -715,22 +483,41 @@ def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, 
         out["signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         out["exit_code"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
     if req["op"] == "exec":
-        out.update(_read_outputs(slot, cfg.max_output_bytes))
-    slot.clean_dir()
+        for name, cap in (("stdout", out_cap), ("stderr", err_cap)):
+            out[name] = cap.data()[:limit].decode("utf-8", "replace")
+            out[f"{name}_truncated"] = cap.total > limit
+    slot.recycle()
     return out
 
 
-def _read_outputs(slot: Slot, limit: int) -> dict[str, Any]:
-    res: dict[str, Any] = {}
-    for name in ("stdout", "stderr"):
+def _private_root(cfg: WorkerConfig) -> tuple[PrivateRoot | None, bool]:
+    """Full isolation, as root and pid 1 of our own namespaces: the minimal read-only root
+    (and whether a slot uid can read the interpreter in it). (None, False) where it cannot be
+    built; the worker says why and falls back to Landlock's read allowlist."""
+    if not (cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0):
+        return None, False
+    base = tempfile.mkdtemp(prefix=f"kuberl-sbx-{cfg.pool}-{cfg.slot}-root-")
+    try:
+        root = PrivateRoot.build(base, cfg.disk_mb, uid=None)
+    except OSError as err:
+        print(f"kuberl sandbox worker: no private root ({err}); Landlock limits reads instead", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+        return None, False
+    uuid_py = os.path.realpath(os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
+    return root, _readable_by_others(base + uuid_py)
+
+
+def _fallback_view(cfg: WorkerConfig) -> bool:
+    """Without a private root: hide a 0700 home that holds the interpreter where we may mount
+    (our own mount namespace), so a slot uid can use the interpreter; whether it can."""
+    if cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0:
         try:
-            with open(os.path.join(slot.dir, f".{name}"), "rb") as fh:
-                data = fh.read(limit + 1)
-        except OSError:
-            data = b""
-        res[name] = data[:limit].decode("utf-8", "replace")
-        res[f"{name}_truncated"] = len(data) > limit
-    return res
+            return _hide_home_keep_python()
+        except (OSError, subprocess.CalledProcessError) as err:
+            print(f"kuberl sandbox worker: cannot hide home ({err}); no uid drop", file=sys.stderr)
+            return False
+    return _readable_by_others(os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
 
 
 def main(argv: list[str]) -> int:
@@ -745,16 +532,11 @@ def main(argv: list[str]) -> int:
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    readable = False
-    if cfg.in_namespace and os.getpid() == 1 and os.geteuid() == 0:
-        try:
-            readable = _hide_home_keep_python()
-        except (OSError, subprocess.CalledProcessError) as err:
-            print(f"kuberl sandbox worker: cannot hide home ({err}); no uid drop", file=sys.stderr)
-    else:
-        readable = _readable_by_others(os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
     _preload()
-    slot = Slot(cfg, readable)
+    root, readable = _private_root(cfg)
+    if root is None:
+        readable = _fallback_view(cfg)
+    slot = Slot(cfg, readable, root)
     gc.collect()
     gc.freeze()
     hello = {
@@ -762,7 +544,8 @@ def main(argv: list[str]) -> int:
         "slot": cfg.slot,
         "pid": os.getpid(),
         "protections": slot.protections,
-        "leftovers": {"dir": slot.dir, "cgroups": slot.cgroup.dirs()},  # if we die uncleanly
+        # if we die uncleanly (a private root is an empty directory outside our mount namespace)
+        "leftovers": {"dir": root.root if root else slot.dir, "cgroups": slot.cgroup.dirs()},
     }
     proto_out.write(json.dumps(hello).encode() + b"\n")
     proto_out.flush()

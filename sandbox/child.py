@@ -1,0 +1,230 @@
+"""The forked child's side of one tool call: from the worker's fork to the call's result.
+
+It wires the call's stdin (a memfd), stdout, stderr and result record (pipes the worker reads)
+to fixed descriptors, enters the sandbox as root (setsid, the slot's cgroup, the private root or
+slot directory, rlimits, the slot uid or no capabilities, an environment of its own, Landlock,
+seccomp) and runs the code as ``__main__``, IPython-style. Everything here runs after ``fork``
+in a process that will ``_exit``; the worker keeps no state of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import ctypes
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kuberl.sandbox.fsview import child_env
+from kuberl.sandbox.procs import uid_task_count
+from kuberl.sandbox.seccomp import PR_SET_NO_NEW_PRIVS
+from kuberl.sandbox.types import valid_text
+
+if TYPE_CHECKING:
+    from kuberl.sandbox.worker import Slot, WorkerConfig
+
+# prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+# Python frames of 3.11 live on the heap, not the C stack: with sys.setrecursionlimit(10**7)
+# runaway recursion takes seconds and gigabytes before it fails; 100k frames fail in ~50 ms
+MAX_RECURSION_DEPTH = 100_000
+TRACEBACK_FRAMES = 50
+_PR_SET_SECUREBITS = 28
+_PR_CAPBSET_DROP = 24
+_SECBITS_NOROOT_LOCKED = 0x2F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS: each set and locked
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _drop_capabilities() -> None:
+    """A call that keeps uid 0 (no slot uid could be used) keeps no capability either: none
+    now, none from the bounding set, and root's exec-time grant switched off (securebits)."""
+    _LIBC.prctl(_PR_SET_SECUREBITS, _SECBITS_NOROOT_LOCKED, 0, 0, 0)
+    for cap in range(64):
+        if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            break  # past the kernel's last capability
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    if _LIBC.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
+    """Runs in the forked child, as root, right before the untrusted code."""
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    slot.join()
+    with open("/proc/self/statm") as fh:
+        vsize = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    slot.enter()
+    mem = cfg.memory_mb * 2**20
+    cpu = max(1, math.ceil(timeout)) + 1
+    for res, value in (
+        (resource.RLIMIT_AS, vsize + mem),
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_FSIZE, cfg.max_file_mb * 2**20),
+        (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(res, (value, value))
+    if slot.uid is not None:
+        resource.setrlimit(resource.RLIMIT_NPROC, (cfg.max_processes, cfg.max_processes))
+    elif os.geteuid() != 0:  # shared uid (unprivileged pod): cap what this call may add to it
+        nproc = uid_task_count(os.getuid()) + cfg.max_processes
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if slot.uid is not None:
+        os.setgroups([])
+        os.setgid(slot.uid)
+        os.setuid(slot.uid)
+    elif os.geteuid() == 0:
+        _drop_capabilities()
+    # nothing of the service's environment: the worker started with an allowlist, and the
+    # call gets only its own HOME and TMPDIR on top of fixed values
+    os.environ.clear()
+    os.environ.update(child_env(slot.call_dir, slot.call_dir))
+    tempfile.tempdir = None  # the worker's cached choice (/tmp) is not the call's
+    if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+    if slot.landlock is not None:
+        slot.landlock.restrict_self()
+        slot.landlock.close()
+    if slot.seccomp is not None:
+        slot.seccomp.load()
+
+
+def _limit_recursion() -> None:
+    """``sys.setrecursionlimit`` keeps working, up to :data:`MAX_RECURSION_DEPTH`."""
+    raw = sys.setrecursionlimit
+
+    def setrecursionlimit(limit: int, /) -> None:
+        raw(min(int(limit), MAX_RECURSION_DEPTH))
+
+    setrecursionlimit.__doc__ = raw.__doc__
+    sys.setrecursionlimit = setrecursionlimit
+
+
+def _run_user_code(code: str) -> dict[str, Any]:
+    """Execute ``code`` as __main__; IPython-style value of a trailing expression."""
+    try:
+        tree = ast.parse(code, filename="<string>", mode="exec")
+    except SyntaxError:
+        return {"status": "error", "traceback": traceback.format_exc(limit=0)}
+    except (MemoryError, RecursionError, ValueError) as exc:  # deeply nested or NUL-laden source
+        return {"status": "error", "traceback": f"SyntaxError: {type(exc).__name__}: {exc}\n"}
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    _limit_recursion()
+    try:
+        exec(compile(tree, "<string>", "exec"), env)  # noqa: S102 - this is the sandbox
+        value = eval(compile(last, "<string>", "eval"), env) if last is not None else None  # noqa: S307
+        sys.stdout.flush()
+        if value is None:
+            return {"status": "ok", "repr": None}
+        return {"status": "ok", "repr": repr(value)}
+    except MemoryError:
+        return {"status": "memory"}
+    except BaseException as exc:  # noqa: BLE001 - SystemExit etc. are the program's result too
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            return {"status": "ok", "repr": None}
+        tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+        # the innermost frames: a runaway recursion has 100k identical ones
+        text = "".join(traceback.format_exception(type(exc), exc, tb, limit=-TRACEBACK_FRAMES))
+        return {"status": "error", "traceback": text}
+
+
+def _close_fds(keep: tuple[int, ...]) -> None:
+    """Close every descriptor above stderr but ``keep``."""
+    low = 3
+    for fd in sorted(k for k in set(keep) if k >= low):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
+
+
+@dataclass
+class Pipes:
+    """The call's stdout, stderr and result record: pipes the worker opened and reads. A call
+    can close or fill its ends, never point them at a file the worker would then read."""
+
+    out: tuple[int, int]
+    err: tuple[int, int]
+    meta: tuple[int, int]
+
+    @classmethod
+    def open(cls) -> Pipes:
+        return cls(os.pipe(), os.pipe(), os.pipe())
+
+    def close_write_ends(self) -> None:
+        for _, w in (self.out, self.err, self.meta):
+            os.close(w)
+
+
+def child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes) -> None:
+    stdin = os.memfd_create("stdin", 0)  # in memory: nothing on disk the call could swap
+    data = req.get("stdin", "").encode("utf-8", "surrogateescape")
+    while data:
+        data = data[os.write(stdin, data) :]
+    os.lseek(stdin, 0, os.SEEK_SET)
+    for fd, target in ((stdin, 0), (pipes.out[1], 1), (pipes.err[1], 2)):
+        os.dup2(fd, target)
+    meta_w = pipes.meta[1]
+    _close_fds(keep=(meta_w, *slot.child_fds()))
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    _enter_sandbox(slot, cfg, float(req["timeout"]))
+    meta = _run_user_code(req["code"])
+    _write_meta(meta_w, meta, cfg.max_output_bytes)
+
+
+def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:
+    for key in ("repr", "traceback"):
+        if isinstance(meta.get(key), str):
+            meta[key] = valid_text(meta[key])
+            if len(meta[key]) > limit:
+                meta[key] = meta[key][:limit]
+                meta["truncated"] = True
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    data = json.dumps(meta).encode()
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes) -> None:
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for target in (0, 1, 2):
+        os.dup2(devnull, target)
+    meta_w = pipes.meta[1]
+    _close_fds(keep=(meta_w, *slot.child_fds()))
+    _enter_sandbox(slot, cfg, float(req["timeout"]))
+    from math_verify import parse, verify
+
+    def parse_any(text: str) -> list[Any]:
+        # answers arrive extracted from \boxed{} (rollout.template.extract_answer); re-box bare
+        # ones so the LaTeX extractor sees the whole expression ("1+x" alone parses as 1)
+        if "$" in text or "\\boxed" in text:
+            return parse(text, parsing_timeout=None)
+        return parse(f"\\boxed{{{text}}}", parsing_timeout=None) or parse(text, parsing_timeout=None)
+
+    # math-verify's own SIGALRM timeouts (5 s per parse and per comparison, whole seconds only)
+    # are off: they would race the outer deadline, or stretch a verify to 3x their value; the
+    # parent's kill at req["timeout"] is the single deadline and is reported as a timeout
+    try:
+        ok = bool(verify(parse_any(req["gold"]), parse_any(req["prediction"]), timeout_seconds=None))
+    except Exception:  # noqa: BLE001 - unparsable answers are simply wrong
+        ok = False
+    _write_meta(meta_w, {"status": "ok", "correct": ok}, 1024)

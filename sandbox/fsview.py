@@ -1,0 +1,238 @@
+"""What of the host filesystem a tool call sees, and the private scratch space it writes in.
+
+A call needs the interpreter, its packages, the shared libraries they load and a few device
+files; it needs nothing else of the host: not the checkout the service runs from, not ``/home``,
+``/root``, ``/tmp`` or ``/var/run/secrets``, not the service's files or the other slots'.
+:func:`readonly_paths` names that minimum once, and both isolation modes enforce it:
+
+* ``full`` (root, in the worker's own mount namespace): :class:`PrivateRoot` builds a root of
+  read-only bind mounts of exactly those paths, the device files, a fresh ``/proc`` of the
+  worker's PID namespace (other uids' processes hidden) and ``/tmp``, a tmpfs mounted fresh
+  for every call and detached after it. Calls ``chroot`` into it. The tmpfs is the call's disk
+  quota (the kernel enforces size and inode count, files unlinked while open included) and
+  removing what a call left costs one ``umount``, whatever it left.
+* ``basic`` (a non-root pod): a Landlock ruleset allows reads only beneath the same paths and
+  the slot directory; :func:`clear_dir` removes what a call left with a bounded budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import site
+import stat
+import sys
+import sysconfig
+import time
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_PRIVATE, MS_REC = 32, 4096, 1 << 18, 16384
+MNT_DETACH = 2
+
+# shared libraries a late import may load (sqlite3, ssl, ctypes' libffi, ...) and the loader's cache
+SYSTEM_PATHS = (
+    "/lib", "/lib64", "/lib32", "/usr/lib", "/usr/lib64", "/usr/lib32", "/usr/local/lib",
+    "/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo",
+)  # fmt: skip
+# device files a call may use; everything else of /dev is absent
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+# the environment a call gets: nothing of the service's (cloud keys, tokens, the user's shell)
+CHILD_ENV_FIXED = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+# what the worker process itself keeps of the service's environment (it starts the interpreter)
+WORKER_ENV_KEEP = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "PYTHONHOME", "PYTHONMALLOC", "GLIBC_TUNABLES")
+
+
+def child_env(home: str, tmpdir: str) -> dict[str, str]:
+    """The whole environment of a call (pure): HOME and TMPDIR in its scratch space, library
+    caches beneath HOME, nothing inherited."""
+    return {
+        **CHILD_ENV_FIXED,
+        "HOME": home,
+        "TMPDIR": tmpdir,
+        "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+        "MPLCONFIGDIR": os.path.join(home, ".config", "matplotlib"),
+    }
+
+
+def worker_env(service_env: dict[str, str], extra: dict[str, str]) -> dict[str, str]:
+    """The worker's environment (pure): an allowlist of the service's, plus ``extra``.
+
+    The worker's own start-up environment is what ``/proc/self/environ`` shows every call
+    forked from it, so nothing secret may be in it."""
+    env = {k: v for k, v in service_env.items() if k in WORKER_ENV_KEEP}
+    env.setdefault("PATH", CHILD_ENV_FIXED["PATH"])
+    return {**env, **extra}
+
+
+def _python_paths() -> list[str]:
+    """The interpreter's standard library and the site-packages of its (virtual) environment,
+    not ``sys.path`` as such: that may hold the current directory (a checkout, with ``-m``) or
+    an editable project's source, which are exactly what a call must not read."""
+    found: set[str] = set()
+    for scheme_vars in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=scheme_vars) if scheme_vars else sysconfig.get_paths()
+        found.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths)
+    with contextlib.suppress(AttributeError):
+        found.update(site.getsitepackages())
+    libdir = sysconfig.get_config_var("LIBDIR")  # libpython, where the interpreter is shared
+    if isinstance(libdir, str):
+        found.add(libdir)
+    lib_dynload = os.path.join(sysconfig.get_paths()["platstdlib"], "lib-dynload")
+    found.add(lib_dynload)
+    return sorted(found)
+
+
+def minimal(paths: list[str]) -> list[str]:
+    """Drop paths beneath another path of the list (pure; unit-tested)."""
+    out: list[str] = []
+    for p in sorted({os.path.normpath(p) for p in paths}):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def readonly_paths() -> list[str]:
+    """Everything a call may read besides its scratch space and the device files (real paths,
+    existing, none beneath another)."""
+    real = [os.path.realpath(p) for p in (*_python_paths(), *SYSTEM_PATHS)]
+    return minimal([p for p in real if os.path.exists(p)])
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = (lambda s: s.encode() if s is not None else None)  # noqa: E731
+    if _LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
+
+
+def _umount(target: str) -> None:
+    if _LIBC.umount2(target.encode(), MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"umount {target}: {os.strerror(err)}")
+
+
+class PrivateRoot:
+    """The read-only root calls ``chroot`` into (``full`` isolation; built by the worker, pid 1
+    of its own mount, PID and IPC namespaces, before it forks any call).
+
+    ``root/tmp`` is the call's scratch space: :meth:`fresh_tmp` mounts a new tmpfs there before
+    a call (size = the disk quota, inodes bounded, owned by the slot uid) and detaches the last
+    one, which drops whatever the previous call left in one step.
+    """
+
+    def __init__(self, base: str, disk_mb: int, uid: int | None) -> None:
+        self.root = base
+        self.tmp = os.path.join(base, "tmp")
+        self.disk_mb = disk_mb
+        self.uid = uid
+        self.inodes = max(4096, disk_mb * 1024)  # ~1 KiB of kernel memory each, charged to the call
+        self.mounted = False
+
+    @classmethod
+    def build(cls, base: str, disk_mb: int, uid: int | None) -> PrivateRoot:
+        """Raises OSError where mounts are not allowed (the worker then falls back to Landlock)."""
+        self = cls(base, disk_mb, uid)
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
+        _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
+        for src in readonly_paths():
+            self._bind_readonly(src)
+        os.makedirs(os.path.join(base, "dev"), mode=0o755)
+        for dev in DEVICES:
+            if os.path.exists(dev) and stat.S_ISCHR(os.stat(dev).st_mode):
+                target = base + dev
+                open(target, "w").close()  # noqa: SIM115 - a mount point
+                _mount(dev, target, None, MS_BIND)
+                _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)
+        os.symlink("/tmp", os.path.join(base, "dev", "shm"))  # POSIX semaphores and shared memory
+        os.symlink("/proc/self/fd", os.path.join(base, "dev", "fd"))
+        os.makedirs(os.path.join(base, "proc"))
+        _mount("proc", os.path.join(base, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        os.makedirs(self.tmp)
+        _mount(None, base, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
+        self.fresh_tmp()
+        return self
+
+    def _bind_readonly(self, src: str) -> None:
+        target = self.root + src
+        if os.path.isdir(src):
+            os.makedirs(target, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+            open(target, "w").close()  # noqa: SIM115 - a mount point
+        _mount(src, target, None, MS_BIND)
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+    def fresh_tmp(self) -> None:
+        """Detach the last call's scratch space (whatever it holds) and mount an empty one."""
+        if self.mounted:
+            _umount(self.tmp)
+            self.mounted = False
+        owner = self.uid if self.uid is not None else 0
+        opts = f"size={self.disk_mb}m,nr_inodes={self.inodes},mode=0700,uid={owner},gid={owner}"
+        _mount("tmpfs", self.tmp, "tmpfs", MS_NOSUID | MS_NODEV, opts)
+        self.mounted = True
+
+    def tmp_usage(self) -> tuple[int, bool]:
+        """(bytes the call's files hold, whether it ran out of space or inodes)."""
+        st = os.statvfs(self.tmp)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used, st.f_bavail * st.f_frsize < 64 * 1024 or st.f_favail == 0
+
+    def enter(self) -> None:
+        """In the call's child (as root, before dropping privileges): this root becomes ``/``."""
+        os.chroot(self.root)
+        os.chdir("/tmp")
+
+
+def clear_dir(path: str, budget_s: float) -> bool:
+    """Remove everything beneath ``path`` (kept itself) within ``budget_s`` seconds.
+
+    Works for any tree a call can leave: any depth (descends by file descriptor, never by path,
+    so PATH_MAX does not apply, and keeps no recursion), directories without permissions
+    (restored on the way down), symlinks (removed, never followed), FIFOs (unlinked, never
+    opened), any name. Returns False when the budget ran out first (the caller moves the rest
+    aside). The call's processes are all dead by then, so nothing changes the tree meanwhile.
+    """
+    deadline = time.monotonic() + budget_s
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    os.chmod(path, 0o700)  # a call running as our uid may have locked its own directory
+    fd = os.open(path, flags)
+    names: list[str] = []  # the directories we are inside of, below ``path``
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                return False
+            with os.scandir(fd) as it:
+                entries = [next(it, None) for _ in range(256)]
+            entries = [e for e in entries if e is not None]
+            if not entries:
+                if not names:
+                    return True
+                parent = os.open("..", flags & ~os.O_NOFOLLOW, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                os.rmdir(names.pop(), dir_fd=fd)
+                continue
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(OSError):
+                        os.chmod(entry.name, 0o700, dir_fd=fd)
+                    child = os.open(entry.name, flags, dir_fd=fd)
+                    os.close(fd)
+                    fd = child
+                    names.append(entry.name)
+                    break
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,124 @@
+"""The seccomp filter every tool call runs under, compiled once per worker.
+
+What it refuses and why: network sockets (calls have no network), the calls that reach the
+kernel's global state or other processes (ptrace, mounts, namespaces, modules, keyrings, BPF,
+perf, io_uring, userfaultfd, the kernel log, clocks), new namespaces of any kind (``unshare``,
+``setns``, ``clone`` with a ``CLONE_NEW*`` flag; ``clone3``, whose flags a filter cannot read,
+answers ENOSYS so that libc falls back to ``clone``), and System V IPC and POSIX message
+queues: those objects live in the kernel, not in a process, and would outlive the call that
+made them. Signals are refused where they are aimed at the service (see :class:`SeccompProgram`).
+Everything else is allowed: ordinary Python (threads, fork, files, pipes, mmap) works unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import tempfile
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+DENY = (
+    "ptrace", "mount", "umount2", "unshare", "setns", "reboot", "kexec_load", "kexec_file_load",
+    "init_module", "finit_module", "delete_module", "swapon", "swapoff", "pivot_root", "chroot",
+    "bpf", "perf_event_open", "process_vm_readv", "process_vm_writev", "keyctl", "add_key",
+    "request_key",
+    # a pidfd for any pid can also come from open("/proc/PID"): no signals through pidfds at all
+    "pidfd_send_signal",
+    # the new mount API, handle-based opens (a classic container escape), the kernel log
+    "fsopen", "fsconfig", "fsmount", "fspick", "move_mount", "open_tree", "mount_setattr",
+    "open_by_handle_at", "name_to_handle_at", "syslog", "quotactl", "acct", "uselib",
+    "lookup_dcookie", "vhangup", "iopl", "ioperm",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname",
+    # large kernel attack surface no Python tool call needs
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
+    # kernel objects that outlive their creator: SysV IPC and POSIX message queues
+    "shmget", "semget", "msgget", "mq_open",
+)  # fmt: skip
+# clone flags that create a namespace (uapi/linux/sched.h)
+CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+# syscalls that signal a pid given in argument N (tgkill checks that its tid belongs to tgid)
+SIGNAL_PID_ARGS = {
+    "kill": 0,
+    "tkill": 0,
+    "tgkill": 0,
+    "rt_sigqueueinfo": 0,
+    "rt_tgsigqueueinfo": 0,
+    "pidfd_open": 0,
+}
+# fcntl/ioctl commands that make the kernel signal an arbitrary pid or group on I/O (SIGIO,
+# or any signal chosen with F_SETSIG, SIGKILL included)
+_F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
+_FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
+_PID_MASK = 0xFFFFFFFF  # pid_t is 32 bits: compare only what the kernel reads of the register
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+class SeccompProgram:
+    """The call filter, compiled to classic BPF once per worker.
+
+    libseccomp needs ~10 ms to build and compile the filter, as much as the rest of a call, so
+    the worker compiles it at start and each child only hands the ready program to the kernel
+    (two prctl calls). Denies what the module docstring lists with EPERM (``clone3``: ENOSYS).
+
+    Without a slot uid (basic isolation) a call may signal every process of its uid, the server
+    and the workers included; the filter therefore also refuses kill/tkill/tgkill/
+    rt_(tg)sigqueueinfo/pidfd_open aimed at a protected pid (the worker, the server and its
+    threads, the other workers, pid 1) or at a negative pid (a process group, or -1: everyone),
+    any pidfd_send_signal, and the fcntl/ioctl commands that route SIGIO to another process.
+    """
+
+    def __init__(self, bpf: bytes) -> None:
+        self.bpf = bpf
+        self._libc = _LIBC
+        self._prog = _SockFprog(len(bpf) // 8, bpf)
+
+    @classmethod
+    def compile(cls, protected: frozenset[int] = frozenset()) -> SeccompProgram | None:
+        """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it)."""
+        try:
+            import pyseccomp as sc
+        except Exception:  # noqa: BLE001 - libseccomp missing
+            return None
+        import socket
+
+        f = sc.SyscallFilter(defaction=sc.ALLOW)
+        deny = sc.ERRNO(errno.EPERM)
+        for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
+            f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
+        for name in DENY:
+            with contextlib.suppress(Exception):  # a syscall this arch does not have
+                f.add_rule(deny, name)
+        with contextlib.suppress(Exception):
+            f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+        for flag in CLONE_NEW_FLAGS:  # clone(flags, ...) on x86_64 and aarch64
+            f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        for name, arg in SIGNAL_PID_ARGS.items():
+            with contextlib.suppress(Exception):
+                f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, 0x80000000, 0x80000000))  # pid < 0
+                for pid in sorted(protected):
+                    f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, _PID_MASK, pid))
+        for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
+            f.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, cmd))
+        for cmd in (_FIOSETOWN, _SIOCSPGRP):
+            f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, _PID_MASK, cmd))
+        with tempfile.TemporaryFile() as fh:
+            f.export_bpf(fh)
+            fh.seek(0)
+            bpf = fh.read()
+        if not bpf or len(bpf) % 8:
+            return None
+        return cls(bpf)
+
+    def load(self) -> None:
+        """Install the filter on the calling process (and everything it will fork)."""
+        if self._libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if self._libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(self._prog), 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

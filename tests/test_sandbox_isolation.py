@@ -1,0 +1,426 @@
+"""Sandbox isolation: what a call can see of the host, and what it can leave behind.
+
+Both isolation modes run the same cases: ``full`` (root: namespaces, a minimal read-only root,
+a per-call tmpfs, slot uids, cgroups) and ``basic`` (what a non-root pod gets: Landlock read and
+write allowlists, seccomp, rlimits). After every case a healthy call must be answered by the same
+server and workers: one call can never take the service down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import alive, exec_code, readyz, unprivileged_wrapper
+
+from kuberl.api.sandbox_pool import SandboxLimits
+from kuberl.sandbox.fsview import readonly_paths
+from kuberl.sandbox.local import running_sandbox
+from kuberl.sandbox.worker import CLEAN_BUDGET_SECONDS
+
+LIMITS = SandboxLimits(timeout_seconds=3, memoryMB=256, max_output_bytes=4096, max_processes=16, diskMB=64)
+SECRET = f"kuberl-secret-{os.getpid()}-do-not-leak"
+REPO = Path(__file__).resolve().parent.parent
+# world-readable host files a call must still not read
+HOST_TMP_FILE = Path("/tmp") / f"kuberl-host-file-{os.getpid()}.txt"
+HOST_SECRETS_DIR = Path("/tmp") / f"kuberl-fake-secrets-{os.getpid()}"
+
+
+@pytest.fixture(scope="module", params=["full", "basic"])
+def svc(request):
+    """(mode, url) of a service holding SECRET in its environment."""
+    HOST_TMP_FILE.write_text(SECRET)
+    HOST_TMP_FILE.chmod(0o644)
+    HOST_SECRETS_DIR.mkdir(exist_ok=True)
+    (HOST_SECRETS_DIR / "token").write_text(SECRET)
+    mode = request.param
+    wrapper: list[str] = []
+    if mode == "basic":
+        found = unprivileged_wrapper()
+        if found is None:
+            pytest.skip("cannot run the service as a non-root uid here")
+        wrapper = found
+    try:
+        with running_sandbox(
+            workers=2,
+            limits=LIMITS,
+            pool=f"iso-{mode}",
+            extra_args=["--isolation", mode],
+            wrapper=wrapper,
+            env={"KUBERL_TEST_SECRET": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET},
+        ) as url:
+            yield mode, url
+    finally:
+        HOST_TMP_FILE.unlink(missing_ok=True)
+        (HOST_SECRETS_DIR / "token").unlink(missing_ok=True)
+        HOST_SECRETS_DIR.rmdir()
+
+
+def _run(url: str, code: str):
+    return exec_code(url, code)
+
+
+def _healthy_after(url: str, before: dict) -> None:
+    """The same server and workers answer a plain call after the case."""
+    alive(url)
+    status, info = readyz(url)
+    assert status == 200, info
+    assert info["server_pid"] == before["server_pid"]
+    assert info["worker_pids"] == before["worker_pids"] and info["worker_restarts"] == 0, info
+
+
+# ---- what a call sees ---------------------------------------------------------------------------
+
+
+def test_the_environment_is_an_allowlist(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os\n"
+        "print(sorted(os.environ))\n"
+        "for p in ('/proc/self/environ', '/proc/1/environ', f'/proc/{os.getppid()}/environ'):\n"
+        "    try:\n"
+        "        print(p, open(p, 'rb').read())\n"
+        "    except OSError as e:\n"
+        "        print(p, type(e).__name__)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    assert SECRET not in r.output and "AWS_SECRET" not in r.output, r.output
+    names = set(eval(r.output.splitlines()[0]))  # noqa: S307 - our own printed list
+    assert names <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONIOENCODING", "PYTHONHASHSEED",
+                     "PYTHONDONTWRITEBYTECODE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                     "MKL_NUM_THREADS", "MPLCONFIGDIR", "XDG_CACHE_HOME"}, names  # fmt: skip
+    assert {"PATH", "HOME", "TMPDIR"} <= names
+    _healthy_after(url, before)
+
+
+def _host_paths() -> list[str]:
+    import kuberl.sandbox.server as server_module
+
+    return [
+        str(REPO / "pyproject.toml"),
+        str(REPO),
+        str(HOST_TMP_FILE),
+        str(HOST_SECRETS_DIR / "token"),
+        str(HOST_SECRETS_DIR),
+        "/etc/shadow",
+        "/etc/passwd",
+        "/root",
+        "/home",
+        "/var/run/secrets",
+        server_module.__file__,
+        os.path.dirname(server_module.__file__),
+    ]
+
+
+def test_host_files_are_out_of_sight(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    paths = _host_paths()
+    code = (
+        "import os, glob\n"
+        f"paths = {paths!r} + glob.glob('/tmp/kuberl-sbx-*') + glob.glob('/tmp/*')\n"
+        "for p in paths:\n"
+        "    try:\n"
+        "        if os.path.isdir(p):\n"
+        "            got = os.listdir(p)\n"
+        "        else:\n"
+        "            got = open(p, 'rb').read(64)\n"
+        "        print('READ', p, got)\n"
+        "    except OSError as e:\n"
+        "        print('denied', p, type(e).__name__)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    assert SECRET not in r.output
+    # a call's own scratch space may be listed (it is empty), and the directories on the way
+    # to the interpreter (/root holds .pyenv under pyenv); nothing else of the host's
+    skeleton = {part for p in readonly_paths() for part in Path(p).parts}
+    leaked = []
+    for ln in r.output.splitlines():
+        if ln.startswith("READ"):
+            listed = ln.split(" ", 2)[2]
+            if not (listed.startswith("[") and set(eval(listed)) <= skeleton):  # noqa: S307
+                leaked.append(ln)
+    assert leaked == [], leaked
+    _healthy_after(url, before)
+
+
+def test_proc_shows_no_host_mounts_or_processes(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os\n"
+        "for p in ('/proc/self/mountinfo', '/proc/mounts'):\n"
+        "    try:\n"
+        "        print(open(p).read())\n"
+        "    except OSError as e:\n"
+        "        print('denied', type(e).__name__)\n"
+        "try:\n"
+        "    print('pids', [p for p in os.listdir('/proc') if p.isdigit()])\n"
+        "except OSError as e:\n"
+        "    print('denied', type(e).__name__)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    assert str(REPO) not in r.output and "/work" not in r.output, r.output
+    _healthy_after(url, before)
+
+
+def test_the_python_tools_still_work(svc):
+    """The interpreter, its packages, tempfile, HOME and /dev's harmless files are usable."""
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os, tempfile, json, decimal, fractions, sqlite3, zoneinfo\n"
+        "import numpy as np, sympy, scipy.optimize\n"
+        "fd, path = tempfile.mkstemp(); os.write(fd, b'x'); os.close(fd)\n"
+        "with tempfile.NamedTemporaryFile('w') as f:\n"
+        "    f.write('y')\n"
+        "d = tempfile.mkdtemp()\n"
+        "os.makedirs(os.path.expanduser('~/.cache/lib'), exist_ok=True)\n"
+        "open(os.path.expanduser('~/.cache/lib/x'), 'w').write('z')\n"
+        "open('here.txt', 'w').write('w')\n"
+        "assert open('/dev/urandom', 'rb').read(4) and open('/dev/zero', 'rb').read(2) == b'\\0\\0'\n"
+        "open('/dev/null', 'w').write('gone')\n"
+        "con = sqlite3.connect(':memory:'); con.execute('select 1')\n"
+        "print(path.startswith(os.environ['TMPDIR']), sympy.factor('x**2-1'), int(np.arange(4).sum()))\n"
+    )
+    r = _run(url, code)
+    assert (r.outcome, r.output) == ("stdout", "True (x - 1)*(x + 1) 6\n"), r
+    _healthy_after(url, before)
+
+
+# ---- what a call can leave behind ---------------------------------------------------------------
+
+
+def test_the_service_reads_no_file_the_call_chose(svc):
+    """A call that swaps the paths a service might read its output from gets its own output."""
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os, sys\n"
+        "print('mine')\n"
+        "sys.stdout.flush()\n"
+        "for name in ('.stdout', '.stderr', 'stdout', 'stderr', '.stdin'):\n"
+        "    try:\n"
+        "        os.unlink(name)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        f"    os.symlink({str(HOST_TMP_FILE)!r}, name)\n"
+    )
+    r = _run(url, code)
+    assert (r.outcome, r.output) == ("stdout", "mine\n"), r
+    fifo = (
+        "import os\n"
+        "for name in ('.stdout', '.stderr', 'stdout', 'stderr'):\n"
+        "    try:\n"
+        "        os.unlink(name)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    os.mkfifo(name)\n"
+        "print('fifos')\n"
+    )
+    started = time.monotonic()
+    r = _run(url, fifo)
+    assert (r.outcome, r.output) == ("stdout", "fifos\n"), r
+    assert time.monotonic() - started < LIMITS.timeout_seconds
+    _healthy_after(url, before)
+
+
+LEFTOVERS = {
+    "deep_tree": (
+        "import os\n"
+        "for i in range(3000):\n"  # 6000 characters: past PATH_MAX
+        "    os.mkdir('d')\n"
+        "    os.chdir('d')\n"
+        "print('deep')\n"
+    ),
+    "locked_dirs": (
+        "import os\n"
+        "os.makedirs('a/b/c')\n"
+        "open('a/b/c/f', 'w').write('x')\n"
+        "os.chmod('a/b/c', 0)\n"
+        "os.chmod('a/b', 0o500)\n"
+        "os.chmod('a', 0)\n"
+        "print('locked')\n"
+    ),
+    "many_files": (
+        "import os, time\n"
+        "end = time.monotonic() + 1.0\n"
+        "n = 0\n"
+        "while time.monotonic() < end:\n"
+        "    open(f'f{n}', 'w').close()\n"
+        "    n += 1\n"
+        "print('many')\n"
+    ),
+    "odd_names": (
+        "import os\n"
+        "for name in ('-rf', '\\n', ' ', 'a\\\\b', '..x', '\\udcff'):\n"
+        "    os.mkdir(name.encode('utf-8', 'surrogateescape'))\n"
+        "os.symlink('/', 'root-link')\n"
+        "os.symlink('.', 'loop')\n"
+        "os.mkfifo('pipe')\n"
+        "print('odd')\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEFTOVERS))
+def test_what_a_call_leaves_is_gone_for_the_next(svc, name):
+    mode, url = svc
+    before = readyz(url)[1]
+    started = time.monotonic()
+    r = _run(url, LEFTOVERS[name])
+    # making the tree may run out of time (Landlock checks every level of a deep path) or of
+    # inodes; removing it must not take long whatever it is
+    assert r.outcome in ("stdout", "timeout", "error"), r
+    assert time.monotonic() - started < LIMITS.timeout_seconds + CLEAN_BUDGET_SECONDS + 4
+    for _ in range(4):  # whichever slot answers, its scratch space starts empty
+        seen = _run(url, "import os\nprint(sorted(os.listdir('.')))")
+        assert (seen.outcome, seen.output) == ("stdout", "[]\n"), seen
+    _healthy_after(url, before)
+
+
+IPC = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "key = 0x6B75626C\n"
+    "made = libc.shmget(key, 4096, 0o1000 | 0o666)\n"  # IPC_CREAT
+    "sem = libc.semget(key, 1, 0o1000 | 0o666)\n"
+    "msg = libc.msgget(key, 0o1000 | 0o666)\n"
+    "print(made >= 0, sem >= 0, msg >= 0)\n"
+)
+IPC_SEEN = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "key = 0x6B75626C\n"
+    "print(libc.shmget(key, 0, 0) >= 0, libc.semget(key, 0, 0) >= 0, libc.msgget(key, 0, 0) >= 0)\n"
+)
+
+
+def test_kernel_objects_die_with_the_call(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    _run(url, IPC)
+    for _ in range(4):
+        seen = _run(url, IPC_SEEN)
+        assert (seen.outcome, seen.output) == ("stdout", "False False False\n"), seen
+    with open("/proc/sysvipc/shm") as fh:  # nor on the host
+        assert "1802855020" not in fh.read()  # the key in decimal
+    _healthy_after(url, before)
+
+
+def test_no_new_user_namespaces(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import ctypes, os, signal\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "CLONE_NEWUSER = 0x10000000\n"
+        "print('unshare', libc.unshare(CLONE_NEWUSER))\n"
+        "nr = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]\n"
+        "pid = libc.syscall(ctypes.c_long(nr), ctypes.c_long(CLONE_NEWUSER | signal.SIGCHLD), 0, 0, 0, 0)\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "print('clone', pid)\n"
+        "nr3 = {'x86_64': 435, 'aarch64': 435}[os.uname().machine]\n"
+        "print('clone3', libc.syscall(ctypes.c_long(nr3), 0, 0))\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    assert r.output.split() == ["unshare", "-1", "clone", "-1", "clone3", "-1"], r.output
+    _healthy_after(url, before)
+
+
+# ---- failing fast and bounded output -------------------------------------------------------------
+
+
+def test_runaway_recursion_fails_fast(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)\n"
+    r = _run(url, code)
+    assert r.outcome == "error" and "RecursionError" in r.output, r
+    assert r.duration_s < 1.0, r
+    ok = _run(url, "import sys\nsys.setrecursionlimit(10**5)\ndef f(n):\n    return 0 if n == 0 else f(n - 1)\n"
+                   "print(f(50000))")  # fmt: skip
+    assert (ok.outcome, ok.output) == ("stdout", "0\n"), ok
+    _healthy_after(url, before)
+
+
+def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    r = _run(url, "import sys\nfor i in range(200000):\n    print(i)\nprint('end', file=sys.stderr)")
+    assert r.outcome == "stdout" and r.truncated, r
+    assert r.output.startswith("0\n1\n2\n") and "Errno" not in r.output, r.output[-200:]
+    r = _run(url, "for i in range(200000):\n    print(i)\n1 / 0")
+    assert r.outcome == "error" and r.truncated and "ZeroDivisionError" in r.output, r.output[-300:]
+    _healthy_after(url, before)
+
+
+def test_files_unlinked_while_open_count_against_the_quota(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    if not before["protections"]["call_tmpfs"]:
+        pytest.skip("without a per-call tmpfs (basic isolation) the quota counts directory entries: "
+                    "files unlinked while open are bounded only by RLIMIT_FSIZE x open files (docs/sandbox.md)")
+    code = (
+        "import os\n"
+        "fs = []\n"
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(16):\n"
+        "        f = open(f'f{i}', 'wb')\n"
+        "        os.unlink(f'f{i}')\n"
+        "        fs.append(f)\n"
+        "        for _ in range(60):\n"
+        "            f.write(b'0' * 2**20)\n"
+        "            f.flush()\n"
+        "            written += 1\n"
+        "finally:\n"
+        "    print('written MB', written)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "error", r
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("written MB")]
+    assert not lines or int(lines[0].split()[-1]) <= LIMITS.disk_mb + 16, r.output
+    _healthy_after(url, before)
+
+
+def test_undecodable_output_reaches_the_client_as_valid_utf8(svc):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import sys\n"
+        "sys.stdout.buffer.write(b'bad \\xff\\xfe out\\n')\n"
+        "sys.stdout.flush()\n"
+        "raise ValueError(b'\\xff\\xfe'.decode('utf-8', 'surrogateescape'))\n"
+    )
+    req = urllib.request.Request(
+        url + "/v1/execute", data=json.dumps({"code": code}).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        raw = resp.read()
+    raw.decode("utf-8")  # strict
+    assert b"\\ud" not in raw.lower(), raw  # no lone surrogates escaped into the JSON
+    body = json.loads(raw)
+    assert body["outcome"] == "error" and "ValueError" in body["output"], body
+    body["output"].encode("utf-8")  # strict: no lone surrogates
+    _healthy_after(url, before)
+
+
+def test_protections_report_the_filesystem_view(svc):
+    mode, url = svc
+    prot = readyz(url)[1]["protections"]
+    assert prot["env_allowlist"] and prot["fs_view"] and prot["stack_limit"]
+    if mode == "full" and sys.platform == "linux" and os.geteuid() == 0:
+        assert prot["private_root"] and prot["call_tmpfs"] and prot["ipc_namespace"]
