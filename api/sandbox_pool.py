@@ -51,6 +51,15 @@ class SandboxPoolSpec(KubeModel):
     )
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     network: Literal["none"] = Field("none", description="Sandboxed code never gets network access.")
+    runtime_class_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+        description=(
+            "RuntimeClass of the sandbox pods, e.g. gvisor or kata: a second kernel boundary around "
+            "model-written code (see docs/sandbox.md for what each mode contains)."
+        ),
+    )
     autoscaling: SandboxAutoscaling | None = None
 
     @model_validator(mode="after")

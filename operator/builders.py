@@ -303,6 +303,7 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
                         "fsGroup": SANDBOX_UID,
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
+                    **({"runtimeClassName": spec.runtime_class_name} if spec.runtime_class_name else {}),
                     "containers": [container],
                     "volumes": [
                         # the workers' scratch directories live in /tmp: room for every worker's

@@ -41,6 +41,8 @@ DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 # the environment a call gets: nothing of the service's (cloud keys, tokens, the user's shell)
 CHILD_ENV_FIXED = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "USER": "sandbox",  # getpass.getuser() without a passwd file
+    "LOGNAME": "sandbox",
     "LANG": "C.UTF-8",
     "LC_ALL": "C.UTF-8",
     "PYTHONIOENCODING": "utf-8",

@@ -1,6 +1,7 @@
 """The seccomp filter every tool call runs under, compiled once per worker.
 
-What it refuses and why: network sockets (calls have no network), the calls that reach the
+What it refuses and why: every socket family but AF_UNIX (calls have no network, and vsock,
+netlink, packet or AF_ALG sockets reach the host or the kernel without one), the calls that reach the
 kernel's global state or other processes (ptrace, mounts, namespaces, modules, keyrings, BPF,
 perf, io_uring, userfaultfd, the kernel log, clocks), new namespaces of any kind (``unshare``,
 ``setns``, ``clone`` with a ``CLONE_NEW*`` flag; ``clone3``, whose flags a filter cannot read,
@@ -90,8 +91,10 @@ class SeccompProgram:
 
         f = sc.SyscallFilter(defaction=sc.ALLOW)
         deny = sc.ERRNO(errno.EPERM)
-        for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
-            f.add_rule(deny, "socket", sc.Arg(0, sc.EQ, family))
+        # unix sockets only: no IP, and none of the families that reach the kernel or the host
+        # without IP (netlink, packet, vsock to a VM's host, AF_ALG crypto, bluetooth, ...)
+        for name in ("socket", "socketpair"):
+            f.add_rule(deny, name, sc.Arg(0, sc.NE, socket.AF_UNIX))
         for name in DENY:
             with contextlib.suppress(Exception):  # a syscall this arch does not have
                 f.add_rule(deny, name)

@@ -922,3 +922,22 @@ def test_sandbox_pod_tmp_holds_every_workers_disk_quota():
     assert int(tmp["emptyDir"]["sizeLimit"].removesuffix("Mi")) >= 16 * 512 + 128
     env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert json.loads(env["KUBERL_SANDBOX_LIMITS"])["diskMB"] == 512  # what the workers enforce
+
+
+def test_sandbox_pool_runtime_class_reaches_the_pods_and_bad_names_are_refused():
+    """spec.runtimeClassName (gVisor, Kata) is the pods' RuntimeClass; a name Kubernetes would
+    refuse is refused here, naming the field."""
+    from pydantic import ValidationError
+
+    from kuberl.api import SandboxPool
+    from kuberl.operator.builders import build_for
+
+    def pod_spec(spec: dict) -> dict:
+        pool = SandboxPool.model_validate({"metadata": {"name": "tools"}, "spec": spec})
+        dep = next(o for o in build_for(pool) if o["kind"] == "Deployment")
+        return dep["spec"]["template"]["spec"]
+
+    assert pod_spec({"runtimeClassName": "gvisor"})["runtimeClassName"] == "gvisor"
+    assert "runtimeClassName" not in pod_spec({})
+    with pytest.raises(ValidationError, match="runtimeClassName"):
+        pod_spec({"runtimeClassName": "gVisor!"})

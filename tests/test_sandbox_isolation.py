@@ -93,7 +93,7 @@ def test_the_environment_is_an_allowlist(svc):
     assert r.outcome == "stdout", r
     assert SECRET not in r.output and "AWS_SECRET" not in r.output, r.output
     names = set(eval(r.output.splitlines()[0]))  # noqa: S307 - our own printed list
-    assert names <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PYTHONIOENCODING", "PYTHONHASHSEED",
+    assert names <= {"PATH", "HOME", "TMPDIR", "USER", "LOGNAME", "LANG", "LC_ALL", "PYTHONIOENCODING", "PYTHONHASHSEED",
                      "PYTHONDONTWRITEBYTECODE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
                      "MKL_NUM_THREADS", "MPLCONFIGDIR", "XDG_CACHE_HOME"}, names  # fmt: skip
     assert {"PATH", "HOME", "TMPDIR"} <= names
@@ -190,6 +190,9 @@ def test_the_python_tools_still_work(svc):
         "assert open('/dev/urandom', 'rb').read(4) and open('/dev/zero', 'rb').read(2) == b'\\0\\0'\n"
         "open('/dev/null', 'w').write('gone')\n"
         "con = sqlite3.connect(':memory:'); con.execute('select 1')\n"
+        "import getpass, threading, os\n"
+        "getpass.getuser()\n"
+        "t = threading.Thread(target=os.cpu_count); t.start(); t.join()\n"
         "print(path.startswith(os.environ['TMPDIR']), sympy.factor('x**2-1'), int(np.arange(4).sum()))\n"
     )
     r = _run(url, code)
@@ -314,6 +317,31 @@ def test_kernel_objects_die_with_the_call(svc):
         assert (seen.outcome, seen.output) == ("stdout", "False False False\n"), seen
     with open("/proc/sysvipc/shm") as fh:  # nor on the host
         assert "1802855020" not in fh.read()  # the key in decimal
+    _healthy_after(url, before)
+
+
+def test_only_unix_sockets(svc):
+    """No network, and none of the families that reach the host or the kernel without one."""
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import socket\n"
+        "families = {'unix': 1, 'inet': 2, 'inet6': 10, 'netlink': 16, 'packet': 17, 'alg': 38, 'vsock': 40,\n"
+        "            'xdp': 44, 'bluetooth': 31, 'can': 29, 'rds': 21, 'tipc': 30}\n"
+        "for name, fam in families.items():\n"
+        "    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET, socket.SOCK_RAW):\n"
+        "        try:\n"
+        "            socket.socket(fam, kind).close()\n"
+        "            print('open', name, kind)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "a, b = socket.socketpair()\n"
+        "a.sendall(b'x'); print(b.recv(1))\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    opened = {ln.split()[1] for ln in r.output.splitlines() if ln.startswith("open")}
+    assert opened == {"unix"} and r.output.endswith("b'x'\n"), r.output
     _healthy_after(url, before)
 
 
