@@ -26,7 +26,6 @@ import ctypes
 import gc
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -35,11 +34,10 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from kuberl.sandbox import landlock
+from kuberl.sandbox.calls import prepare, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
-from kuberl.sandbox.child import Pipes, child_exec, child_verify
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, readonly_paths
 from kuberl.sandbox.procs import kill_children, reap_zombies, uid_has_processes
 from kuberl.sandbox.seccomp import SeccompProgram
@@ -49,10 +47,8 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 # prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)
-DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
 CLEAN_BUDGET_SECONDS = 1.0  # removing what a call left (basic isolation); the rest is moved aside
 TRASH_SLICE_SECONDS = 0.05  # what each later call spends removing trees moved aside
-META_LIMIT = 1 << 20  # what the worker reads of a call's result record (its own code could write there)
 
 
 @dataclass
@@ -178,6 +174,7 @@ class Slot:
         self.own_pids = frozenset(own | (set() if cfg.in_namespace else {os.getppid()}))
         self.protected = self.own_pids
         self.seccomp = SeccompProgram.compile(self.protected)
+        self.generation = 0  # bumped when the filter or ruleset a child inherits changes
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -234,6 +231,7 @@ class Slot:
         if wanted != self.protected:
             self.seccomp = SeccompProgram.compile(wanted) or self.seccomp
             self.protected = wanted
+            self.generation += 1
 
     def child_fds(self) -> tuple[int, ...]:
         """Descriptors a call's child needs until it enters the sandbox (the Landlock ruleset)."""
@@ -294,6 +292,11 @@ class Slot:
     def _cgroup_pids(self) -> list[int]:
         return sorted(self.cgroup.members() - {os.getpid()})
 
+    def after_call(self) -> None:
+        """Once the answer is out: kill whatever the call left running, empty its scratch space."""
+        self.kill_all()
+        self.recycle()
+
     def recycle(self) -> None:
         """Empty the scratch space for the next call, in bounded time, whatever the last left.
 
@@ -314,6 +317,7 @@ class Slot:
             self.trash.append(aside)
             self.dir = self.call_dir = self._new_dir()
             self._build_landlock()
+            self.generation += 1
         self._empty_trash(TRASH_SLICE_SECONDS)
 
     def _empty_trash(self, budget: float) -> None:
@@ -364,130 +368,6 @@ def _readable_by_others(path: str) -> bool:
     except OSError:
         return False
     return True
-
-
-class _Capture:
-    """What the worker keeps of one pipe: the first ``keep`` bytes; the rest is read and dropped
-    (so a writer never blocks on a full pipe) but counted."""
-
-    def __init__(self, fd: int, keep: int) -> None:
-        self.fd, self.keep, self.total = fd, keep, 0
-        self.chunks: list[bytes] = []
-        self.open = True
-        os.set_blocking(fd, False)
-
-    def read(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except BlockingIOError:
-            return
-        if not data:
-            self.open = False
-            return
-        room = self.keep - min(self.total, self.keep)
-        if room > 0:
-            self.chunks.append(data[:room])
-        self.total += len(data)
-
-    def data(self) -> bytes:
-        return b"".join(self.chunks)
-
-
-def _drain(captures: list[_Capture], budget: float) -> None:
-    """Read what is left once every writer is dead (EOF follows at once), for at most ``budget``."""
-    end = time.monotonic() + budget
-    while any(c.open for c in captures) and (left := end - time.monotonic()) > 0:
-        ready, _, _ = select.select([c.fd for c in captures if c.open], [], [], left)
-        for c in captures:
-            if c.fd in ready:
-                c.read()
-
-
-def run_forked(slot: Slot, cfg: WorkerConfig, req: dict[str, Any]) -> dict[str, Any]:
-    """Fork one contained child for ``req``, enforce the deadline, clean the slot, report."""
-    timeout = float(req["timeout"])
-    limit = cfg.max_output_bytes
-    slot.cgroup.mark()
-    pipes = Pipes.open()
-    start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child; coverage cannot follow the fork
-        code = 0
-        try:
-            if req["op"] == "verify":
-                child_verify(slot, cfg, req, pipes)
-            else:
-                child_exec(slot, cfg, req, pipes)
-        except BaseException:  # noqa: BLE001
-            code = 70
-        finally:
-            os._exit(code)
-    pipes.close_write_ends()
-    pidfd = os.pidfd_open(pid)
-    meta_cap = _Capture(pipes.meta[0], META_LIMIT + 1)
-    out_cap, err_cap = _Capture(pipes.out[0], limit + 1), _Capture(pipes.err[0], limit + 1)
-    captures = [meta_cap, out_cap, err_cap]
-    deadline = start + timeout
-    # a private root's tmpfs is its own quota (the kernel refuses writes past it); a plain slot
-    # directory is measured while the call runs
-    poll_disk = slot.root is None
-    next_disk_check = start + DISK_POLL_SECONDS
-    timed_out = disk_exceeded = False
-    status = None
-    try:
-        while True:
-            now = time.monotonic()
-            left = deadline - now
-            if left <= 0:
-                timed_out = True
-                break
-            if poll_disk and now >= next_disk_check:
-                if slot.disk_usage()[1]:
-                    disk_exceeded = True
-                    break
-                # a slot full of small files takes long to scan: never spend over 1/4 of the call on it
-                next_disk_check = time.monotonic() + max(DISK_POLL_SECONDS, 3 * (time.monotonic() - now))
-            wait = min(left, next_disk_check - now) if poll_disk else left
-            watch = [pidfd, *(c.fd for c in captures if c.open)]
-            ready, _, _ = select.select(watch, [], [], max(0.0, wait))
-            for c in captures:
-                if c.fd in ready:
-                    c.read()
-            if pidfd in ready:
-                break
-        if timed_out or disk_exceeded:
-            with contextlib.suppress(OSError):
-                os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        os.close(pidfd)
-        duration = time.monotonic() - start
-        slot.kill_all()  # every process that could still hold a write end
-        _drain(captures, 0.5)
-        for c in captures:
-            os.close(c.fd)
-    oom = slot.cgroup.hit_memory_limit()
-    # what the call left when it ended counts too (it may have written it faster than one poll)
-    disk_exceeded = disk_exceeded or slot.disk_usage()[1]
-    meta: dict[str, Any] = {}
-    if meta_cap.chunks and meta_cap.total <= META_LIMIT:
-        with contextlib.suppress(ValueError):
-            parsed = json.loads(meta_cap.data())
-            meta = parsed if isinstance(parsed, dict) else {}
-    out = {"duration_s": duration, "timed_out": timed_out, "meta": meta, "oom": oom}
-    if disk_exceeded:
-        out["disk_exceeded_mb"] = cfg.disk_mb
-    if status is not None:
-        out["signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        out["exit_code"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    if req["op"] == "exec":
-        for name, cap in (("stdout", out_cap), ("stderr", err_cap)):
-            out[name] = cap.data()[:limit].decode("utf-8", "replace")
-            out[f"{name}_truncated"] = cap.total > limit
-    slot.recycle()
-    return out
 
 
 def _private_root(cfg: WorkerConfig) -> tuple[PrivateRoot | None, bool]:
@@ -549,14 +429,22 @@ def main(argv: list[str]) -> int:
     }
     proto_out.write(json.dumps(hello).encode() + b"\n")
     proto_out.flush()
+    prepared = prepare(slot, cfg)
     try:
         for line in proto_in:
             req = json.loads(line)
             slot.protect(req.get("protect", []))
             for call in req["calls"]:
-                proto_out.write(json.dumps({"result": run_forked(slot, cfg, call)}).encode() + b"\n")
+                if prepared.generation != slot.generation:  # forked with an older filter
+                    prepared.discard()
+                    prepared = prepare(slot, cfg)
+                result = run_call(slot, cfg, prepared, call)
+                proto_out.write(json.dumps({"result": result}).encode() + b"\n")
                 proto_out.flush()
+                slot.after_call()
+                prepared = prepare(slot, cfg)
     finally:
+        prepared.discard()
         slot.kill_all()
         slot.remove()
     return 0

@@ -1,0 +1,198 @@
+"""Running one tool call on a worker: fork ahead, hand over the request, watch, capture, answer.
+
+The expensive part of a call is forking the preloaded worker (its page tables) and tearing the
+child down again; neither depends on the call. So the worker forks the next child as soon as it
+has cleaned up after the last one (:func:`prepare`), and that child waits on a pipe for its
+request: a call arriving at an idle worker starts at once (:func:`run_call`). And the answer
+goes out as soon as the child has written its result record and every writer of its output
+pipes is gone, before the worker waits for the child's exit, kills what the call left and
+empties its scratch space (:meth:`Slot.after_call`, run after the answer is sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kuberl.sandbox.child import Pipes, run_prepared
+
+if TYPE_CHECKING:
+    from kuberl.sandbox.worker import Slot, WorkerConfig
+
+DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
+META_LIMIT = 1 << 20  # what the worker reads of a call's result record (its own code could write there)
+
+
+class _Capture:
+    """What the worker keeps of one pipe: the first ``keep`` bytes; the rest is read and dropped
+    (so a writer never blocks on a full pipe) but counted."""
+
+    def __init__(self, fd: int, keep: int) -> None:
+        self.fd, self.keep, self.total = fd, keep, 0
+        self.chunks: list[bytes] = []
+        self.open = True
+        os.set_blocking(fd, False)
+
+    def read(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            self.open = False
+            return
+        room = self.keep - min(self.total, self.keep)
+        if room > 0:
+            self.chunks.append(data[:room])
+        self.total += len(data)
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def _drain(captures: list[_Capture], budget: float) -> None:
+    """Read what is left once every writer is dead (EOF follows at once), for at most ``budget``."""
+    end = time.monotonic() + budget
+    while any(c.open for c in captures) and (left := end - time.monotonic()) > 0:
+        ready, _, _ = select.select([c.fd for c in captures if c.open], [], [], left)
+        for c in captures:
+            if c.fd in ready:
+                c.read()
+
+
+@dataclass
+class Prepared:
+    """A child forked ahead, blocked reading its request from ``request_w``'s pipe."""
+
+    pid: int
+    pidfd: int
+    pipes: Pipes
+    request_w: int
+    generation: int  # the slot's filter generation it was forked with
+
+    def discard(self) -> None:
+        """Kill and reap a child that will not run a call (the worker stops, or the filter changed)."""
+        with contextlib.suppress(OSError):
+            os.close(self.request_w)
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        for fd in (self.pidfd, self.pipes.out[0], self.pipes.err[0], self.pipes.meta[0]):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
+    """Fork the next call's child now; it waits for :func:`run_call` to send it a request."""
+    pipes = Pipes.open()
+    request_r, request_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child; coverage cannot follow the fork
+        os.close(request_w)
+        run_prepared(slot, cfg, pipes, request_r)
+    os.close(request_r)
+    pipes.close_write_ends()
+    return Prepared(pid, os.pidfd_open(pid), pipes, request_w, slot.generation)
+
+
+def _send(prepared: Prepared, req: dict[str, Any]) -> None:
+    data = json.dumps(req).encode()
+    try:
+        while data:
+            data = data[os.write(prepared.request_w, data) :]
+    finally:
+        os.close(prepared.request_w)
+
+
+def run_call(slot: Slot, cfg: WorkerConfig, prepared: Prepared, req: dict[str, Any]) -> dict[str, Any]:
+    """Run ``req`` in the prepared child, enforce the deadline and the disk quota, report.
+
+    Returns as soon as the result is known; the caller then answers and calls
+    ``slot.after_call()`` (the child may still be exiting, a daemon of the call still alive)."""
+    timeout = float(req["timeout"])
+    limit = cfg.max_output_bytes
+    slot.cgroup.mark()
+    start = time.monotonic()
+    _send(prepared, req)
+    pid, pidfd = prepared.pid, prepared.pidfd
+    meta_cap = _Capture(prepared.pipes.meta[0], META_LIMIT + 1)
+    out_cap, err_cap = _Capture(prepared.pipes.out[0], limit + 1), _Capture(prepared.pipes.err[0], limit + 1)
+    captures = [meta_cap, out_cap, err_cap]
+    deadline = start + timeout
+    # a private root's tmpfs is its own quota (the kernel refuses writes past it); a plain slot
+    # directory is measured while the call runs
+    poll_disk = slot.root is None
+    next_disk_check = start + DISK_POLL_SECONDS
+    timed_out = disk_exceeded = exited = False
+    status = None
+    try:
+        while True:
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                timed_out = True
+                break
+            if poll_disk and now >= next_disk_check:
+                if slot.disk_usage()[1]:
+                    disk_exceeded = True
+                    break
+                # a slot full of small files takes long to scan: never spend over 1/4 of the call on it
+                next_disk_check = time.monotonic() + max(DISK_POLL_SECONDS, 3 * (time.monotonic() - now))
+            wait = min(left, next_disk_check - now) if poll_disk else left
+            watch = [pidfd, *(c.fd for c in captures if c.open)]
+            ready, _, _ = select.select(watch, [], [], max(0.0, wait))
+            for c in captures:
+                if c.fd in ready:
+                    c.read()
+            if pidfd in ready:
+                exited = True
+                break
+            if not any(c.open for c in captures) and _parse_meta(meta_cap):
+                break  # the result record is complete and nobody can write output any more
+        if timed_out or disk_exceeded:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if exited or timed_out or disk_exceeded:
+            _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(pidfd)
+        duration = time.monotonic() - start
+        if any(c.open for c in captures):
+            slot.kill_all()  # every process that could still hold a write end
+            _drain(captures, 0.5)
+        for c in captures:
+            os.close(c.fd)
+    oom = slot.cgroup.hit_memory_limit()
+    # what the call left when it ended counts too (it may have written it faster than one poll)
+    disk_exceeded = disk_exceeded or slot.disk_usage()[1]
+    out = {"duration_s": duration, "timed_out": timed_out, "meta": _parse_meta(meta_cap) or {}, "oom": oom}
+    if disk_exceeded:
+        out["disk_exceeded_mb"] = cfg.disk_mb
+    if status is not None:
+        out["signal"] = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        out["exit_code"] = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    if req["op"] == "exec":
+        for name, cap in (("stdout", out_cap), ("stderr", err_cap)):
+            out[name] = cap.data()[:limit].decode("utf-8", "replace")
+            out[f"{name}_truncated"] = cap.total > limit
+    return out
+
+
+def _parse_meta(cap: _Capture) -> dict[str, Any] | None:
+    """The child's result record, once complete (a JSON object with a status)."""
+    if cap.open or not cap.chunks or cap.total > META_LIMIT:
+        return None
+    try:
+        meta = json.loads(cap.data())
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) and "status" in meta else None
