@@ -102,11 +102,17 @@ def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
     return Prepared(pid, os.pidfd_open(pid), pipes, request_w, slot.generation)
 
 
+class ChildGone(RuntimeError):
+    """The child forked ahead died before it got its request (nothing of the call ran)."""
+
+
 def _send(prepared: Prepared, req: dict[str, Any]) -> None:
     data = json.dumps(req).encode()
     try:
         while data:
             data = data[os.write(prepared.request_w, data) :]
+    except BrokenPipeError as err:
+        raise ChildGone(f"the child forked ahead (pid {prepared.pid}) is gone") from err
     finally:
         os.close(prepared.request_w)
 
@@ -120,7 +126,11 @@ def run_call(slot: Slot, cfg: WorkerConfig, prepared: Prepared, req: dict[str, A
     limit = cfg.max_output_bytes
     slot.cgroup.mark()
     start = time.monotonic()
-    _send(prepared, req)
+    try:
+        _send(prepared, req)
+    except ChildGone:
+        prepared.discard()
+        raise
     pid, pidfd = prepared.pid, prepared.pidfd
     meta_cap = _Capture(prepared.pipes.meta[0], META_LIMIT + 1)
     out_cap, err_cap = _Capture(prepared.pipes.out[0], limit + 1), _Capture(prepared.pipes.err[0], limit + 1)

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from kuberl.sandbox import landlock
-from kuberl.sandbox.calls import prepare, run_call
+from kuberl.sandbox.calls import ChildGone, prepare, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, readonly_paths
 from kuberl.sandbox.procs import kill_children, reap_zombies, uid_has_processes
@@ -438,7 +438,12 @@ def main(argv: list[str]) -> int:
                 if prepared.generation != slot.generation:  # forked with an older filter
                     prepared.discard()
                     prepared = prepare(slot, cfg)
-                result = run_call(slot, cfg, prepared, call)
+                try:
+                    result = run_call(slot, cfg, prepared, call)
+                except ChildGone as err:  # e.g. killed by another slot's call on an old kernel
+                    print(f"kuberl sandbox worker: {err}; forking another", file=sys.stderr)
+                    prepared = prepare(slot, cfg)
+                    result = run_call(slot, cfg, prepared, call)
                 proto_out.write(json.dumps({"result": result}).encode() + b"\n")
                 proto_out.flush()
                 slot.after_call()

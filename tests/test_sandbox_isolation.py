@@ -452,3 +452,28 @@ def test_protections_report_the_filesystem_view(svc):
     assert prot["env_allowlist"] and prot["fs_view"] and prot["stack_limit"]
     if mode == "full" and sys.platform == "linux" and os.geteuid() == 0:
         assert prot["private_root"] and prot["call_tmpfs"] and prot["ipc_namespace"]
+
+
+def test_a_dead_child_forked_ahead_costs_no_call(svc):
+    """The idle child a worker forked for its next call can die (another slot's call can signal
+    it on kernels without Landlock signal scoping): the call runs on a fresh one."""
+    import signal
+    import subprocess
+
+    mode, url = svc
+    before = readyz(url)[1]
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    rows = [ln.split() for ln in ps.splitlines()]
+    ours, frontier = set(), set(before["worker_pids"])  # this service's processes only
+    while frontier:
+        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
+        ours |= frontier
+    ready = [int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-ready"]]
+    assert len(ready) == len(before["worker_pids"]), ps
+    for pid in ready:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    for _ in range(3):
+        alive(url)
+    status, info = readyz(url)
+    assert status == 200 and info["worker_pids"] == before["worker_pids"] and info["worker_restarts"] == 0
