@@ -38,6 +38,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 MAX_RECURSION_DEPTH = 100_000
 TRACEBACK_FRAMES = 50
 _PR_SET_NAME = 15
+_PR_SET_DUMPABLE = 4
 _PR_SET_SECUREBITS = 28
 _PR_CAPBSET_DROP = 24
 _SECBITS_NOROOT_LOCKED = 0x2F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS: each set and locked
@@ -96,6 +97,10 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
     if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if slot.landlock is not None:
+        # the worker (same uid, not root) must read our /proc/PID/fd to count files we unlink
+        # while holding them; other calls cannot use that: Landlock keeps them out of /proc
+        if slot.uid is None and os.geteuid() != 0:
+            _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         slot.landlock.restrict_self()
         slot.landlock.close()
     if slot.seccomp is not None:

@@ -129,3 +129,50 @@ def reap_zombies(patience: float = 1.0) -> None:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.001)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (one pass over /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # comm may contain spaces and ")"
+            children.setdefault(ppid, []).append(int(name))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [kid for p in frontier for kid in children.get(p, ())]
+        found += frontier
+    return found
+
+
+def unlinked_bytes(pids: list[int], beneath: str) -> int:
+    """Bytes of files beneath ``beneath`` that ``pids`` hold open after unlinking them.
+
+    A directory scan cannot see them, yet they fill the disk until closed. Needs the processes'
+    ``/proc/PID/fd`` (same uid and dumpable, or root)."""
+    prefix = beneath.rstrip("/") + "/"
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            link = f"/proc/{pid}/fd/{fd}"
+            try:
+                target = os.readlink(link)
+                if not (target.startswith(prefix) and target.endswith(" (deleted)")):
+                    continue
+                st = os.stat(link)
+            except OSError:
+                continue
+            if st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total

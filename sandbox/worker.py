@@ -39,7 +39,7 @@ from kuberl.sandbox import landlock
 from kuberl.sandbox.calls import ChildGone, prepare, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, readonly_paths
-from kuberl.sandbox.procs import kill_children, reap_zombies, uid_has_processes
+from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
 from kuberl.sandbox.seccomp import SeccompProgram
 
 DEFAULT_UID_BASE = 61000
@@ -241,7 +241,8 @@ class Slot:
         """(bytes the call's files hold, whether that is over the quota or the space is full)."""
         if self.root is not None:
             return self.root.tmp_usage()
-        used = _dir_bytes(self.dir)
+        # files the call unlinked but holds open count too (they fill the disk all the same)
+        used = _dir_bytes(self.dir) + unlinked_bytes(descendants(os.getpid()), self.dir)
         return used, used > self.cfg.disk_mb * 2**20
 
     def join(self) -> None:

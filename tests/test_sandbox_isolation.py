@@ -398,9 +398,6 @@ def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc):
 def test_files_unlinked_while_open_count_against_the_quota(svc):
     mode, url = svc
     before = readyz(url)[1]
-    if not before["protections"]["call_tmpfs"]:
-        pytest.skip("without a per-call tmpfs (basic isolation) the quota counts directory entries: "
-                    "files unlinked while open are bounded only by RLIMIT_FSIZE x open files (docs/sandbox.md)")
     code = (
         "import os\n"
         "fs = []\n"
