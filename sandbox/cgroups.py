@@ -1,4 +1,4 @@
-"""Per-slot memory + pids cgroups, on cgroup v1 or the unified v2 hierarchy.
+"""Per-slot memory + pids (+ cpu) cgroups, on cgroup v1 or the unified v2 hierarchy.
 
 A slot's cgroup bounds what one tool call may use (memory, processes) and lists every
 process the call made, however it detached itself, so the worker can kill them all. Where
@@ -13,6 +13,9 @@ import contextlib
 import os
 
 CGROUP_ROOT = "/sys/fs/cgroup"
+# one core per slot (a worker per core): a call's threads cannot starve the other slots and
+# the server; optional, where the cpu controller is available
+CPU_PERIOD_US = 100_000
 V2_PARENT = "kuberl-sandbox"  # one parent for every slot on the host (no processes of its own)
 
 
@@ -33,6 +36,7 @@ class SlotCgroup:
     version = 0
     memory = False
     pids = False
+    cpu = False
 
     def join(self, pid: int) -> None:
         """Move ``pid`` (the forked call, before it runs user code) into the slot's cgroup."""
@@ -68,6 +72,7 @@ class CgroupV1(SlotCgroup):
         limits = {
             "memory": {"memory.limit_in_bytes": str(memory_bytes)},
             "pids": {"pids.max": str(pids_max)},
+            "cpu": {"cpu.cfs_period_us": str(CPU_PERIOD_US), "cpu.cfs_quota_us": str(CPU_PERIOD_US)},
         }
         for ctrl, files in limits.items():
             path = os.path.join(root, ctrl, "kuberl", name)
@@ -81,6 +86,7 @@ class CgroupV1(SlotCgroup):
                     os.rmdir(path)
         self.memory = "memory" in self.paths
         self.pids = "pids" in self.paths
+        self.cpu = "cpu" in self.paths
 
     def join(self, pid: int) -> None:
         for path in self.paths.values():
@@ -138,14 +144,22 @@ class CgroupV2(SlotCgroup):
             return
         self.memory = self._try(("memory.max", str(memory_bytes)), ("memory.swap.max", "0"))
         self.pids = self._try(("pids.max", str(pids_max)))
+        self.cpu = self._try(("cpu.max", f"{CPU_PERIOD_US} {CPU_PERIOD_US}"))
         if not (self.memory or self.pids):
             self.remove()
             self.path = ""
 
     @staticmethod
     def _enable(root: str, parent: str) -> None:
-        """Enable memory + pids for the parent's children (and for the parent at the root)."""
+        """Enable memory + pids for the parent's children (and for the parent at the root),
+        cpu with them where the host offers it (best effort: a host may refuse cpu, e.g. while
+        realtime tasks run; then the slots run without a cpu limit)."""
         need = {"memory", "pids"}
+        try:
+            with open(os.path.join(root, "cgroup.controllers")) as fh:
+                offered = set(fh.read().split())
+        except OSError:
+            offered = set()
         os.makedirs(parent, exist_ok=True)
         for path in (root, parent):
             control = os.path.join(path, "cgroup.subtree_control")
@@ -155,7 +169,13 @@ class CgroupV2(SlotCgroup):
             except FileNotFoundError:
                 enabled = set()
             if not need <= enabled:
-                _write(control, " ".join(f"+{c}" for c in sorted(need)))
+                extra = {"cpu"} & offered - enabled
+                try:
+                    _write(control, " ".join(f"+{c}" for c in sorted(need | extra)))
+                except OSError:
+                    if not extra:
+                        raise
+                    _write(control, " ".join(f"+{c}" for c in sorted(need)))
 
     def _try(self, *files: tuple[str, str]) -> bool:
         """Write the first (required) limit file and any optional ones that exist."""

@@ -181,6 +181,7 @@ class Slot:
         self.protections = {
             "cgroup_memory": self.cgroup.memory,
             "cgroup_pids": self.cgroup.pids,
+            "cgroup_cpu": self.cgroup.cpu,  # one core per slot
             "uid": self.uid is not None,
             # a per-call process cap: the pids cgroup, or RLIMIT_NPROC under a non-root uid
             # (root ignores it: a root call in basic isolation has no cap, and says so)

@@ -27,11 +27,12 @@ def test_v2_enables_controllers_and_writes_limits(tmp_path):
     assert (cg.version, cg.memory, cg.pids) == (2, True, True)
     assert (root / "cgroup.subtree_control").read_text() == "+memory +pids"
     parent = root / V2_PARENT
-    assert (parent / "cgroup.subtree_control").read_text() == "+memory +pids"
+    assert (parent / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"  # cpu where offered
     slot = parent / "slot-a"
     assert (slot / "memory.max").read_text() == str(512 * MB)
     assert (slot / "memory.swap.max").read_text() == "0"
     assert (slot / "pids.max").read_text() == "32"
+    assert (slot / "cpu.max").read_text() == "100000 100000" and cg.cpu  # one core per slot
     cg.join(4242)
     (slot / "cgroup.procs").write_text("4242\n4243\n")
     assert cg.members() == {4242, 4243}
