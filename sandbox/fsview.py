@@ -25,6 +25,7 @@ import stat
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -111,6 +112,53 @@ def readonly_paths() -> list[str]:
     return minimal([p for p in real if os.path.exists(p)])
 
 
+def service_paths() -> list[str]:
+    """kuberl's own package directories (the service's code and its configuration defaults).
+
+    Installed from a wheel they lie inside site-packages, which calls may read: they are cut
+    out of the view (an empty mount in a private root, no file rights under Landlock)."""
+    dirs = {
+        os.path.dirname(os.path.realpath(mod.__file__))
+        for name, mod in list(sys.modules.items())
+        if (name == "kuberl" or name.startswith("kuberl.")) and getattr(mod, "__file__", None)
+    }
+    return minimal(sorted(dirs))
+
+
+def hidden_beneath(readable: list[str], hidden: list[str]) -> list[str]:
+    """The hidden paths that lie strictly inside a readable path (pure; unit-tested)."""
+    return [h for h in hidden if any(h.startswith(r.rstrip("/") + "/") for r in readable)]
+
+
+def read_rules(
+    readable: list[str], hidden: list[str], listdir: Callable[[str], list[str]] = os.listdir
+) -> tuple[list[str], list[str]]:
+    """Landlock read rules for ``readable`` minus ``hidden``: (paths readable whole, directories
+    that may only be listed). An allowlist cannot subtract, so a readable directory holding a
+    hidden one becomes list-only and each of its other entries readable whole, level by level
+    down to the hidden one (pure but for ``listdir``; unit-tested)."""
+    whole: list[str] = []
+    list_only: list[str] = []
+    for top in readable:
+        inside = [h for h in hidden if h.startswith(top.rstrip("/") + "/")]
+        if not inside:
+            whole.append(top)
+            continue
+        stack = [top]
+        while stack:
+            cur = stack.pop()
+            list_only.append(cur)
+            for name in sorted(listdir(cur)):
+                path = os.path.join(cur, name)
+                if path in inside:
+                    continue
+                if any(h.startswith(path + "/") for h in inside):
+                    stack.append(path)
+                else:
+                    whole.append(path)
+    return whole, list_only
+
+
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = (lambda s: s.encode() if s is not None else None)  # noqa: E731
     if _LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
@@ -147,8 +195,11 @@ class PrivateRoot:
         self = cls(base, disk_mb, uid)
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
         _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,nr_inodes=4096,mode=0755")
-        for src in readonly_paths():
+        paths = readonly_paths()
+        for src in paths:
             self._bind_readonly(src)
+        for hidden in hidden_beneath(paths, service_paths()):  # the service's own code
+            _mount("tmpfs", base + hidden, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0555")
         os.makedirs(os.path.join(base, "dev"), mode=0o755)
         for dev in DEVICES:
             if os.path.exists(dev) and stat.S_ISCHR(os.stat(dev).st_mode):

@@ -95,10 +95,16 @@ class Ruleset:
 
     @classmethod
     def build(
-        cls, writable_dirs: list[str], writable_files: list[str], abi: int, readable: list[str] | None = None
+        cls,
+        writable_dirs: list[str],
+        writable_files: list[str],
+        abi: int,
+        readable: list[str] | None = None,
+        list_only: list[str] = (),
     ) -> Ruleset:
         """Raises OSError where Landlock is missing or a writable path cannot be opened
-        (readable paths that do not exist are skipped: not every system has /lib64)."""
+        (readable paths that do not exist are skipped: not every system has /lib64).
+        ``list_only``: directories whose entries may be listed, not read (only with ``readable``)."""
         fs, scoped = handled_rights(abi, reads=readable is not None)
         if not fs:
             raise OSError(0, "Landlock is not available")
@@ -116,6 +122,7 @@ class Ruleset:
             reads = fs & _READS
             rules = [(p, fs, True) for p in writable_dirs] + [(p, fs & _FILE_RIGHTS, True) for p in writable_files]
             rules += [(p, reads, False) for p in readable or ()]
+            rules += [(p, reads & READ_DIR, False) for p in (list_only if readable is not None else ())]
             for path, rights, required in rules:
                 try:
                     fd = os.open(path, os.O_PATH | os.O_CLOEXEC)

@@ -27,22 +27,25 @@ def running_sandbox(
     extra_args: Sequence[str] = (),
     wrapper: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    python: str | None = None,
+    cwd: str | None = None,
 ) -> Iterator[str]:
     """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200.
 
     ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``); ``wrapper``
     is a command prefix it runs under (e.g. one that drops to a non-root uid, like a pod);
-    ``env`` adds variables to the service's environment (calls never see them).
+    ``env`` adds variables to the service's environment (calls never see them); ``python`` is
+    the interpreter to run it with (default: this one).
     The limits travel as ``KUBERL_SANDBOX_LIMITS``, the way a SandboxPool pod gets them.
     """
     lim = limits or SandboxLimits()
     cmd = [
-        *wrapper, sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
+        *wrapper, python or sys.executable, "-m", "kuberl", "sandbox", "serve", "--host", host, "--port", str(port),
         "--workers", str(workers), "--pool", pool, *extra_args,
     ]  # fmt: skip
     service_env = dict(os.environ, **(env or {}), KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env
+        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env, cwd=cwd
     )
     try:
         assert proc.stdout is not None

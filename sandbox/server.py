@@ -192,7 +192,8 @@ class WorkerProc:
         wcfg["in_namespace"] = bool(ns)
         wcfg["isolation"] = self.cfg.isolation
         wcfg["uid_base"] = self.cfg.uid_base
-        cmd = [sys.executable, "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
+        # -P: the current directory (a checkout, say) is not on the worker's path
+        cmd = [sys.executable, "-P", "-m", "kuberl.sandbox.worker", json.dumps(wcfg)]
         # an allowlist, never the service's own environment: every call is forked from the
         # worker, and /proc/self/environ shows the environment the worker started with
         threads = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from kuberl.sandbox import landlock
 from kuberl.sandbox.calls import ChildGone, prepare, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
-from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, readonly_paths
+from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
 from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
 from kuberl.sandbox.seccomp import SeccompProgram
 
@@ -216,9 +216,11 @@ class Slot:
         if self.landlock is not None:
             self.landlock.close()
             self.landlock = None
-        readable = [*readonly_paths(), *DEVICES]
+        whole, list_only = read_rules(readonly_paths(), service_paths())
         try:
-            self.landlock = landlock.Ruleset.build([self.dir], [os.devnull], self.landlock_abi, readable)
+            self.landlock = landlock.Ruleset.build(
+                [self.dir], [os.devnull], self.landlock_abi, [*whole, *DEVICES], list_only
+            )
         except OSError as err:  # e.g. a container seccomp profile that allows only some calls
             print(f"landlock unavailable: {err}", file=sys.stderr)
 

@@ -1,5 +1,8 @@
 import os
+import shutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -39,3 +42,35 @@ def vllm_url(smollm2_dir, tmp_path_factory):
     url = server.start(timeout=600)
     yield url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def installed_wheel(tmp_path_factory) -> Path:
+    """kuberl built as a wheel from a copy of this checkout and unpacked the way pip lays a
+    wheel into site-packages: what a user who runs `pip install kuberl` gets."""
+    root = tmp_path_factory.mktemp("wheel")
+    src = root / "src"
+    skip = shutil.ignore_patterns(
+        ".venv", ".git", "runs", "build", "*.egg-info", "__pycache__", ".benchmarks"
+    )
+    shutil.copytree(REPO, src, ignore=skip)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            root / "dist",
+            src,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    site = root / "site"
+    with zipfile.ZipFile(next((root / "dist").glob("kuberl-*.whl"))) as wheel:
+        wheel.extractall(site)
+    return site

@@ -3,11 +3,9 @@
 import copy
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
-import zipfile
 from pathlib import Path
 
 import jsonschema
@@ -26,38 +24,6 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 INVALID = sorted((REPO / "examples" / "invalid").glob("*.yaml"))
 CRDS = list(all_crds().values())
-
-
-@pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory) -> Path:
-    """kuberl built as a wheel from a copy of this checkout and unpacked the way pip lays a
-    wheel into site-packages: what a user who runs `pip install kuberl` gets."""
-    root = tmp_path_factory.mktemp("wheel")
-    src = root / "src"
-    skip = shutil.ignore_patterns(
-        ".venv", ".git", "runs", "build", "*.egg-info", "__pycache__", ".benchmarks"
-    )
-    shutil.copytree(REPO, src, ignore=skip)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            root / "dist",
-            src,
-        ],
-        check=True,
-        capture_output=True,
-    )
-    site = root / "site"
-    with zipfile.ZipFile(next((root / "dist").glob("kuberl-*.whl"))) as wheel:
-        wheel.extractall(site)
-    return site
 
 
 def _run_installed(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:

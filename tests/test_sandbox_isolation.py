@@ -459,14 +459,19 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
 
     mode, url = svc
     before = readyz(url)[1]
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
-    rows = [ln.split() for ln in ps.splitlines()]
-    ours, frontier = set(), set(before["worker_pids"])  # this service's processes only
-    while frontier:
-        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
-        ours |= frontier
-    ready = [int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-ready"]]
-    assert len(ready) == len(before["worker_pids"]), ps
+    def ready_children() -> list[int]:
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+        rows = [ln.split() for ln in ps.splitlines()]
+        ours, frontier = set(), set(before["worker_pids"])  # this service's processes only
+        while frontier:
+            frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
+            ours |= frontier
+        return [int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-ready"]]
+
+    deadline = time.monotonic() + 5  # a worker forks ahead once it has cleaned up after the last call
+    while len(ready := ready_children()) < len(before["worker_pids"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(ready) == len(before["worker_pids"]), ready
     for pid in ready:
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
@@ -499,3 +504,112 @@ def test_a_call_gets_one_core(svc):
     assert r.outcome == "stdout", r
     assert float(r.output) < 1.3, r.output
     _healthy_after(url, before)
+
+
+# ---- pure parts and the Landlock mechanism -----------------------------------------------------
+
+
+def test_read_rules_cut_a_hidden_directory_out_of_an_allowlist():
+    from kuberl.sandbox.fsview import hidden_beneath, minimal, read_rules
+
+    tree = {
+        "/py/lib": ["python3.11", "libpython.so"],
+        "/py/lib/python3.11": ["os.py", "site-packages"],
+        "/py/lib/python3.11/site-packages": ["numpy", "kuberl", "kuberl-0.1.dist-info"],
+    }
+    whole, list_only = read_rules(["/py/lib", "/usr/lib"], ["/py/lib/python3.11/site-packages/kuberl"], tree.get)
+    assert list_only == ["/py/lib", "/py/lib/python3.11", "/py/lib/python3.11/site-packages"]
+    assert sorted(whole) == sorted([
+        "/usr/lib", "/py/lib/libpython.so", "/py/lib/python3.11/os.py",
+        "/py/lib/python3.11/site-packages/numpy", "/py/lib/python3.11/site-packages/kuberl-0.1.dist-info",
+    ])  # fmt: skip
+    assert read_rules(["/usr/lib"], ["/work/checkout/sandbox"], tree.get) == (["/usr/lib"], [])
+    assert hidden_beneath(["/a", "/b"], ["/a/x", "/c/y", "/a"]) == ["/a/x"]
+    assert minimal(["/a/b", "/a", "/ab", "/a/"]) == ["/a", "/ab"]
+
+
+def test_landlock_list_only_directories_hide_their_files(tmp_path):
+    """What basic isolation does to kuberl's own package when it is installed in site-packages."""
+    from kuberl.sandbox import landlock
+    from kuberl.sandbox.fsview import read_rules
+
+    abi = landlock.abi_version()
+    if abi < 1:
+        pytest.skip("no Landlock on this kernel")
+    (tmp_path / "site" / "kuberl").mkdir(parents=True)
+    (tmp_path / "site" / "kuberl" / "server.py").write_text("secret code")
+    (tmp_path / "site" / "numpy").mkdir()
+    (tmp_path / "site" / "numpy" / "core.py").write_text("public code")
+    (tmp_path / "scratch").mkdir()
+    whole, list_only = read_rules([str(tmp_path / "site")], [str(tmp_path / "site" / "kuberl")])
+    ruleset = landlock.Ruleset.build([str(tmp_path / "scratch")], [], abi, whole, list_only)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        out = []
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(38, 1, 0, 0, 0)  # no_new_privs
+            ruleset.restrict_self()
+            for p in ("site/numpy/core.py", "site/kuberl/server.py"):
+                try:
+                    out.append(open(tmp_path / p).read())
+                except OSError as e:
+                    out.append(type(e).__name__)
+            out.append(",".join(sorted(os.listdir(tmp_path / "site"))))
+        finally:
+            os.write(w, "|".join(out).encode())
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    got = os.read(r, 4096).decode()
+    ruleset.close()
+    assert got == "public code|PermissionError|kuberl,numpy", got
+
+
+@pytest.mark.parametrize("mode", ["full", "basic"])
+def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_wheel, mode):
+    """Installed from a wheel, kuberl lies in the site-packages calls may read: its files are cut
+    out of the view (an empty mount in the private root, list-only under Landlock)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    wrapper: list[str] = []
+    if mode == "basic":
+        found = unprivileged_wrapper()
+        if found is None:
+            pytest.skip("cannot run the service as a non-root uid here")
+        wrapper = found
+    top = Path(tempfile.mkdtemp(prefix="kuberl-venv-", dir="/tmp"))
+    try:
+        top.chmod(0o755)  # the unprivileged service must reach its interpreter
+        venv = top / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
+        python = str(venv / "bin" / "python")
+        purelib = subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        shutil.copytree(installed_wheel, purelib, dirs_exist_ok=True)
+        server_py = Path(purelib) / "kuberl" / "sandbox" / "server.py"
+        assert server_py.is_file()
+        with running_sandbox(
+            workers=1, limits=LIMITS, pool=f"wheel-{mode}", extra_args=["--isolation", mode],
+            wrapper=wrapper, python=python, cwd=str(top),  # not the checkout: its kuberl would win
+        ) as url:  # fmt: skip
+            assert readyz(url)[1]["protections"]["fs_view"]
+            code = (
+                "import numpy\n"
+                f"for p in ({str(server_py)!r}, {str(server_py.parent.parent / '__init__.py')!r}):\n"
+                "    try:\n"
+                "        print('READ', len(open(p).read()))\n"
+                "    except OSError as e:\n"
+                "        print(type(e).__name__)\n"
+            )
+            r = _run(url, code)
+            assert r.outcome == "stdout" and "READ" not in r.output, r
+            alive(url)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
