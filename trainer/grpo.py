@@ -26,6 +26,7 @@ from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
+from kuberl.trainer.tool_stats import ToolTally
 
 
 def pin_to_cpus(spec: str | None) -> None:
@@ -137,7 +138,7 @@ class RolloutWorker:
             # worker started by a resume schedules its first batch exactly like a long-lived one.
             self._run(self.scheduler.refresh_capacities())
         self._cm = executor_factory()
-        self.executor = self._run(self._cm.__aenter__())
+        self.executor = ToolTally(self._run(self._cm.__aenter__()))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -195,6 +196,15 @@ class RolloutWorker:
         fut = self._inflight.pop(ticket, None)
         if fut is not None:
             fut.cancel()
+
+    def tool_stats(self) -> dict[str, float]:
+        """Tool-call outcomes and latency since the last call (taken on the loop thread, where
+        the calls are recorded)."""
+
+        async def take() -> dict[str, float]:
+            return self.executor.take()
+
+        return self._run(take())
 
     def busy_seconds(self) -> float:
         """Wall time during which at least one rollout batch was generating (up to now)."""
@@ -379,6 +389,7 @@ def prepare_batch(
         "tool_error_ratio_positive_kept": tool_error_ratio_positive(kept_groups),
         "response_clip_ratio": sum(s.traj.truncated for s in all_scored) / n,
         "response_length": sum(len(s.traj.response_ids) for s in all_scored) / n,
+        "response_tokens": float(sum(len(s.traj.response_ids) for s in all_scored)),  # tokens/s in logs
         "tool_calls_mean": sum(s.traj.tool_calls for s in all_scored) / n,
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),

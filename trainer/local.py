@@ -46,6 +46,7 @@ from kuberl.trainer.policy import (
     model_dir,
     same_architecture,
 )
+from kuberl.trainer.progress import LogProgress, use_plain
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
@@ -365,8 +366,11 @@ def _run_pipeline(
 ) -> RunResult:  # fmt: skip
     spec = job.spec
     main = ctx.is_main
-    sink = MetricsSink(job.metadata.name, out) if main else NullSink()
     console, progress = _ui(quiet)
+    listeners: list[Any] = []
+    if main and not quiet and progress is None:
+        listeners.append(LogProgress([(s.name, s.type, s.steps) for s in spec.stages]))
+    sink = MetricsSink(job.metadata.name, out, listeners) if main else NullSink()
     tasks: dict[str, Any] = {}
 
     def on_progress(stage: str, step: int, total: int, rec: dict) -> None:
@@ -377,6 +381,7 @@ def _run_pipeline(
         progress.update(tasks[stage], completed=step, info=_brief(rec))
 
     with contextlib.ExitStack() as stack:
+        stack.callback(sink.close)  # last out: trackers see the final records and events
         worker = None
         if main:
             sandbox_url = None
@@ -435,12 +440,16 @@ def _run_pipeline(
 
 
 def _ui(quiet: bool):
+    """The console and, on a terminal, rich's live progress bars; with stdout not a terminal (a log
+    file, a pod's log) the bars would only show at the end, so :class:`LogProgress` writes lines."""
     if quiet:
         return None, None
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console()
+    if use_plain(sys.stdout):
+        return console, None
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

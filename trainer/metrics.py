@@ -18,8 +18,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, start_http_server
 
@@ -72,11 +73,22 @@ def _clean(v: Any) -> Any:
     return v
 
 
+class SinkListener(Protocol):
+    """Sees every record the sink writes: log progress lines, experiment trackers."""
+
+    def step(self, record: dict[str, Any]) -> None: ...
+
+    def event(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsSink:
-    def __init__(self, job: str, out_dir: str | Path):
+    def __init__(self, job: str, out_dir: str | Path, listeners: Sequence[SinkListener] = ()):
         self.job = job
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.listeners: list[SinkListener] = list(listeners)
         self.port: int | None = None
         self.addr: str | None = None
         port = os.environ.get("KUBERL_METRICS_PORT")
@@ -95,6 +107,8 @@ class MetricsSink:
         rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        for listener in self.listeners:
+            listener.step(rec)
         g = _gauges()
         if "stage" in record and "step" in record:
             g["step"].labels(self.job, record["stage"]).set(record["step"])
@@ -129,6 +143,20 @@ class MetricsSink:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
         with open(self.events_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        for listener in self.listeners:
+            listener.event(rec)
+
+    def close(self) -> None:
+        """Close every listener (a tracker finishes its run); one failing does not stop the rest."""
+        errors = []
+        for listener in self.listeners:
+            try:
+                listener.close()
+            except Exception as err:  # noqa: BLE001 - reported below, after the others closed
+                errors.append(err)
+        self.listeners = []
+        if errors:
+            raise errors[0]
 
 
 class NullSink:
@@ -141,6 +169,9 @@ class NullSink:
         pass
 
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
