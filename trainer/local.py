@@ -118,7 +118,9 @@ def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
     """The local server for a job: its inline fleet's context length, extra args and dtype; the
     context defaults to the job's longest response budget plus room for the prompt."""
     fleet = job.spec.rollout.fleet
-    longest = max([job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages])
+    longest = max(
+        [job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages]
+    )
     context = (fleet.engine.context_length if fleet and fleet.engine.context_length else None) or max(
         2048, longest + 1024
     )
@@ -434,9 +436,24 @@ def _run_pipeline(
             stack.enter_context(progress)
         result = pipe.run()
     result.evals["wall_seconds"] = time.time() - t_start
+    if main:
+        _write_report(out, console)
     if console is not None:
         console.print(summary_table(result, algorithm))
     return result
+
+
+def _write_report(out: Path, console) -> None:
+    """report.html beside metrics.jsonl; a run that trained is not failed by its report."""
+    from kuberl.trainer.report import write_report
+
+    try:
+        path = write_report(out)
+    except Exception as err:  # noqa: BLE001 - the checkpoints and metrics are what matter
+        print(f"warning: could not write the run report: {err}", file=sys.stderr)
+        return
+    if console is not None:
+        console.print(f"report: {path}")
 
 
 def _ui(quiet: bool):
