@@ -222,7 +222,8 @@ class RolloutWorker:
                     self._kv_peak = max(use, self._kv_peak or 0.0)
                 await asyncio.sleep(every)
         finally:
-            self._sampler = None
+            if self._sampler is asyncio.current_task():
+                self._sampler = None
 
     def busy_seconds(self) -> float:
         """Wall time during which at least one rollout batch was generating (up to now)."""
@@ -242,6 +243,9 @@ class RolloutWorker:
             self._active -= 1
             if self._active == 0:
                 self.busy_total += time.monotonic() - self._busy_since
+                if self._sampler is not None:  # not left sleeping on a loop that may close next
+                    self._sampler.cancel()
+                    self._sampler = None
 
     async def _rollouts_inner(
         self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed

@@ -49,6 +49,7 @@ from kuberl.trainer.policy import (
 from kuberl.trainer.progress import LogProgress, use_plain
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
+from kuberl.trainer.tracking import check_installed, open_trackers
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
 
 
@@ -265,6 +266,7 @@ def run_job(
     """
     t_start = time.time()
     spec = job.spec
+    check_installed(job)
     algo = algorithm or spec.algorithm.name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -372,6 +374,8 @@ def _run_pipeline(
     listeners: list[Any] = []
     if main and not quiet and progress is None:
         listeners.append(LogProgress([(s.name, s.type, s.steps) for s in spec.stages]))
+    if main:
+        listeners.extend(open_trackers(job, out, store, resume=payload is not None))
     sink = MetricsSink(job.metadata.name, out, listeners) if main else NullSink()
     tasks: dict[str, Any] = {}
 
