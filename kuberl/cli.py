@@ -473,8 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_dashboards)
 
     from kuberl.cli_engines import add_commands
+    from kuberl.cli_status import add_command as add_status
 
     add_commands(sub, fmt)
+    add_status(sub, fmt)
     return p
 
 

@@ -377,6 +377,7 @@ def _run_pipeline(
     if main:
         listeners.extend(open_trackers(job, out, store, resume=payload is not None))
     sink = MetricsSink(job.metadata.name, out, listeners) if main else NullSink()
+    sink.describe_run([{"name": s.name, "type": s.type, "steps": s.steps} for s in spec.stages])
     tasks: dict[str, Any] = {}
 
     def on_progress(stage: str, step: int, total: int, rec: dict) -> None:

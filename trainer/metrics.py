@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge, start_http_server
 from kuberl.rollout.engine import GENERATED_TOKENS
 from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
 
+RUN_INFO = "run.json"
 _GAUGES: dict[str, Gauge] = {}
 _SERVER_PORT: int | None = None
 _SERVER_ADDR: str | None = None
@@ -139,6 +140,12 @@ class MetricsSink:
     def events_path(self) -> Path:
         return self.out / "events.jsonl"
 
+    def describe_run(self, stages: list[dict[str, Any]]) -> None:
+        """run.json: the job's stages (name, type, steps), so readers of the run folder
+        (``kuberl status``, the report) know each stage's length without the manifest."""
+        path = self.out / RUN_INFO
+        path.write_text(json.dumps({"job": self.job, "stages": stages}, indent=1) + "\n", encoding="utf-8")
+
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
         with open(self.events_path, "a", encoding="utf-8") as f:
@@ -164,6 +171,9 @@ class NullSink:
 
     port: int | None = None
     events_path: Path | None = None
+
+    def describe_run(self, stages: list[dict[str, Any]]) -> None:
+        pass
 
     def step(self, record: dict[str, Any]) -> None:
         pass
