@@ -134,3 +134,50 @@ def test_run_to_a_file_prints_progress_lines_while_it_runs(tmp_path, monkeypatch
     calls = sum(r[f"tool_calls_{o}"] for r in rl for o in ("stdout", "no_stdout", "error"))
     assert calls >= 1  # the seeded run makes one
     assert calls == sum(r["tool_calls_mean"] * r["rollouts"] for r in rl)  # every call of the step, once
+
+
+def test_sandbox_window_line_and_idle_silence():
+    from kuberl.sandbox.progress import Window, format_window
+
+    w = Window()
+    assert format_window(w.take(), 60, 0, 0, 4, 0) is None  # idle: no line
+    for s in (0.01, 0.02, 0.03, 0.5):
+        w.add_exec("stdout", s)
+    w.add_exec("error", 0.04)
+    w.add_verify("correct")
+    line = format_window(w.take(), 60, 3, 2, 4, 1)
+    assert line == (
+        "[kuberl sandbox] last 60s: 5 exec (stdout 4, error 1; latency p50 0.030s p95 0.500s); "
+        "1 verify (correct 1); queue 3, 2/4 workers busy, 1 worker restarts"
+    )
+    assert sum(w.exec.values()) == 0  # taken
+
+
+def test_sandbox_serve_logs_what_it_did(tmp_path):
+    """`kuberl sandbox serve` (a pod's log): a line per window in which calls were answered."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    env = dict(os.environ, KUBERL_PROGRESS_EVERY_SECONDS="0.5")
+    cmd = [sys.executable, "-P", "-m", "kuberl", "sandbox", "serve", "--port", "0", "--workers", "1",
+           "--isolation", "basic"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        url = proc.stdout.readline().split("listening on ", 1)[1].strip()
+        assert "ready" in proc.stdout.readline()
+        body = json.dumps({"id": "call-1", "code": "print(6 * 7)", "stdin": ""}).encode()
+        req = urllib.request.Request(url + "/v1/execute", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as rsp:
+            assert json.loads(rsp.read())["outcome"] == "stdout"
+        deadline = time.monotonic() + 30
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("[kuberl sandbox]"):
+            line = proc.stdout.readline()
+        assert line.startswith("[kuberl sandbox] last 0.5s: 1 exec (stdout 1; latency p50 "), line
+        assert "0 verify; queue 0, 0/1 workers busy, 0 worker restarts" in line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
