@@ -48,15 +48,17 @@ def _clients() -> tuple[Any, Any, str]:
         if ns_file.is_file():
             namespace = ns_file.read_text().strip() or namespace
     except config.ConfigException:
+        # $KUBECONFIG as it is now: the client reads it once, when it is first imported
+        kubeconfig = os.environ.get("KUBECONFIG") or None
         try:
-            config.load_kube_config()
+            config.load_kube_config(config_file=kubeconfig)
         except (config.ConfigException, OSError) as err:
             raise StatusError(
                 f"no cluster to ask ({err}); set KUBECONFIG or pass a run folder of `kuberl run` "
                 "(e.g. kuberl status runs/quickstart)"
             ) from None
         try:
-            _, ctx = config.list_kube_config_contexts()
+            _, ctx = config.list_kube_config_contexts(config_file=kubeconfig)
             namespace = (ctx or {}).get("context", {}).get("namespace") or namespace
         except (config.ConfigException, OSError):
             pass
@@ -65,6 +67,7 @@ def _clients() -> tuple[Any, Any, str]:
 
 def _get(fn, *args) -> Any:
     """The object, or None when the API answers 404; other answers are a StatusError."""
+    import urllib3
     from kubernetes.client.exceptions import ApiException
 
     try:
@@ -73,6 +76,8 @@ def _get(fn, *args) -> Any:
         if err.status == 404:
             return None
         raise StatusError(f"the API server answered {err.status} {err.reason}: {err.body}") from None
+    except urllib3.exceptions.HTTPError as err:
+        raise StatusError(f"cannot reach the API server ({err}); check the kubeconfig context") from None
 
 
 def cluster_status(name: str | None, namespace: str | None) -> list[str]:

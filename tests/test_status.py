@@ -164,6 +164,8 @@ async def test_cluster_status_through_the_kubernetes_client(tmp_path, monkeypatc
             merge,
         )
 
+        import kubernetes.config  # noqa: F401 - imported before $KUBECONFIG is set, as in the full suite
+
         kubeconfig = tmp_path / "kubeconfig"
         write_kubeconfig(kubeconfig, url, NS)
         monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
@@ -185,3 +187,14 @@ async def test_cluster_status_through_the_kubernetes_client(tmp_path, monkeypatc
 
         assert await asyncio.to_thread(main, ["status", "nope"]) == 2
         assert "AgenticRLJob nope not found in namespace ml" in capsys.readouterr().err
+
+
+def test_no_cluster_or_an_unreachable_one_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    assert main(["status", "tiny"]) == 2
+    assert "no cluster to ask" in capsys.readouterr().err
+    write_kubeconfig(tmp_path / "kc", "http://127.0.0.1:9", NS)  # nothing listens on port 9
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kc"))
+    assert main(["status", "tiny"]) == 2
+    assert "cannot reach the API server" in capsys.readouterr().err
