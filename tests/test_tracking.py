@@ -85,6 +85,25 @@ def test_tracking_spec_validates_and_the_wandb_key_comes_from_a_secret(tmp_path)
         _job(tmp_path, {"wandb": {"project": "p", "mode": "cloud"}})
 
 
+def test_the_crd_takes_what_the_model_takes(tmp_path):
+    """kubectl apply of spec.tracking against the generated CRD (the API server's checks, emulated)."""
+    from kuberl.api.crdgen import all_crds
+    from tests.apiserver_emulation import admission_errors
+
+    crds = list(all_crds().values())
+    doc = copy.deepcopy(TINY)
+    doc["spec"]["tracking"] = {
+        "wandb": {"project": "p", "mode": "offline", "apiKeySecret": {"name": "wandb"}, "tags": ["a"]},
+        "mlflow": {"trackingUri": "http://mlflow:5000", "experiment": "e"},
+        "tensorboard": {"logDir": "/runs/tb"},
+    }
+    assert admission_errors(crds, doc) == []
+    doc["spec"]["tracking"]["wandb"]["mode"] = "cloud"
+    doc["spec"]["tracking"]["mlflow"]["uri"] = "x"
+    layers = {layer for layer, _ in admission_errors(crds, doc)}
+    assert layers == {"fields", "schema"}  # the unknown field and the enum
+
+
 def test_a_tracker_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow -> ImportError
     job = _job(tmp_path, {"mlflow": {}})
