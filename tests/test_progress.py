@@ -181,3 +181,41 @@ def test_sandbox_serve_logs_what_it_did(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_failing_listener_costs_its_records_not_the_run(tmp_path, capsys):
+    from kuberl.trainer.metrics import MetricsSink
+
+    class Broken:
+        def step(self, rec):
+            raise ConnectionError("tracking server gone")
+
+        event = step
+
+        def close(self):
+            raise ConnectionError("still gone")
+
+    seen = []
+
+    class Fine:
+        def step(self, rec):
+            seen.append(rec["step"])
+
+        def event(self, rec):
+            pass
+
+        def close(self):
+            pass
+
+    sink = MetricsSink("j", tmp_path, [Broken(), Fine()])
+    for i in range(1, 13):
+        sink.step({"type": "sft", "stage": "sft", "step": i, "loss": 1.0})
+    assert seen == list(range(1, 13))  # the next listener still got every record
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
+    sink.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "warning: Broken failed (1 time): tracking server gone",
+        "warning: Broken failed (10 times): tracking server gone",
+        "warning: closing Broken failed: still gone",
+    ]

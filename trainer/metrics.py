@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -90,6 +91,7 @@ class MetricsSink:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.listeners: list[SinkListener] = list(listeners)
+        self._failures: dict[int, int] = {}
         self.port: int | None = None
         self.addr: str | None = None
         port = os.environ.get("KUBERL_METRICS_PORT")
@@ -108,8 +110,7 @@ class MetricsSink:
         rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
-        for listener in self.listeners:
-            listener.step(rec)
+        self._notify("step", rec)
         g = _gauges()
         if "stage" in record and "step" in record:
             g["step"].labels(self.job, record["stage"]).set(record["step"])
@@ -150,20 +151,31 @@ class MetricsSink:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
         with open(self.events_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        self._notify("event", rec)
+
+    def _notify(self, method: str, rec: dict[str, Any]) -> None:
+        """Hand ``rec`` to every listener. A failing one (a tracking server gone) costs its own
+        records, never the run's: it is reported on stderr at its 1st, 10th, 100th... failure."""
         for listener in self.listeners:
-            listener.event(rec)
+            try:
+                getattr(listener, method)(rec)
+            except Exception as err:  # noqa: BLE001 - see above
+                n = self._failures[id(listener)] = self._failures.get(id(listener), 0) + 1
+                if math.log10(n).is_integer():
+                    print(
+                        f"warning: {type(listener).__name__} failed ({n} time{'s' if n > 1 else ''}): {err}",
+                        file=sys.stderr,
+                    )
 
     def close(self) -> None:
-        """Close every listener (a tracker finishes its run); one failing does not stop the rest."""
-        errors = []
+        """Close every listener (a tracker finishes its run); one failing is reported on stderr
+        and does not stop the rest, nor fail a run whose checkpoints and metrics are written."""
         for listener in self.listeners:
             try:
                 listener.close()
-            except Exception as err:  # noqa: BLE001 - reported below, after the others closed
-                errors.append(err)
+            except Exception as err:  # noqa: BLE001 - see above
+                print(f"warning: closing {type(listener).__name__} failed: {err}", file=sys.stderr)
         self.listeners = []
-        if errors:
-            raise errors[0]
 
 
 class NullSink:
