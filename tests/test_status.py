@@ -198,3 +198,40 @@ def test_no_cluster_or_an_unreachable_one_is_one_clear_line(tmp_path, monkeypatc
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kc"))
     assert main(["status", "tiny"]) == 2
     assert "cannot reach the API server" in capsys.readouterr().err
+
+
+def test_operator_summary_line_counts_phases_and_names_running_jobs():
+    from kuberl.operator.summary import summary_line
+
+    job = {"kind": "AgenticRLJob", "metadata": {"namespace": "ml", "name": "a"},
+           "status": {"phase": "Running", "stage": "rl", "step": 312, "summary": {"rewardMean": 0.4125}}}  # fmt: skip
+    done = {
+        "kind": "AgenticRLJob",
+        "metadata": {"namespace": "ml", "name": "b"},
+        "status": {"phase": "Succeeded"},
+    }
+    fleet = {
+        "kind": "RolloutFleet",
+        "spec": {"replicas": 2},
+        "status": {"phase": "Ready", "readyReplicas": 2},
+    }
+    new_pool = {"kind": "SandboxPool", "spec": {"replicas": 3}}
+    assert summary_line([new_pool, done, fleet, job]) == (
+        "resync: AgenticRLJob 2 (Running 1, Succeeded 1: ml/a rl step 312 reward 0.41); "
+        "RolloutFleet 1 (Ready 1; 2/2 replicas ready); SandboxPool 1 (New 1; 0/3 replicas ready)"
+    )
+    assert summary_line([]) == "resync: no kuberl objects"
+
+
+async def test_the_running_operator_logs_the_summary_line(caplog):
+    from tests.test_operator_e2e import API as E2E_API
+    from tests.test_operator_e2e import emulated_cluster, eventually, pool, running_operator
+
+    caplog.set_level("INFO", logger="kuberl.operator")
+    async with emulated_cluster() as k, running_operator(k):
+        await k.create(f"{E2E_API}/sandboxpools", pool("tools", replicas=1))
+
+        async def said() -> bool:
+            return any("resync: SandboxPool 1 (" in r.getMessage() for r in caplog.records)
+
+        await eventually(said, timeout=20, what="the operator's summary line")
