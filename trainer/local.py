@@ -119,9 +119,7 @@ def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
     """The local server for a job: its inline fleet's context length, extra args and dtype; the
     context defaults to the job's longest response budget plus room for the prompt."""
     fleet = job.spec.rollout.fleet
-    longest = max(
-        [job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages]
-    )
+    longest = max([job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages])
     context = (fleet.engine.context_length if fleet and fleet.engine.context_length else None) or max(
         2048, longest + 1024
     )
