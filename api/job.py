@@ -22,6 +22,7 @@ from .common import (
 )
 from .rollout_fleet import ModelRef, RolloutFleetSpec
 from .sandbox_pool import SandboxPoolSpec
+from .tracking import TrackingSpec
 
 DEFAULT_TRAINER_IMAGES: dict[str, str] = {
     "mi300x": "ghcr.io/kuberl/trainer:0.1.0-rocm",
@@ -296,6 +297,10 @@ class AgenticRLJobSpec(KubeModel):
     )
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    tracking: TrackingSpec | None = Field(
+        None,
+        description="Experiment trackers (W&B, MLflow, TensorBoard) the trainer logs to, besides /metrics.",
+    )
     seed: int = 0
     suspend: bool = False
 

@@ -118,6 +118,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from kuberl.trainer.report import write_report
+
+    path = write_report(args.run_dir, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     import yaml
 
@@ -315,6 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.set_defaults(func=_cmd_run)
 
+    rp = sub.add_parser(
+        "report",
+        help="write a run's curves as one self-contained HTML page",
+        description="Write RUN_DIR/report.html (or --out): reward, held-out accuracy, tool-error ratio in "
+        "positives, clip ratios, response length and truncation, tool-call latency and outcomes, rollout "
+        "tokens/s, KV-cache use and step time over the global step, with the stage boundaries - the "
+        "training dashboard's panels from the run folder's metrics.jsonl and events.jsonl, for people "
+        "without Grafana. The page loads nothing from the network. `kuberl run` writes it at the end "
+        "of every run; run this during a run for the curves so far.",
+        epilog="Example: kuberl report runs/quickstart",
+        formatter_class=fmt,
+    )
+    rp.add_argument(
+        "run_dir", metavar="RUN_DIR", help="run folder of `kuberl run` (its --out; default runs/<job>)"
+    )
+    rp.add_argument("--out", default=None, metavar="FILE", help="write here instead of RUN_DIR/report.html")
+    rp.set_defaults(func=_cmd_report)
+
     rd = sub.add_parser(
         "render",
         help="print the Kubernetes objects the operator would create for FILE",
@@ -447,8 +473,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_dashboards)
 
     from kuberl.cli_engines import add_commands
+    from kuberl.cli_status import add_command as add_status
 
     add_commands(sub, fmt)
+    add_status(sub, fmt)
     return p
 
 

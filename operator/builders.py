@@ -41,6 +41,7 @@ from kuberl.operator.engines import (
     engine_env,
     engine_probes,
 )
+from kuberl.operator.tracking_env import tracking_env
 
 Manifest = dict[str, Any]
 
@@ -643,6 +644,7 @@ def build_job(
         {"name": "HF_HOME", "value": "/models"},
         {"name": "KUBERL_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         *endpoints_env(job, namespace, fleet_spec),
+        *tracking_env(spec.tracking),
     ]
     if trainer.threads:
         env.append({"name": "OMP_NUM_THREADS", "value": str(trainer.threads)})

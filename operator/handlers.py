@@ -55,8 +55,11 @@ from kuberl.api.rollout_fleet import RolloutFleetSpec
 
 from . import admission, autoscale, builders, children, metrics, status
 from .kube import ApiError, KubeClient, is_subset, kind_of
+from .summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
+SUMMARY_EVERY = 600.0
+"""Seconds between two unchanged summary lines of the resync loop (operator/summary.py)."""
 
 Scraper = Callable[[str], Awaitable[str]]
 KINDS: dict[str, type[Resource]] = {
@@ -686,12 +689,26 @@ async def resync_loop(ctx: OperatorContext) -> None:
     longer lists was deleted while its DELETED event went unseen: it is forgotten here.
     """
 
+    said = ["", 0.0]  # the last summary line and when it was logged
+    bodies: list[dict[str, Any]] = []  # this pass's objects, for the summary line
+
+    async def resync_object_noted(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
+        bodies.append(dict(body))
+        await resync_object(ctx, body)
+
+    resync_object_noted.__name__ = "resync_object"  # _each_object's warnings name it
+
     async def one_pass() -> None:
         before = set(ctx.known)  # objects first seen during the pass are not candidates
-        seen = await _each_object(ctx, tuple(PLURALS), resync_object)
+        bodies.clear()
+        seen = await _each_object(ctx, tuple(PLURALS), resync_object_noted)
         if seen is not None:
             for uid in before - seen:
                 ctx.forget(uid)
+        line = summary_line(bodies)  # on a change, else every SUMMARY_EVERY seconds
+        if line != said[0] or time.monotonic() - float(said[1]) >= SUMMARY_EVERY:
+            log.info("%s", line)
+            said[:] = [line, time.monotonic()]
 
     await _every(ctx.config.reconcile_interval, ctx, one_pass)
 

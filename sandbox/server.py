@@ -39,6 +39,7 @@ from kuberl.sandbox.cgroups import remove_cgroup_dirs
 from kuberl.sandbox.fsview import worker_env
 from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
 from kuberl.sandbox.procs import kill_children
+from kuberl.sandbox.progress import Window, every_seconds, format_window
 from kuberl.sandbox.types import ExecResult, valid_text
 
 log = logging.getLogger("kuberl.sandbox")
@@ -325,6 +326,7 @@ class SandboxService:
         self.busy = 0
         self.restarts = 0
         self._spawn_lock = asyncio.Lock()
+        self.window = Window()  # for the periodic log line (sandbox/progress.py)
 
     async def start(self) -> None:
         self.workers = [WorkerProc(i, self.cfg) for i in range(self.cfg.workers)]
@@ -533,6 +535,7 @@ class SandboxService:
             value: Any = result.to_json()
             TOOL_LATENCY.labels(self.cfg.pool, result.outcome).observe(time.monotonic() - call.submitted)
             TOOL_CALLS.labels(self.cfg.pool, result.outcome).inc()
+            self.window.add_exec(result.outcome, time.monotonic() - call.submitted)
         else:
             meta = raw.get("meta") or {}
             timed_out = bool(raw.get("timed_out"))
@@ -545,6 +548,7 @@ class SandboxService:
             else:
                 outcome = "correct" if correct else "wrong"
             VERIFY_CALLS.labels(self.cfg.pool, outcome).inc()
+            self.window.add_verify(outcome)
         self.inflight.pop(call.key, None)
         self.memory.remember(call.key, call.digest, value, answer_size(value))
         if not call.future.done():
@@ -711,10 +715,23 @@ async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
     try:
         await svc.start()
         print(f"kuberl sandbox ready; protections {json.dumps(svc.protections())}", flush=True)
-        await asyncio.Event().wait()
+        await _log_progress(svc, every_seconds())
     finally:
         await svc.stop()
         await runner.cleanup()
+
+
+async def _log_progress(svc: SandboxService, every: float) -> None:
+    """Print what the service did every ``every`` seconds while it runs (forever; 0: no lines)."""
+    if every <= 0:
+        await asyncio.Event().wait()
+    while True:
+        await asyncio.sleep(every)
+        line = format_window(
+            svc.window.take(), every, len(svc.queue), svc.busy, len(svc.workers), svc.restarts
+        )
+        if line is not None:
+            print(line, flush=True)
 
 
 _PR_SET_DUMPABLE = 4

@@ -6,4 +6,6 @@ Data and model side: ``tokenizer`` (builtin:arith-bpe), ``data`` (builtin:arith,
 traces in rollout layout), ``model`` (tiny GPT), ``sft``, ``checkpoint`` (local/s3).
 Driver: ``grpo`` (rollout worker + update), ``stages`` (SFT -> RL stages, difficulty filter,
 optimizer resets, eval), ``metrics`` (prometheus + jsonl), ``local`` (``kuberl run``, Ray).
+Watching a run: ``progress`` (log lines), ``tool_stats`` (per-step tool figures), ``tracking``
+(W&B, MLflow, TensorBoard), ``report`` and ``svg`` (``kuberl report``).
 """

@@ -26,6 +26,7 @@ from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
+from kuberl.trainer.tool_stats import ToolTally
 
 
 def pin_to_cpus(spec: str | None) -> None:
@@ -115,6 +116,8 @@ class RolloutWorker:
         self._active = 0  # rollout batches in flight, and the time any was: the engine side's busy time
         self._busy_since = 0.0
         self.busy_total = 0.0
+        self._kv_peak: float | None = None  # highest KV-cache use sampled since the last step_stats
+        self._sampler: asyncio.Task | None = None
         self.engine: Any = None
         self.fleet: Any = None
         if fleet is not None:
@@ -137,7 +140,7 @@ class RolloutWorker:
             # worker started by a resume schedules its first batch exactly like a long-lived one.
             self._run(self.scheduler.refresh_capacities())
         self._cm = executor_factory()
-        self.executor = self._run(self._cm.__aenter__())
+        self.executor = ToolTally(self._run(self._cm.__aenter__()))
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -196,6 +199,32 @@ class RolloutWorker:
         if fut is not None:
             fut.cancel()
 
+    def step_stats(self) -> dict[str, float]:
+        """Tool-call outcomes and latency, and the peak KV-cache use of the engines, since the
+        last call (taken on the loop thread, where they are recorded)."""
+
+        async def take() -> dict[str, float]:
+            out = self.executor.take()
+            if self._kv_peak is not None:
+                out["kv_cache_utilization"] = self._kv_peak
+            self._kv_peak = None
+            return out
+
+        return self._run(take())
+
+    async def _sample_kv(self, every: float = 0.05) -> None:
+        """While rollouts run, keep the highest KV-cache use of any engine (the engines' own
+        gauge is instantaneous: idle, 0, whenever a step ends)."""
+        try:
+            while self._active > 0:
+                use = max((st["utilization"] for st in self.scheduler.snapshot()), default=None)
+                if use is not None:
+                    self._kv_peak = max(use, self._kv_peak or 0.0)
+                await asyncio.sleep(every)
+        finally:
+            if self._sampler is asyncio.current_task():
+                self._sampler = None
+
     def busy_seconds(self) -> float:
         """Wall time during which at least one rollout batch was generating (up to now)."""
         return self.busy_total + (time.monotonic() - self._busy_since if self._active else 0.0)
@@ -204,6 +233,8 @@ class RolloutWorker:
         if self._active == 0:
             self._busy_since = time.monotonic()
         self._active += 1
+        if self._sampler is None:
+            self._sampler = asyncio.ensure_future(self._sample_kv())
         try:
             return await self._rollouts_inner(
                 prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
@@ -212,8 +243,13 @@ class RolloutWorker:
             self._active -= 1
             if self._active == 0:
                 self.busy_total += time.monotonic() - self._busy_since
+                if self._sampler is not None:  # not left sleeping on a loop that may close next
+                    self._sampler.cancel()
+                    self._sampler = None
 
-    async def _rollouts_inner(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
+    async def _rollouts_inner(
+        self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
+    ):
         from kuberl.rollout.loop import rollout_group
 
         groups = await rollout_group(
@@ -347,7 +383,8 @@ def prepare_batch(
     if max_staleness is not None and version is not None:
         before = sum(len(g) for g in groups)
         groups = [
-            [s for s in g if (a := staleness(s.traj, version)) is None or 0 <= a <= max_staleness] for g in groups
+            [s for s in g if (a := staleness(s.traj, version)) is None or 0 <= a <= max_staleness]
+            for g in groups
         ]
         stale = before - sum(len(g) for g in groups)
     groups = [[s for s in g if s.traj.finish_reason != "abort"] for g in groups]
@@ -379,6 +416,7 @@ def prepare_batch(
         "tool_error_ratio_positive_kept": tool_error_ratio_positive(kept_groups),
         "response_clip_ratio": sum(s.traj.truncated for s in all_scored) / n,
         "response_length": sum(len(s.traj.response_ids) for s in all_scored) / n,
+        "response_tokens": float(sum(len(s.traj.response_ids) for s in all_scored)),  # tokens/s in logs
         "tool_calls_mean": sum(s.traj.tool_calls for s in all_scored) / n,
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),

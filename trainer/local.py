@@ -46,8 +46,10 @@ from kuberl.trainer.policy import (
     model_dir,
     same_architecture,
 )
+from kuberl.trainer.progress import LogProgress, use_plain
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
+from kuberl.trainer.tracking import check_installed, open_trackers
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
 
 
@@ -262,6 +264,7 @@ def run_job(
     """
     t_start = time.time()
     spec = job.spec
+    check_installed(job)
     algo = algorithm or spec.algorithm.name
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -365,8 +368,14 @@ def _run_pipeline(
 ) -> RunResult:  # fmt: skip
     spec = job.spec
     main = ctx.is_main
-    sink = MetricsSink(job.metadata.name, out) if main else NullSink()
     console, progress = _ui(quiet)
+    listeners: list[Any] = []
+    if main and not quiet and progress is None:
+        listeners.append(LogProgress([(s.name, s.type, s.steps) for s in spec.stages]))
+    if main:
+        listeners.extend(open_trackers(job, out, store, resume=payload is not None))
+    sink = MetricsSink(job.metadata.name, out, listeners) if main else NullSink()
+    sink.describe_run([{"name": s.name, "type": s.type, "steps": s.steps} for s in spec.stages])
     tasks: dict[str, Any] = {}
 
     def on_progress(stage: str, step: int, total: int, rec: dict) -> None:
@@ -377,6 +386,7 @@ def _run_pipeline(
         progress.update(tasks[stage], completed=step, info=_brief(rec))
 
     with contextlib.ExitStack() as stack:
+        stack.callback(sink.close)  # last out: trackers see the final records and events
         worker = None
         if main:
             sandbox_url = None
@@ -429,18 +439,37 @@ def _run_pipeline(
             stack.enter_context(progress)
         result = pipe.run()
     result.evals["wall_seconds"] = time.time() - t_start
+    if main:
+        _write_report(out, console)
     if console is not None:
         console.print(summary_table(result, algorithm))
     return result
 
 
+def _write_report(out: Path, console) -> None:
+    """report.html beside metrics.jsonl; a run that trained is not failed by its report."""
+    from kuberl.trainer.report import write_report
+
+    try:
+        path = write_report(out)
+    except Exception as err:  # noqa: BLE001 - the checkpoints and metrics are what matter
+        print(f"warning: could not write the run report: {err}", file=sys.stderr)
+        return
+    if console is not None:
+        console.print(f"report: {path}")
+
+
 def _ui(quiet: bool):
+    """The console and, on a terminal, rich's live progress bars; with stdout not a terminal (a log
+    file, a pod's log) the bars would only show at the end, so :class:`LogProgress` writes lines."""
     if quiet:
         return None, None
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console()
+    if use_plain(sys.stdout):
+        return console, None
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),

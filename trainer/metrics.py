@@ -17,15 +17,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, start_http_server
 
 from kuberl.rollout.engine import GENERATED_TOKENS
 from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
 
+RUN_INFO = "run.json"
 _GAUGES: dict[str, Gauge] = {}
 _SERVER_PORT: int | None = None
 _SERVER_ADDR: str | None = None
@@ -72,11 +75,23 @@ def _clean(v: Any) -> Any:
     return v
 
 
+class SinkListener(Protocol):
+    """Sees every record the sink writes: log progress lines, experiment trackers."""
+
+    def step(self, record: dict[str, Any]) -> None: ...
+
+    def event(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsSink:
-    def __init__(self, job: str, out_dir: str | Path):
+    def __init__(self, job: str, out_dir: str | Path, listeners: Sequence[SinkListener] = ()):
         self.job = job
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.listeners: list[SinkListener] = list(listeners)
+        self._failures: dict[int, int] = {}
         self.port: int | None = None
         self.addr: str | None = None
         port = os.environ.get("KUBERL_METRICS_PORT")
@@ -95,6 +110,7 @@ class MetricsSink:
         rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        self._notify("step", rec)
         g = _gauges()
         if "stage" in record and "step" in record:
             g["step"].labels(self.job, record["stage"]).set(record["step"])
@@ -125,10 +141,41 @@ class MetricsSink:
     def events_path(self) -> Path:
         return self.out / "events.jsonl"
 
+    def describe_run(self, stages: list[dict[str, Any]]) -> None:
+        """run.json: the job's stages (name, type, steps), so readers of the run folder
+        (``kuberl status``, the report) know each stage's length without the manifest."""
+        path = self.out / RUN_INFO
+        path.write_text(json.dumps({"job": self.job, "stages": stages}, indent=1) + "\n", encoding="utf-8")
+
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
         rec = {"time": time.time(), "kind": kind, "text": text, "stage": stage, "step": step}
         with open(self.events_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
+        self._notify("event", rec)
+
+    def _notify(self, method: str, rec: dict[str, Any]) -> None:
+        """Hand ``rec`` to every listener. A failing one (a tracking server gone) costs its own
+        records, never the run's: it is reported on stderr at its 1st, 10th, 100th... failure."""
+        for listener in self.listeners:
+            try:
+                getattr(listener, method)(rec)
+            except Exception as err:  # noqa: BLE001 - see above
+                n = self._failures[id(listener)] = self._failures.get(id(listener), 0) + 1
+                if math.log10(n).is_integer():
+                    print(
+                        f"warning: {type(listener).__name__} failed ({n} time{'s' if n > 1 else ''}): {err}",
+                        file=sys.stderr,
+                    )
+
+    def close(self) -> None:
+        """Close every listener (a tracker finishes its run); one failing is reported on stderr
+        and does not stop the rest, nor fail a run whose checkpoints and metrics are written."""
+        for listener in self.listeners:
+            try:
+                listener.close()
+            except Exception as err:  # noqa: BLE001 - see above
+                print(f"warning: closing {type(listener).__name__} failed: {err}", file=sys.stderr)
+        self.listeners = []
 
 
 class NullSink:
@@ -137,10 +184,16 @@ class NullSink:
     port: int | None = None
     events_path: Path | None = None
 
+    def describe_run(self, stages: list[dict[str, Any]]) -> None:
+        pass
+
     def step(self, record: dict[str, Any]) -> None:
         pass
 
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 

@@ -484,6 +484,7 @@ class Pipeline:
         groups: list = []
         if self.ctx.is_main:
             if k == 0:
+                self.call("step_stats")  # from here on: this step's figures alone (not an eval's)
                 args, kwargs = request(0)
                 groups = self.call("rollouts", *args, **kwargs)
             else:
@@ -544,6 +545,8 @@ class Pipeline:
         if gaps:
             rec["engine_logprob_gap"] = gaps
             self._spot_check(stage, gaps)
+        if self.ctx.is_main:  # with k > 0: the calls finished since the last step, later batches' too
+            rec.update(self.call("step_stats") or {})  # None: a worker that does not count them
         busy = self.call("busy_seconds") if self.ctx.is_main else None
         if busy is not None and self._engine_busy_mark is not None:
             rec["engine_busy_seconds"] = busy - self._engine_busy_mark  # generation during this step
