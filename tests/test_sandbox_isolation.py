@@ -613,3 +613,30 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
             alive(url)
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_clear_dir_removes_any_tree_and_stops_at_its_budget(tmp_path):
+    from kuberl.sandbox.fsview import clear_dir
+
+    top = tmp_path / "slot"
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(2500):  # 5000 characters below top: past PATH_MAX
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    (top / "locked" / "inner").mkdir(parents=True)
+    (top / "locked" / "inner" / "f").write_text("x")
+    (top / "locked" / "inner").chmod(0)
+    (top / "locked").chmod(0o500)
+    os.symlink("/", top / "root-link")
+    os.mkfifo(top / "pipe")
+    (top / "bad\udcffname".encode("utf-8", "surrogateescape").decode("utf-8", "surrogateescape")).mkdir()
+    assert clear_dir(str(top), budget_s=30.0) is True
+    assert os.listdir(top) == [] and os.path.isdir("/")  # the link was removed, not followed
+    for i in range(2000):
+        (top / f"f{i}").touch()
+    assert clear_dir(str(top), budget_s=0.0) is False  # out of budget: the caller moves it aside
+    assert clear_dir(str(top), budget_s=30.0) is True and os.listdir(top) == []
