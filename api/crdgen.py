@@ -15,7 +15,7 @@ import yaml
 
 from kuberl import GROUP, VERSION
 
-from .common import NAME_PATTERN, Resource
+from .common import RESOURCE_NAME_PATTERN, Resource
 from .loader import KINDS
 
 _DROP = {"title", "discriminator"}
@@ -105,6 +105,18 @@ CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
     "RolloutFleet": {(): _FLEET_RULES, ("autoscaling",): [_BOUNDS_RULE]},
 }
 
+# Rules on the whole object: only these may read metadata.name.
+ROOT_RULES: dict[str, list[dict[str, str]]] = {
+    "AgenticRLJob": [
+        {
+            "rule": "size(self.metadata.name) + size(string((has(self.spec.trainer) ? "
+            "self.spec.trainer.replicas : 1) - 1)) <= 54",
+            "message": "metadata.name is too long: the trainer pods' hostnames <name>-trainer-<index> "
+            "must fit 63 characters",
+        }
+    ]
+}
+
 PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
     "AgenticRLJob": [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -146,8 +158,11 @@ def structural(node: Any, defs: dict[str, Any], in_status: bool = False) -> Any:
     node = dict(node)
     if node.get("x-kubernetes-int-or-string"):
         out = {"x-kubernetes-int-or-string": True}
-        if "description" in node:
-            out["description"] = node["description"]
+        for key in ("description", "pattern"):
+            if key in node:
+                out[key] = node[key]
+        if "pattern" in out:  # a quantity: kubebuilder's form (the pattern checks strings only)
+            out = {"anyOf": [{"type": "integer"}, {"type": "string"}], **out}
         return out
     for key in ("anyOf", "oneOf"):
         if key in node:
@@ -208,7 +223,9 @@ def schema_for(kind: type[Resource]) -> dict[str, Any]:
     # makes status patches silently vanish.
     status["x-kubernetes-preserve-unknown-fields"] = True
     spec.pop("default", None)
+    root: dict[str, Any] = {"x-kubernetes-validations": ROOT_RULES[kind.KIND]} if kind.KIND in ROOT_RULES else {}
     return {
+        **root,
         "type": "object",
         "description": (kind.__doc__ or kind.KIND).strip().splitlines()[0],
         "required": ["spec"],
@@ -219,7 +236,7 @@ def schema_for(kind: type[Resource]) -> dict[str, Any]:
             # the Services and pods it derives from the name.
             "metadata": {
                 "type": "object",
-                "properties": {"name": {"type": "string", "maxLength": 63, "pattern": NAME_PATTERN}},
+                "properties": {"name": {"type": "string", "maxLength": 63, "pattern": RESOURCE_NAME_PATTERN}},
             },
             "spec": spec,
             "status": status,

@@ -44,6 +44,7 @@ def is_source_checkout(root: Path) -> bool:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kuberl.api.loader import ManifestError, load_manifests
+    from kuberl.operator.checks import check_file
 
     failed = 0
     for path in args.files:
@@ -53,8 +54,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             print(f"INVALID {err}", file=sys.stderr)
             continue
-        for r in resources:
-            print(f"ok      {path}: {r.KIND}/{r.metadata.name}")
+        # The children are rendered as the operator would and checked as the API server would.
+        for v in check_file(resources):
+            what = f"{path}: {v.resource.KIND}/{v.resource.metadata.name}"
+            if v.problems:
+                failed += 1
+                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems), file=sys.stderr)
+            else:
+                print(f"ok      {what}")
+            for note in v.notes:
+                print(f"  {note}")
     return 1 if failed else 0
 
 

@@ -34,6 +34,7 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
+from kuberl.operator import trainer_runs
 from kuberl.operator.engines import (
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
@@ -676,6 +677,10 @@ def build_job(
         container["volumeMounts"].append(
             {"name": WEIGHTS_VOLUME, "mountPath": fleet_spec.weight_sync.mount_path}
         )
+    claim = trainer_runs.checkpoint_claim(job, namespace, labels)
+    if (ckpt := trainer_runs.checkpoint_volume(job)) is not None:
+        volumes.append(ckpt[0])
+        container["volumeMounts"].append(ckpt[1])
     trainer_job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -684,14 +689,18 @@ def build_job(
             "completionMode": "Indexed",
             "completions": trainer.replicas,
             "parallelism": trainer.replicas,
-            # A distributed step cannot survive a lost rank: fail fast, resume from checkpoint.
+            # A distributed step cannot survive a lost rank: fail fast, and the operator restarts
+            # the whole trainer (trainer.maxRestarts), which resumes from its last checkpoint.
+            # Evicted/preempted pods are replaced without counting (podFailurePolicy).
             "backoffLimit": 0,
+            "podFailurePolicy": trainer_runs.POD_FAILURE_POLICY,
             "suspend": spec.suspend,
             "template": {
                 "metadata": {
                     "labels": labels,
                     "annotations": {
-                        ANNOTATION_CONFIG_HASH: spec_hash(job_yaml),
+                        # Only what defines the run: a label on the job must not replace it.
+                        ANNOTATION_CONFIG_HASH: spec_hash(trainer_runs.run_document(doc)),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(TRAINER_METRICS_PORT),
                     },
@@ -712,6 +721,7 @@ def build_job(
         *trainer_rbac(job, namespace),
         config_map,
         service,
+        *([claim] if claim is not None else []),
         trainer_job,
         *_inline_children(job, namespace),
     ]
@@ -939,6 +949,12 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+        # A job's checkpoint volume (operator/trainer_runs.py); never deleted by the operator.
+        {
+            "apiGroups": [""],
+            "resources": ["persistentvolumeclaims"],
+            "verbs": ["get", "list", "watch", "create", "patch"],
+        },
     ]
 
 

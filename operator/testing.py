@@ -22,7 +22,15 @@ API server does more that the kopf runtime and the operator rely on, added here:
   StatefulSets and LeaderWorkerSets report all replicas ready; Jobs report active pods
   (none while suspended). Tests that need other states patch ``/status`` themselves.
 
-It is a test double, so it is deliberately permissive about schemas (no validation).
+* the API server's own validation of built-in objects (``apirules``: name rules per kind,
+  labels, quantities, requests <= limits, names the controllers derive), answered with 422
+  Invalid as a real server does, and kinds that are not installed (``absent_kinds``, e.g. a
+  cluster without the LeaderWorkerSet CRD) answered with 404;
+* ResourceQuota for pods: a Deployment whose pods would pass a quota's ``hard`` requests or
+  limits (or that omit a request the quota tracks) gets only the pods that fit and the
+  ``ReplicaFailure`` condition with the quota's refusal, as the ReplicaSet controller reports it.
+
+It stays permissive about the OpenAPI schema of built-in kinds (``schemas.py`` checks that).
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
 
-from .canonical import server_form
+from .apirules import object_problems
+from .canonical import parse_quantity, server_form
 
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     # "group/version/plural": (kind, namespaced, subresources)
@@ -55,6 +64,8 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
     "v1/namespaces": ("Namespace", False, ("status",)),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, ("status",)),
+    "v1/resourcequotas": ("ResourceQuota", True, ("status",)),
     "apps/v1/deployments": ("Deployment", True, ("status", "scale")),
     "apps/v1/statefulsets": ("StatefulSet", True, ("status", "scale")),
     "batch/v1/jobs": ("Job", True, ("status",)),
@@ -134,12 +145,15 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     simulate_controllers: bool = True
     namespaces: set[str] = attrs.field(factory=lambda: {"default"})
+    absent_kinds: set[str] = attrs.field(factory=set)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, (kind, namespaced, subs) in CORE_RESOURCES.items():
+            if kind in self.absent_kinds:
+                continue
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind,
                 namespaced=namespaced,
@@ -197,13 +211,59 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         st = obj.setdefault("status", {})
         if kind in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
             n = int(spec.get("replicas", 1))
+            fit, refusal = n, None
+            if kind == "Deployment":
+                fit, refusal = self._quota_fit(obj, n)
             st.update(
-                replicas=n, readyReplicas=n, availableReplicas=n, updatedReplicas=n, observedGeneration=gen
+                replicas=fit, readyReplicas=fit, availableReplicas=fit, updatedReplicas=fit, observedGeneration=gen
             )
+            conds = [c for c in st.get("conditions") or [] if c.get("type") != "ReplicaFailure"]
+            if refusal:
+                conds.append(
+                    {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": refusal}
+                )
+            st["conditions"] = conds
         elif kind == "Job" and not st.get("conditions"):
             active = 0 if spec.get("suspend") else int(spec.get("parallelism", 1))
             st.update(active=active, ready=active)
             st.setdefault("startTime", _now())
+
+    def _quota_fit(self, obj: dict[str, Any], wanted: int) -> tuple[int, str | None]:
+        """How many of a Deployment's pods the namespace's ResourceQuotas admit, and why not more.
+
+        Usage by other pods is not tracked (the emulator runs no pods): each quota's ``hard``
+        is compared with this Deployment's pods alone."""
+        ns = obj.get("metadata", {}).get("namespace")
+        name = obj.get("metadata", {}).get("name")
+        pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+        per_pod: dict[str, Any] = {}
+        for c in pod.get("containers") or []:
+            res = c.get("resources") or {}
+            for part in ("requests", "limits"):
+                for rname, q in (res.get(part) or {}).items():
+                    key = f"{part}.{rname}"
+                    per_pod[key] = per_pod.get(key, 0) + parse_quantity(q)[0]
+        fit, refusal = wanted, None
+        for (r, n, _), raw in self._live():
+            if r.plural != "resourcequotas" or n != ns:
+                continue
+            qname = raw["metadata"]["name"]
+            for key, hard in ((raw.get("spec") or {}).get("hard") or {}).items():
+                full = f"requests.{key}" if key in ("cpu", "memory", "ephemeral-storage") else key
+                if not full.startswith(("requests.", "limits.")):
+                    continue  # object counts are not emulated
+                if full not in per_pod:
+                    fit, refusal = 0, f'pods "{name}-" is forbidden: failed quota: {qname}: must specify {full}'
+                    continue
+                can = int(parse_quantity(hard)[0] // per_pod[full]) if per_pod[full] > 0 else wanted
+                if can < fit:
+                    fit = can
+                    refusal = (
+                        f'pods "{name}-" is forbidden: exceeded quota: {qname}, requested: '
+                        f"{full}={float(per_pod[full]):g}, used: {full}={float(per_pod[full] * can):g}, "
+                        f"limited: {full}={hard}"
+                    )
+        return max(0, fit), refusal
 
     async def _delete(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
         current = self._store(key)
@@ -266,12 +326,38 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         act = request.action
+        if res is not None and getattr(res, "plural", None) in self._absent_plurals():
+            # What the API server answers for a kind it does not serve (its CRD not installed).
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "NotFound",
+                    "code": 404,
+                    "message": "the server could not find the requested resource",
+                },
+                status=404,
+            )
         if res is None or act in (None, enums.action.WATCH) or not self._known(res):
             # Discovery, watches and anything unknown: kmock's own behaviour.
             return await kmock.RawHandler._handle(self, request)
         async with self._lock:
             payload = await self._serve(request)
         return aiohttp.web.json_response(payload)
+
+    def _absent_plurals(self) -> set[str]:
+        return {key.rsplit("/", 1)[1] for key, (kind, _, _) in CORE_RESOURCES.items() if kind in self.absent_kinds}
+
+    def _validate(self, res: Any, obj: dict[str, Any]) -> None:
+        """422 for what the API server's Go validation refuses (built-in kinds and LWS)."""
+        if (res.group or "") not in BUILTIN_GROUPS and res.group != "leaderworkerset.x-k8s.io":
+            return
+        problems = object_problems(obj)
+        if problems:
+            kind = obj.get("kind", "?")
+            name = (obj.get("metadata") or {}).get("name", "?")
+            raise _error(422, "Invalid", f"{kind} {name!r} is invalid: " + "; ".join(problems))
 
     def _known(self, res: Any) -> bool:
         return any(res == r for r in self.resources)
@@ -302,6 +388,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             key = (res, ns, meta["name"])
             if self._store(key) is not None:
                 raise _error(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
+            self._validate(res, obj)
             meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
             meta.pop("resourceVersion", None)
             obj = await self._write(key, stored_form(obj, res.group), created=True)
@@ -358,6 +445,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             new["status"] = current.get("status")
             if new["status"] is None:
                 new.pop("status")
+        if sub is None:
+            self._validate(key[0], new)
         new = stored_form(new, key[0].group)
         meta = new.setdefault("metadata", {})
         for fixed in ("uid", "creationTimestamp", "name", "namespace"):

@@ -18,6 +18,7 @@ from kuberl.operator.builders import (
     selector_string,
 )
 from kuberl.operator.schemas import validate_manifest
+from kuberl.operator.trainer_runs import NEVER_PRUNED
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -250,6 +251,7 @@ def test_child_kinds_cover_everything_the_builders_emit() -> None:
     ]
     for res in resources:
         emitted = {(o["apiVersion"], o["kind"]) for o in build_for(res) if o["kind"] != "ScaledObject"}
+        emitted -= NEVER_PRUNED  # the checkpoint volume goes with its job only
         assert emitted <= set(CHILD_KINDS[res.KIND]), (res.KIND, emitted - set(CHILD_KINDS[res.KIND]))
 
 
@@ -261,7 +263,9 @@ def test_job_trainer_rendezvous_and_config() -> None:
     )
     objs = _by_kind(build_for(job, "team"))
     # refs: no inline children
-    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"}
+    assert set(objs) == {
+        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job", "PersistentVolumeClaim"
+    }
     assert objs["Role"]["rules"] == [
         {
             "apiGroups": ["discovery.k8s.io"],

@@ -71,10 +71,10 @@ async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0,
 
 
 @contextlib.asynccontextmanager
-async def emulated_cluster() -> AsyncIterator[Cluster]:
+async def emulated_cluster(**emulator: Any) -> AsyncIterator[Cluster]:
     """The API emulator serving over HTTP, with the test namespace."""
     async with (
-        ClusterEmulator(namespaces={NS}) as emu,
+        ClusterEmulator(namespaces={NS}, **emulator) as emu,
         kmock.Server(emu) as srv,
         aiohttp.ClientSession() as session,
     ):
@@ -292,7 +292,8 @@ async def _absent(k: Cluster, path: str) -> bool:
 
 async def test_job_failure_is_reported_from_trainer_pods() -> None:
     async with cluster_and_operator() as k:
-        await k.create(f"{API}/agenticrljobs", job("boom"))
+        no_retry = {"replicas": 2, "accelerator": {"profile": "h100", "count": 8}, "maxRestarts": 0}
+        await k.create(f"{API}/agenticrljobs", job("boom", trainer=no_retry))
         await eventually(
             lambda: k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer"), what="trainer Job"
         )

@@ -1,0 +1,240 @@
+"""What a real API server refuses in the built-in objects kuberl creates, as pure functions.
+
+The OpenAPI schema (``schemas.py``) says which fields exist and their types; the API server
+also runs each kind's Go validation, which a schema check misses and which refuses objects
+that look fine: a Service named ``7b-fleet`` (Service names are RFC 1035 labels and must start
+with a letter), a Job whose pods' hostnames pass 63 characters, ``memory: lots``, a memory
+request above its limit. ``object_problems`` is that validation for the kinds and fields
+kuberl emits, so that
+
+* ``kuberl validate`` renders a manifest's children and refuses what the API would refuse,
+  before anything is created;
+* the operator checks the same before applying anything (no Deployment holding GPUs while its
+  Service is refused), and reports it in ``status.conditions``;
+* the test emulator (``testing.py``) answers 422 where the API server would.
+
+Each problem is one line naming the object and the field, in the API server's words where
+they are clear.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from .canonical import parse_quantity
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+STANDARD_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage", "storage", "pods"})
+STATEFULSET_NAME_MAX = 52
+"""A StatefulSet's pods carry ``controller-revision-hash: <name>-<10 chars>``, a 63-char label."""
+
+# Kinds whose name becomes a DNS label (Services) or a label value on their pods.
+_RFC1035_KINDS = frozenset({"Service", "LeaderWorkerSet"})
+_LABEL_NAME_KINDS = frozenset({"Job"})  # batch.kubernetes.io/job-name=<name> on every pod
+
+
+def name_problem(kind: str, name: str) -> str | None:
+    """Why ``name`` is not a valid ``metadata.name`` for ``kind`` (None: it is)."""
+    if kind in _RFC1035_KINDS:
+        if len(name) > 63:
+            return f"must be no more than 63 characters (got {len(name)}: {name!r})"
+        if not DNS1035_LABEL.match(name):
+            return (
+                f"{name!r} is not an RFC 1035 label: lowercase letters, digits and '-', starting with "
+                "a letter and ending with a letter or digit"
+            )
+        return None
+    if kind in _LABEL_NAME_KINDS and len(name) > 63:
+        return f"must be no more than 63 characters, as it becomes a label value (got {len(name)}: {name!r})"
+    if kind == "StatefulSet" and len(name) > STATEFULSET_NAME_MAX:
+        return f"must be no more than {STATEFULSET_NAME_MAX} characters (got {len(name)}: {name!r})"
+    if len(name) > 253 or not DNS1123_SUBDOMAIN.match(name):
+        return (
+            f"{name!r} is not a DNS subdomain: at most 253 characters of lowercase letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit"
+        )
+    return None
+
+
+def label_problems(labels: dict[str, Any] | None, where: str) -> list[str]:
+    out = []
+    for key, value in (labels or {}).items():
+        prefix, _, name = key.rpartition("/")
+        if (prefix and (len(prefix) > 253 or not DNS1123_SUBDOMAIN.match(prefix))) or (
+            len(name) > 63 or not QUALIFIED_NAME.match(name)
+        ):
+            out.append(f"{where}: label key {key!r} is not a qualified name")
+        if not isinstance(value, str):
+            out.append(f"{where}[{key}]: label values must be strings (got {value!r})")
+        elif len(value) > 63 or not LABEL_VALUE.match(value):
+            out.append(
+                f"{where}[{key}]: label value {value!r} must be at most 63 characters of letters, digits, "
+                "'-', '_' and '.', starting and ending with a letter or digit"
+            )
+    return out
+
+
+def quantity_problem(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        return f"{value!r} is not a quantity"
+    try:
+        amount, _ = parse_quantity(value)
+    except ValueError:
+        return (
+            f"{value!r} is not a quantity: a number with an optional suffix (m, k, M, G, Ki, Mi, Gi, ...), "
+            "e.g. 500m, 2, 16Gi"
+        )
+    if amount < 0:
+        return f"{value!r} must be greater than or equal to 0"
+    return None
+
+
+def _resource_name_problem(name: str) -> str | None:
+    if name in STANDARD_RESOURCES or name.startswith("hugepages-") or "/" in name:
+        prefix, _, rest = name.partition("/")
+        if "/" in name and (not DNS1123_SUBDOMAIN.match(prefix) or not QUALIFIED_NAME.match(rest)):
+            return f"{name!r} is not a valid resource name"
+        return None
+    return (
+        f"{name!r} is not a standard resource (cpu, memory, ephemeral-storage, hugepages-<size>) nor "
+        "a fully qualified one such as amd.com/gpu"
+    )
+
+
+def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
+    """core/v1 ResourceRequirements: names, quantities, requests <= limits, and extended
+    resources (anything with a domain, like amd.com/gpu) requested exactly at their limit."""
+    out: list[str] = []
+    parsed: dict[str, dict[str, Any]] = {}
+    for part in ("requests", "limits"):
+        values = (res or {}).get(part) or {}
+        if not isinstance(values, dict):
+            out.append(f"{where}.{part}: must be a map of resource name to quantity")
+            continue
+        parsed[part] = {}
+        for name, value in values.items():
+            problem = _resource_name_problem(name) or quantity_problem(value)
+            if problem:
+                out.append(f"{where}.{part}[{name}]: {problem}")
+            else:
+                parsed[part][name] = parse_quantity(value)[0]
+    requests, limits = parsed.get("requests", {}), parsed.get("limits", {})
+    for name, req in requests.items():
+        lim = limits.get(name)
+        extended = "/" in name and not name.startswith("kubernetes.io/")
+        if lim is not None and req > lim:
+            out.append(f"{where}.requests[{name}]: must be less than or equal to {name} limit")
+        if extended and lim is not None and req != lim:
+            out.append(f"{where}.requests[{name}]: must be equal to {name} limit (extended resource)")
+        if extended and lim is None:
+            out.append(f"{where}.limits[{name}]: extended resource {name} needs a limit equal to its request")
+    return out
+
+
+def _keyed_duplicates(items: Iterable[dict[str, Any]], key: str, where: str) -> list[str]:
+    seen: set[Any] = set()
+    out = []
+    for item in items:
+        value = item.get(key)
+        if value in seen:
+            out.append(f"{where}: duplicate {key} {value!r}")
+        seen.add(value)
+    return out
+
+
+def pod_spec_problems(spec: dict[str, Any], where: str) -> list[str]:
+    """A PodSpec: container and volume names, images, resources, emptyDir sizes, mounts."""
+    out: list[str] = []
+    volumes = spec.get("volumes") or []
+    out += _keyed_duplicates(volumes, "name", f"{where}.volumes")
+    names = {v.get("name") for v in volumes}
+    for i, vol in enumerate(volumes):
+        if not DNS1123_LABEL.match(str(vol.get("name", ""))) or len(str(vol.get("name"))) > 63:
+            out.append(f"{where}.volumes[{i}].name: {vol.get('name')!r} is not an RFC 1123 label")
+        size = (vol.get("emptyDir") or {}).get("sizeLimit")
+        if size is not None and (problem := quantity_problem(size)):
+            out.append(f"{where}.volumes[{i}].emptyDir.sizeLimit: {problem}")
+    containers = [("containers", c) for c in spec.get("containers") or []]
+    containers += [("initContainers", c) for c in spec.get("initContainers") or []]
+    if not spec.get("containers"):
+        out.append(f"{where}.containers: Required value")
+    out += _keyed_duplicates((c for _, c in containers), "name", f"{where}.containers")
+    for i, (field, c) in enumerate(containers):
+        at = f"{where}.{field}[{c.get('name', i)}]"
+        if not DNS1123_LABEL.match(str(c.get("name", ""))) or len(str(c.get("name"))) > 63:
+            out.append(f"{at}.name: {c.get('name')!r} is not an RFC 1123 label")
+        if not c.get("image"):
+            out.append(f"{at}.image: Required value")
+        out += resources_problems(c.get("resources"), f"{at}.resources")
+        out += _keyed_duplicates(c.get("volumeMounts") or [], "mountPath", f"{at}.volumeMounts")
+        for m in c.get("volumeMounts") or []:
+            if m.get("name") not in names:
+                out.append(f"{at}.volumeMounts[{m.get('name')}]: volume {m.get('name')!r} not found")
+        out += _keyed_duplicates(c.get("env") or [], "name", f"{at}.env")
+    return out
+
+
+def _template_problems(template: dict[str, Any], where: str) -> list[str]:
+    meta = template.get("metadata") or {}
+    return label_problems(meta.get("labels"), f"{where}.metadata.labels") + pod_spec_problems(
+        template.get("spec") or {}, f"{where}.spec"
+    )
+
+
+def _digits(n: int) -> int:
+    return len(str(max(0, n)))
+
+
+def object_problems(obj: dict[str, Any]) -> list[str]:
+    """Why the API server (or the controller that makes its pods) would refuse ``obj``.
+
+    Covers ``metadata`` (name rule of the kind, labels), pod templates of Deployments, Jobs and
+    LeaderWorkerSets, and the names their controllers derive: an Indexed Job's pods are named
+    ``<job>-<index>`` as hostnames, a LeaderWorkerSet's ``<lws>-<group>-<worker>`` (and each
+    group is a StatefulSet ``<lws>-<group>``). Objects of other kinds get the metadata checks.
+    """
+    kind, meta = obj.get("kind", "?"), obj.get("metadata") or {}
+    name = str(meta.get("name", ""))
+    what = f"{kind}/{name}"
+    out: list[str] = []
+    if (problem := name_problem(kind, name)) is not None:
+        out.append(f"{what}: metadata.name: {problem}")
+    out += label_problems(meta.get("labels"), f"{what}: metadata.labels")
+    spec = obj.get("spec") or {}
+    if kind == "Deployment":
+        out += [f"{what}: {p}" for p in _template_problems(spec.get("template") or {}, "spec.template")]
+    elif kind == "Job":
+        out += [f"{what}: {p}" for p in _template_problems(spec.get("template") or {}, "spec.template")]
+        if spec.get("completionMode") == "Indexed":
+            last = f"{name}-{int(spec.get('completions', 1)) - 1}"
+            if len(last) > 63:
+                out.append(
+                    f"{what}: its pods' hostnames <job>-<index> pass 63 characters ({last!r}, "
+                    f"{len(last)}); shorten the name"
+                )
+    elif kind == "LeaderWorkerSet":
+        lwt = spec.get("leaderWorkerTemplate") or {}
+        for part in ("leaderTemplate", "workerTemplate"):
+            if part in lwt:
+                out += [f"{what}: {p}" for p in _template_problems(lwt[part], f"spec.leaderWorkerTemplate.{part}")]
+        groups, size = int(spec.get("replicas", 1)), int(lwt.get("size", 1))
+        sts = len(name) + 1 + _digits(groups - 1)
+        pod = sts + 1 + _digits(size - 1)
+        if sts > STATEFULSET_NAME_MAX or pod > 63:
+            out.append(
+                f"{what}: the names it derives are too long (StatefulSet <name>-<group> {sts} > "
+                f"{STATEFULSET_NAME_MAX} or pod <name>-<group>-<worker> {pod} > 63 characters); "
+                "shorten the name"
+            )
+    return out
+
+
+def children_problems(objs: Iterable[dict[str, Any]]) -> list[str]:
+    """Every problem of every object, in order (empty: the API server would take them all)."""
+    return [p for obj in objs for p in object_problems(obj)]

@@ -1,0 +1,201 @@
+"""Issue 14 item 1: a child the API server refuses is visible on its owner, and what can be known
+from the manifest alone is refused by `kuberl validate` and the operator's pre-flight.
+
+The emulator (``ClusterEmulator``) answers as a real API server for these cases: 422 for names,
+labels and quantities its Go validation refuses, 404 for a kind whose CRD is not installed, and
+a Deployment that a ResourceQuota keeps from creating pods reports ``ReplicaFailure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import yaml
+
+from kuberl.api import AgenticRLJob, parse_resource
+from kuberl.cli import main
+from kuberl.operator.apirules import children_problems, object_problems
+from kuberl.operator.builders import build_for
+from kuberl.operator.checks import rendered_problems
+from tests.test_operator_e2e import (
+    API,
+    NS,
+    _status,
+    cluster_and_operator,
+    emulated_cluster,
+    eventually,
+    pool,
+    running_operator,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _svc(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": {}}
+
+
+def _deploy(resources: dict[str, Any], name: str = "d") -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "template": {"spec": {"containers": [{"name": "c", "image": "i", "resources": resources}]}}
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("obj", "fragment"),
+    [
+        (_svc("7b-fleet"), "not an RFC 1035 label"),
+        (_svc("a" * 64), "no more than 63 characters"),
+        (_deploy({"requests": {"memory": "lots"}}), "'lots' is not a quantity"),
+        (_deploy({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}), "less than or equal"),
+        (_deploy({"requests": {"amd.com/gpu": "1"}, "limits": {"amd.com/gpu": "2"}}), "must be equal"),
+        (_deploy({"requests": {"gpu": "1"}}), "not a standard resource"),
+        (_deploy({}, name="Bad_Name"), "not a DNS subdomain"),
+        (
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": "j" * 60},
+                "spec": {
+                    "completionMode": "Indexed",
+                    "completions": 1000,
+                    "template": {"spec": {"containers": [{"name": "c", "image": "i"}]}},
+                },
+            },
+            "hostnames <job>-<index> pass 63",
+        ),
+    ],
+)
+def test_api_server_rules_refuse_what_a_real_server_refuses(obj: dict[str, Any], fragment: str) -> None:
+    problems = object_problems(obj)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_what_kuberl_renders_passes_the_api_server_rules() -> None:
+    job = parse_resource(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "AgenticRLJob",
+            "metadata": {"name": "train"},
+            "spec": {
+                "model": {"base": "m"},
+                "data": {"train": "builtin:arith"},
+                "rollout": {
+                    "fleet": {"replicas": 2, "engine": {"tensorParallel": 16}, "accelerator": {"count": 8}}
+                },
+                "sandbox": {"pool": {}},
+            },
+        }
+    )
+    assert rendered_problems(job) == []
+    assert children_problems(build_for(job)) == []
+
+
+def _multi_node_job(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "AgenticRLJob",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "model": {"base": "m"},
+            "data": {"train": "builtin:arith"},
+            "rollout": {"fleet": {"engine": {"tensorParallel": 16}, "accelerator": {"count": 8}}},
+        },
+    }
+
+
+LONG = "qwen3-14b-rstar2-agent-grpo-roc-math-stage-two"  # 46: fine alone, too long for its LWS
+
+
+def test_validate_renders_children_and_refuses_names_they_derive(tmp_path: Any, capsys: Any) -> None:
+    """The job's own name fits, but its inline fleet's LeaderWorkerSet groups (StatefulSets
+    ``<job>-rollout-<group>``) pass the 52 characters a StatefulSet name may have."""
+    job = AgenticRLJob.model_validate(_multi_node_job(LONG))
+    problems = rendered_problems(job)
+    assert any(f"LeaderWorkerSet/{LONG}-rollout" in p and "shorten the name" in p for p in problems), problems
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(_multi_node_job(LONG)))
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"LeaderWorkerSet/{LONG}-rollout" in err
+
+
+async def test_emulator_refuses_what_the_api_server_refuses() -> None:
+    async with emulated_cluster() as k:
+        async with k.session.post(f"{k.url}/api/v1/namespaces/{NS}/services", json=_svc("7b-fleet")) as rsp:
+            body = await rsp.json()
+        assert rsp.status == 422 and "RFC 1035" in body["message"]
+
+
+async def test_operator_preflight_creates_nothing_when_a_child_would_be_refused() -> None:
+    async with cluster_and_operator() as k:
+        await k.create(f"{API}/agenticrljobs", _multi_node_job(LONG))
+
+        async def invalid() -> Any:
+            st = await _status(k, f"{API}/agenticrljobs/{LONG}")
+            return st if st.get("phase") == "Invalid" else None
+
+        st = await eventually(invalid, what="job Invalid")
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert f"LeaderWorkerSet/{LONG}-rollout" in ready["message"]
+        # Nothing was created: no ConfigMap, no trainer, no fleet holding GPUs.
+        assert await k.get(f"/api/v1/namespaces/{NS}/configmaps/{LONG}-config") is None
+        assert await k.get(f"{API}/rolloutfleets/{LONG}-rollout") is None
+        assert any(e["type"] == "Warning" and "LeaderWorkerSet" in e["message"] for e in await k.events(LONG))
+
+
+def _fleet(name: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"model": {"uri": "m"}, **spec},
+    }
+
+
+async def test_missing_crd_lands_in_status_conditions_and_one_event() -> None:
+    async with emulated_cluster(absent_kinds={"LeaderWorkerSet"}) as k, running_operator(k):
+        fleet = _fleet("big", engine={"tensorParallel": 16}, accelerator={"count": 8})
+        await k.create(f"{API}/rolloutfleets", fleet)
+
+        async def degraded() -> Any:
+            st = await _status(k, f"{API}/rolloutfleets/big")
+            return st if st.get("phase") == "Degraded" else None
+
+        st = await eventually(degraded, what="fleet Degraded")
+        applied = next(c for c in st["conditions"] if c["type"] == "Applied")
+        assert applied["status"] == "False" and applied["reason"] == "KindNotInstalled"
+        assert "LeaderWorkerSet/big" in applied["message"] and "CRD installed" in applied["message"]
+        # The Service was still applied; the failure is retried at every resync but reported once.
+        assert await k.get(f"/api/v1/namespaces/{NS}/services/big") is not None
+        await asyncio.sleep(1.5)
+        warnings = [e for e in await k.events("big") if e["reason"] == "ChildKindNotInstalled"]
+        assert len(warnings) == 1, warnings
+
+
+async def test_resource_quota_refusal_lands_in_status() -> None:
+    async with emulated_cluster() as k, running_operator(k):
+        quota = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "team", "namespace": NS},
+            "spec": {"hard": {"requests.memory": "16Gi"}},
+        }
+        await k.create(f"/api/v1/namespaces/{NS}/resourcequotas", quota)
+        await k.create(f"{API}/sandboxpools", pool("tools", replicas=8))  # 8 x 4Gi requested
+
+        async def refused() -> Any:
+            st = await _status(k, f"{API}/sandboxpools/tools")
+            return st if st.get("phase") == "Degraded" else None
+
+        st = await eventually(refused, what="pool Degraded by the quota")
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False" and "exceeded quota: team" in ready["message"]
+        assert st["readyReplicas"] == 4
