@@ -21,6 +21,7 @@ from .common import (
     ResourceRequirements,
     ResourceStatus,
 )
+from .pod_template import PodTemplateOverride
 from .rollout_fleet import ModelRef, RolloutFleetSpec
 from .sandbox_pool import SandboxPoolSpec
 
@@ -278,6 +279,9 @@ class TrainerSpec(KubeModel):
         ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch device for local runs.")
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...)."
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
 
     @property

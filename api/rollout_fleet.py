@@ -15,6 +15,7 @@ from .common import (
     ScaledResourceStatus,
     check_replicas_in_bounds,
 )
+from .pod_template import PodTemplateOverride
 
 # Default images by engine and accelerator profile; engine.image overrides.
 SGLANG_IMAGES: dict[str, str] = {
@@ -105,6 +106,9 @@ class RolloutFleetSpec(KubeModel):
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     weight_sync: WeightSyncSpec | None = Field(
         None, description="Shared volume for policy updates from a training run (see WeightSyncSpec)."
+    )
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered engine pods (env, secrets, scheduling, ...)."
     )
 
     @model_validator(mode="after")

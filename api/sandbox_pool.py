@@ -14,6 +14,7 @@ from .common import (
     ScaledResourceStatus,
     check_replicas_in_bounds,
 )
+from .pod_template import PodTemplateOverride
 
 DEFAULT_SANDBOX_IMAGE = "ghcr.io/kuberl/sandbox:0.1.0"
 
@@ -52,6 +53,9 @@ class SandboxPoolSpec(KubeModel):
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     network: Literal["none"] = Field("none", description="Sandboxed code never gets network access.")
     autoscaling: SandboxAutoscaling | None = None
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered sandbox pods (env, secrets, scheduling, ...)."
+    )
 
     @model_validator(mode="after")
     def _replicas_in_bounds(self) -> SandboxPoolSpec:

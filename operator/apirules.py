@@ -238,3 +238,51 @@ def object_problems(obj: dict[str, Any]) -> list[str]:
 def children_problems(objs: Iterable[dict[str, Any]]) -> list[str]:
     """Every problem of every object, in order (empty: the API server would take them all)."""
     return [p for obj in objs for p in object_problems(obj)]
+
+
+RESTRICTED_VOLUMES = frozenset(
+    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+)
+
+
+def restricted_problems(spec: dict[str, Any]) -> list[str]:
+    """Where a PodSpec breaks the Pod Security Standard "restricted" (what the admission
+    controller of a namespace labelled ``pod-security.kubernetes.io/enforce: restricted`` refuses).
+
+    The sandbox runs model-written code; its pods meet this profile as rendered, and a
+    ``podTemplate`` override must not take that away.
+    """
+    out: list[str] = []
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(flag):
+            out.append(f"{flag}=true")
+    pod_sc = spec.get("securityContext") or {}
+    for kind in ("volumes",):
+        for v in spec.get(kind) or []:
+            types = set(v) - {"name"}
+            if not types <= RESTRICTED_VOLUMES:
+                out.append(f"volume {v.get('name')!r} uses {', '.join(sorted(types - RESTRICTED_VOLUMES))}")
+    containers = (spec.get("containers") or []) + (spec.get("initContainers") or [])
+    for c in containers:
+        sc = c.get("securityContext") or {}
+        name = c.get("name", "?")
+        if sc.get("privileged"):
+            out.append(f"container {name!r}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"container {name!r}: allowPrivilegeEscalation != false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            out.append(f"container {name!r}: capabilities.drop must include ALL")
+        added = set(caps.get("add") or []) - {"NET_BIND_SERVICE"}
+        if added:
+            out.append(f"container {name!r}: capabilities.add {sorted(added)}")
+        if not (sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))):
+            out.append(f"container {name!r}: runAsNonRoot != true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            out.append(f"container {name!r}: runAsUser=0")
+        seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"container {name!r}: seccompProfile.type must be RuntimeDefault or Localhost")
+        if any(p.get("hostPort") for p in c.get("ports") or []):
+            out.append(f"container {name!r}: hostPort")
+    return out

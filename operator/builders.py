@@ -34,7 +34,7 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-from kuberl.operator import trainer_runs
+from kuberl.operator import podtemplate, trainer_runs
 from kuberl.operator.engines import (
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
@@ -337,6 +337,7 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
             "egress": [],
         },
     }
+    deployment["spec"]["template"] = podtemplate.apply(deployment["spec"]["template"], spec.pod_template)
     return [deployment, service, netpol]
 
 
@@ -394,6 +395,16 @@ def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
     subresource's ``status.selector`` and the autoscaler's scrape all use this."""
     sel = selector_labels(fleet.metadata.name, "rollout")
     return sel if fleet.spec.nodes_per_engine == 1 else {**sel, LABEL_ROLE: "leader"}
+
+
+def _override_templates(workload: Manifest, spec: RolloutFleetSpec) -> None:
+    """The fleet's podTemplate goes over every engine pod (LeaderWorkerSet leaders and workers)."""
+    if workload["kind"] == "Deployment":
+        workload["spec"]["template"] = podtemplate.apply(workload["spec"]["template"], spec.pod_template)
+        return
+    lwt = workload["spec"]["leaderWorkerTemplate"]
+    for part in ("leaderTemplate", "workerTemplate"):
+        lwt[part] = podtemplate.apply(lwt[part], spec.pod_template)
 
 
 def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list[Manifest]:
@@ -460,6 +471,7 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             },
         }
         service_selector = engine_selector(fleet)
+    _override_templates(workload, spec)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -717,6 +729,7 @@ def build_job(
             },
         },
     }
+    trainer_job["spec"]["template"] = podtemplate.apply(trainer_job["spec"]["template"], trainer.pod_template)
     return [
         *trainer_rbac(job, namespace),
         config_map,

@@ -19,7 +19,7 @@ from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 
 from .admission import context_length_problems
-from .apirules import children_problems
+from .apirules import children_problems, restricted_problems
 from .builders import build_for, uses_fleet
 
 
@@ -29,6 +29,16 @@ def rendered_problems(
     """What the API server would refuse among the objects ``resource`` creates (empty: nothing)."""
     objs = build_for(resource, namespace, fleet=fleet)
     problems = children_problems(o for o in objs if o["apiVersion"] != API_VERSION)
+    if isinstance(resource, SandboxPool):
+        # Model-written code runs there: the pods stay within Pod Security "restricted".
+        for obj in objs:
+            if obj["kind"] == "Deployment":
+                broken = restricted_problems(obj["spec"]["template"]["spec"])
+                if broken:
+                    problems.append(
+                        f"Deployment/{obj['metadata']['name']}: sandbox pods must meet Pod Security "
+                        f"\"restricted\" (spec.podTemplate breaks it): {'; '.join(broken)}"
+                    )
     for obj in objs:
         if obj["apiVersion"] != API_VERSION:
             continue

@@ -26,7 +26,8 @@ API server does more that the kopf runtime and the operator rely on, added here:
   labels, quantities, requests <= limits, names the controllers derive), answered with 422
   Invalid as a real server does, and kinds that are not installed (``absent_kinds``, e.g. a
   cluster without the LeaderWorkerSet CRD) answered with 404;
-* ResourceQuota for pods: a Deployment whose pods would pass a quota's ``hard`` requests or
+* Pod Security admission "restricted" in ``restricted_namespaces`` (a Deployment whose pods
+  break it creates none and reports ``ReplicaFailure``), and ResourceQuota for pods: a Deployment whose pods would pass a quota's ``hard`` requests or
   limits (or that omit a request the quota tracks) gets only the pods that fit and the
   ``ReplicaFailure`` condition with the quota's refusal, as the ReplicaSet controller reports it.
 
@@ -51,7 +52,7 @@ from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
 
-from .apirules import object_problems
+from .apirules import object_problems, restricted_problems
 from .canonical import parse_quantity, server_form
 
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
@@ -146,6 +147,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     simulate_controllers: bool = True
     namespaces: set[str] = attrs.field(factory=lambda: {"default"})
     absent_kinds: set[str] = attrs.field(factory=set)
+    restricted_namespaces: set[str] = attrs.field(factory=set)  # Pod Security "restricted" enforced
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
 
@@ -244,6 +246,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     key = f"{part}.{rname}"
                     per_pod[key] = per_pod.get(key, 0) + parse_quantity(q)[0]
         fit, refusal = wanted, None
+        if ns in self.restricted_namespaces and (broken := restricted_problems(pod)):
+            return 0, f'pods "{name}-" is forbidden: violates PodSecurity "restricted:latest": {"; ".join(broken)}'
         for (r, n, _), raw in self._live():
             if r.plural != "resourcequotas" or n != ns:
                 continue
