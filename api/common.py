@@ -155,7 +155,9 @@ class Condition(KubeModel):
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
     message: str = ""
-    last_transition_time: str = Field(default_factory=lambda: now_rfc3339())
+    last_transition_time: str = Field(
+        default_factory=lambda: now_rfc3339(), json_schema_extra={"format": "date-time"}
+    )
     observed_generation: int | None = None
 
 
@@ -219,6 +221,19 @@ class Autoscaling(KubeModel):
                 f"autoscaling.maxReplicas ({self.max_replicas})"
             )
         return self
+
+
+def without_default(schema: dict[str, Any]) -> None:
+    """json_schema_extra that keeps a field's default out of the CRD: the API server would fill it
+    in, and the model could no longer tell "not set" (whose default depends on other fields)."""
+    schema.pop("default", None)
+
+
+def default_replicas_to_min(spec: Any) -> None:
+    """An autoscaled resource without ``replicas`` starts at ``autoscaling.minReplicas`` (a fixed
+    default of 1 would be refused by minReplicas > 1)."""
+    if "replicas" not in spec.model_fields_set and spec.autoscaling is not None:
+        object.__setattr__(spec, "replicas", spec.autoscaling.min_replicas)
 
 
 def check_replicas_in_bounds(replicas: int, autoscaling: Autoscaling | None) -> None:

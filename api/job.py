@@ -268,7 +268,14 @@ class TrainerSpec(KubeModel):
     )
     accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=8))
     image: str | None = None
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+    )
+    model_cache_size: Quantity = Field(
+        "100Gi",
+        description="Bound of the /models cache (downloaded weights), also requested as ephemeral-storage.",
+    )
     max_restarts: int = Field(
         3,
         ge=0,
@@ -391,8 +398,8 @@ class AgenticRLJobStatus(ResourceStatus):
     step: int | None = None
     last_checkpoint: str | None = None
     summary: JobSummary | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
+    start_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
 
 
 class AgenticRLJob(Resource):

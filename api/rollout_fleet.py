@@ -10,10 +10,13 @@ from .common import (
     AcceleratorSpec,
     Autoscaling,
     KubeModel,
+    Quantity,
     Resource,
     ResourceRequirements,
     ScaledResourceStatus,
     check_replicas_in_bounds,
+    default_replicas_to_min,
+    without_default,
 )
 from .pod_template import PodTemplateOverride
 
@@ -97,11 +100,24 @@ class SchedulerSpec(KubeModel):
 
 
 class RolloutFleetSpec(KubeModel):
-    replicas: int = Field(1, ge=0, le=1000, description="Engines; the scale subresource writes this field.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Engines; the scale subresource writes this field. Default: autoscaling.minReplicas, else 1.",
+        json_schema_extra=without_default,
+    )
     model: ModelRef
     engine: EngineSpec = Field(default_factory=EngineSpec)
     accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=1))
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+    )
+    model_cache_size: Quantity = Field(
+        "100Gi",
+        description="Bound of the /models cache (downloaded weights), also requested as ephemeral-storage.",
+    )
     autoscaling: FleetAutoscaling | None = None
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     weight_sync: WeightSyncSpec | None = Field(
@@ -113,6 +129,7 @@ class RolloutFleetSpec(KubeModel):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutFleetSpec:
+        default_replicas_to_min(self)
         check_replicas_in_bounds(self.replicas, self.autoscaling)
         tp, per_node = self.engine.tensor_parallel, self.accelerator.count
         if self.accelerator.profile != "cpu" and tp > per_node and tp % per_node:

@@ -13,6 +13,8 @@ from .common import (
     ResourceRequirements,
     ScaledResourceStatus,
     check_replicas_in_bounds,
+    default_replicas_to_min,
+    without_default,
 )
 from .pod_template import PodTemplateOverride
 
@@ -42,7 +44,13 @@ class SandboxAutoscaling(Autoscaling):
 
 
 class SandboxPoolSpec(KubeModel):
-    replicas: int = Field(1, ge=0, le=1000, description="Pods; the scale subresource writes this field.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Pods; the scale subresource writes this field. Default: autoscaling.minReplicas, else 1.",
+        json_schema_extra=without_default,
+    )
     image: str = DEFAULT_SANDBOX_IMAGE
     workers_per_pod: int = Field(2, ge=1, le=256, description="Warm fork-server workers in each pod.")
     resources: ResourceRequirements = Field(
@@ -59,6 +67,7 @@ class SandboxPoolSpec(KubeModel):
 
     @model_validator(mode="after")
     def _replicas_in_bounds(self) -> SandboxPoolSpec:
+        default_replicas_to_min(self)
         check_replicas_in_bounds(self.replicas, self.autoscaling)
         return self
 

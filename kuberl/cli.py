@@ -128,10 +128,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    import yaml
 
     from kuberl.api import AgenticRLJob, RolloutFleet
-    from kuberl.api.loader import load_manifests
+    from kuberl.api.loader import dump_yaml_all, load_manifests
     from kuberl.operator.builders import build_for
 
     resources = load_manifests(args.file)
@@ -142,7 +141,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return fleets.get(r.spec.rollout.fleet_ref or "") if isinstance(r, AgenticRLJob) else None
 
     docs = [m for r in resources for m in build_for(r, namespace=args.namespace, fleet=fleet_of(r))]
-    sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
+    sys.stdout.write(dump_yaml_all(docs))
     return 0
 
 

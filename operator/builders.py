@@ -34,7 +34,7 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-from kuberl.operator import podtemplate, trainer_runs
+from kuberl.operator import podtemplate, sizing, trainer_runs
 from kuberl.operator.engines import (
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
@@ -177,20 +177,6 @@ def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
         },
         "tolerations": [{"key": taint, "operator": "Exists", "effect": "NoSchedule"}],
     }
-
-
-def accelerator_resources(acc: AcceleratorSpec, base: ResourceRequirements) -> dict[str, Any]:
-    """Container resources: the spec's own requests/limits plus the accelerator count.
-
-    Extended resources (amd.com/gpu, nvidia.com/gpu) must have requests == limits, so both are
-    set; the cpu profile adds nothing (its ``count`` is a CPU hint for local runs only).
-    """
-    res = _resources(base)
-    gpu = {"mi300x": AMD_GPU_RESOURCE, "h100": NVIDIA_GPU_RESOURCE}.get(acc.profile)
-    if gpu:
-        res.setdefault("limits", {})[gpu] = str(acc.count)
-        res.setdefault("requests", {})[gpu] = str(acc.count)
-    return res
 
 
 def _shm_volume(size: str) -> dict[str, Any]:
@@ -348,6 +334,7 @@ def _engine_pod_spec(
 ) -> dict[str, Any]:
     eng = spec.engine
     acc = spec.accelerator
+    size = sizing.size_pod(acc, spec.resources, spec.model_cache_size)
     container: dict[str, Any] = {
         "name": spec.engine.type,
         "image": spec.image,
@@ -355,7 +342,7 @@ def _engine_pod_spec(
         "command": engine_command(spec, served_name, multi_node=multi_node),
         "env": engine_env(spec),
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
-        "resources": accelerator_resources(acc, spec.resources),
+        "resources": size.resources,
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": "/models"},
@@ -365,8 +352,7 @@ def _engine_pod_spec(
         container["ports"].append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
     if leader:
         container.update(engine_probes(spec))
-    shm = "2Gi" if acc.profile == "cpu" else f"{min(256, 32 * acc.count)}Gi"
-    volumes = [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}]
+    volumes = [_shm_volume(size.shm), {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}}]
     if spec.weight_sync is not None:
         # The trainer writes policy versions here; the engine only reads them.
         volumes.append(weights_volume(spec.weight_sync))
@@ -616,6 +602,7 @@ def build_job(
     fleet_spec = job_fleet_spec(job, fleet)
     trainer = spec.trainer
     acc = trainer.accelerator
+    size = sizing.size_pod(acc, trainer.resources, trainer.model_cache_size)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -670,7 +657,7 @@ def build_job(
             {"name": "rendezvous", "containerPort": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": accelerator_resources(acc, trainer.resources),
+        "resources": size.resources,
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/kuberl", "readOnly": True},
             {"name": "run", "mountPath": JOB_RUN_DIR},
@@ -681,8 +668,8 @@ def build_job(
     volumes = [
         {"name": "config", "configMap": {"name": config_map_name(name)}},
         {"name": "run", "emptyDir": {}},
-        _shm_volume("2Gi" if acc.profile == "cpu" else f"{min(512, 32 * acc.count)}Gi"),
-        {"name": "model-cache", "emptyDir": {}},
+        _shm_volume(size.shm),
+        {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}},
     ]
     if fleet_spec is not None and fleet_spec.weight_sync is not None:
         volumes.append(weights_volume(fleet_spec.weight_sync))

@@ -385,6 +385,11 @@ async def _reconcile_scaled(
     problems = checks.rendered_problems(res, namespace)
     if problems:
         return status.invalid_status(conditions.invalid_children_message(problems), generation, previous), []
+    if "replicas" not in (body.get("spec") or {}):
+        # The CRD leaves replicas unset (its default depends on autoscaling), but the scale
+        # subresource (kubectl scale, HPA, KEDA) cannot read a resource without it.
+        kind = kind_of(f"{GROUP}/{VERSION}", res.KIND)
+        await ctx.client().patch(kind, namespace, res.metadata.name, {"spec": {"replicas": res.spec.replicas}})
     objs = builders.build_for(res, namespace)
     objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
     component = "sandbox" if isinstance(res, SandboxPool) else "rollout"

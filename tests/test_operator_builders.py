@@ -143,7 +143,7 @@ def test_fleet_mi300x_profile() -> None:
 
 def test_fleet_h100_and_cpu_profiles() -> None:
     h100 = _container(_by_kind(build_for(_fleet(accelerator={"profile": "h100", "count": 1})))["Deployment"])
-    assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1"} and "cu12" in h100["image"]
+    assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "40Gi"} and "cu12" in h100["image"]
     cpu_dep = _by_kind(build_for(_fleet(accelerator={"profile": "cpu", "count": 1})))["Deployment"]
     c = _container(cpu_dep)
     assert not any("gpu" in k for part in c.get("resources", {}).values() for k in part)
