@@ -38,7 +38,14 @@ _TP_SPAN_RULE = {
     "self.engine.tensorParallel % self.accelerator.count == 0",
     "message": "engine.tensorParallel spans nodes, so it must be a multiple of accelerator.count",
 }
-_FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE]
+_WHOLE_NODES_RULE = {
+    # accelerator has no schema default (a per-kind default_factory): absent means mi300x x 1.
+    "rule": "!has(self.engine) || self.engine.tensorParallel <= (has(self.accelerator) ? "
+    "self.accelerator.count : 1) || (has(self.accelerator) && (self.accelerator.profile == 'cpu' || "
+    "self.accelerator.count == 8))",
+    "message": "engine.tensorParallel spans pods, which must be whole nodes: set accelerator.count: 8",
+}
+_FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE, _WHOLE_NODES_RULE]
 _HAS_CONTEXT = "has(self.fleet) && has(self.fleet.engine) && has(self.fleet.engine.contextLength)"
 _CONTEXT = "self.rollout.fleet.engine.contextLength"
 

@@ -35,6 +35,9 @@ VLLM_IMAGES: dict[str, str] = {
 }
 ENGINE_IMAGES: dict[str, dict[str, str]] = {"sglang": SGLANG_IMAGES, "vllm": VLLM_IMAGES}
 
+GPUS_PER_NODE = 8
+"""GPUs of an MI300X or H100 HGX node: the unit an engine spanning several pods is built from."""
+
 SchedulerPolicy = Literal["kv-aware", "least-requests", "round-robin", "static"]
 
 
@@ -136,6 +139,12 @@ class RolloutFleetSpec(KubeModel):
             raise ValueError(
                 f"engine.tensorParallel ({tp}) spans nodes, so it must be a multiple of "
                 f"accelerator.count ({per_node})"
+            )
+        if self.accelerator.profile != "cpu" and tp > per_node and per_node != GPUS_PER_NODE:
+            raise ValueError(
+                f"engine.tensorParallel ({tp}) with accelerator.count {per_node} would span {tp // per_node} "
+                f"pods of {per_node} GPU(s) each; an engine that spans nodes must use whole nodes: set "
+                f"accelerator.count: {GPUS_PER_NODE} (or engine.tensorParallel <= {per_node})"
             )
         if self.engine.type == "vllm" and self.nodes_per_engine > 1:
             raise ValueError(

@@ -135,8 +135,9 @@ def spec_hash(obj: Any) -> str:
 AMD_GPU_RESOURCE = "amd.com/gpu"
 NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
 AMD_PRODUCT_LABEL = "amd.com/gpu.product-name"
-AMD_NFD_LABEL = "feature.node.kubernetes.io/amd-gpu"
+AMD_DEVICE_ID_LABEL = "amd.com/gpu.device-id"
 MI300X_PRODUCT_NAMES = ("AMD_Instinct_MI300X_OAM", "AMD_Instinct_MI300X")
+MI300X_DEVICE_IDS = ("74a1", "74b5")  # MI300X and its SR-IOV virtual function
 NVIDIA_PRESENT_LABEL = "nvidia.com/gpu.present"
 NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
 H100_PRODUCT_NAMES = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-NVL", "NVIDIA-H100-PCIe")
@@ -145,9 +146,11 @@ H100_PRODUCT_NAMES = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-NVL", "NVIDIA-H100-P
 def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
     """Scheduling fields (affinity/tolerations) for an accelerator profile.
 
-    mi300x: nodes labelled by the AMD GPU operator's node labeller (``amd.com/gpu.product-name``)
-    or, where only Node Feature Discovery runs, ``feature.node.kubernetes.io/amd-gpu=true``
-    (nodeSelectorTerms are ORed). h100: NVIDIA GPU feature discovery's product label.
+    mi300x: nodes whose GPUs the AMD GPU operator's node labeller names MI300X, by product name
+    or by PCI device id (nodeSelectorTerms are ORed). Not "any AMD GPU" (Node Feature
+    Discovery's ``feature.node.kubernetes.io/amd-gpu``): the default images are built for MI30x
+    (gfx942) only and would fail on other AMD GPUs. h100: NVIDIA GPU feature discovery's
+    product label.
     GPU nodes are commonly tainted with the resource name, so both tolerate that taint.
     """
     if acc.profile == "mi300x":
@@ -157,7 +160,11 @@ def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
                     {"key": AMD_PRODUCT_LABEL, "operator": "In", "values": list(MI300X_PRODUCT_NAMES)}
                 ]
             },
-            {"matchExpressions": [{"key": AMD_NFD_LABEL, "operator": "In", "values": ["true"]}]},
+            {
+                "matchExpressions": [
+                    {"key": AMD_DEVICE_ID_LABEL, "operator": "In", "values": list(MI300X_DEVICE_IDS)}
+                ]
+            },
         ]
         taint = AMD_GPU_RESOURCE
     elif acc.profile == "h100":

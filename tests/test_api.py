@@ -391,6 +391,7 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "sandbox-from-zero.yaml": {"schema"},
     "sft-filter.yaml": {"cel"},
     "stage-steps.yaml": {"schema"},
+    "tp-one-gpu-pods.yaml": {"cel"},
     "tp-span.yaml": {"cel"},
     "unknown-field.yaml": {"fields"},
     "wrong-kind.yaml": {"served"},

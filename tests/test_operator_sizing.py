@@ -94,3 +94,21 @@ async def test_namespace_with_a_cpu_memory_quota_admits_the_engines() -> None:
             return st if st.get("phase") == "Ready" else None
 
         await eventually(ready, what="fleet Ready under the quota")
+
+
+def test_mi300x_pods_only_go_to_mi300x_nodes() -> None:
+    """Issue 14 item 6: the default images are MI30x-only, so "any AMD GPU" is not enough."""
+    pod = _pod(build_for(_fleet(accelerator={"profile": "mi300x", "count": 1}))[0])
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    for term in terms:
+        (expr,) = term["matchExpressions"]
+        assert expr["operator"] == "In" and expr["values"] != ["true"], expr
+        assert all("MI300X" in v or v in ("74a1", "74b5") for v in expr["values"]), expr
+
+
+def test_tensor_parallel_across_one_gpu_pods_is_refused() -> None:
+    from kuberl.api import ManifestError
+
+    with pytest.raises(ManifestError, match="must use whole nodes: set accelerator.count: 8"):
+        _fleet(engine={"tensorParallel": 8})
+    assert _fleet(engine={"tensorParallel": 8}, accelerator={"count": 8}).spec.nodes_per_engine == 1
