@@ -110,9 +110,22 @@ CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
     "RolloutFleet": {(): _FLEET_RULES, ("autoscaling",): [_BOUNDS_RULE]},
 }
 
-# Rules on the whole object: only these may read metadata.name.
+_CKPT_URI = "(has({0}.spec.checkpoint) ? {0}.spec.checkpoint.uri : 'runs/checkpoints')"
+
+# Rules on the whole object: only these may read metadata.name and status.
 ROOT_RULES: dict[str, list[dict[str, str]]] = {
     "AgenticRLJob": [
+        {
+            # A transition rule (oldSelf): it runs on updates only. A started run's checkpoints are of
+            # its model; a restarted trainer would refuse them (another model) or, with another
+            # checkpoint.uri, silently start over.
+            "rule": "!has(oldSelf.status) || !has(oldSelf.status.phase) || "
+            "!(oldSelf.status.phase in ['Running', 'Suspended']) || "
+            f"(self.spec.model == oldSelf.spec.model && {_CKPT_URI.format('self')} == "
+            f"{_CKPT_URI.format('oldSelf')})",
+            "message": "spec.model and spec.checkpoint.uri cannot change while the job is Running or "
+            "Suspended (its checkpoints are of this model); create a new job to train another",
+        },
         {
             "rule": "size(self.metadata.name) + size(string((has(self.spec.trainer) ? "
             "self.spec.trainer.replicas : 1) - 1)) <= 54",

@@ -426,7 +426,8 @@ def test_invalid_corpus_against_the_generated_crds(path):
 
 def test_every_cel_rule_compiles_and_fires_on_the_corpus():
     rules = [r for by_path in CEL_RULES.values() for rs in by_path.values() for r in rs]
-    rules += [r for rs in ROOT_RULES.values() for r in rs]
+    # transition rules (oldSelf) need an update to run: tests/test_operator_runs.py exercises them
+    rules += [r for rs in ROOT_RULES.values() for r in rs if "oldSelf" not in r["rule"]]
     for rule in rules:
         compile_rule(rule["rule"])
     fired = {m.split(": ", 1)[1] for p in INVALID for m in _apiserver_verdict(p)[1] if ": " in m}

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 
 from kuberl.api import AgenticRLJob
+from kuberl.api.crdgen import all_crds
 from kuberl.operator.builders import build_job
 from kuberl.operator.trainer_runs import CHECKPOINT_DIR, restart_decision
+from tests.apiserver_emulation import admission_errors
 from tests.test_operator_e2e import API, NS, _status, cluster_and_operator, eventually, job
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,3 +129,25 @@ async def test_failed_trainer_is_restarted_then_the_job_fails() -> None:
 
 async def _restarts(k: Any, name: str) -> Any:
     return (await _status(k, f"{API}/agenticrljobs/{name}")).get("restarts")
+
+
+def test_model_and_checkpoint_uri_cannot_change_under_a_running_job() -> None:
+    """The CRD's transition rule: a running run's checkpoints belong to its model."""
+    crds = list(all_crds().values())
+    old = {**job("run"), "status": {"phase": "Running"}}
+
+    def update(**spec: Any) -> list[str]:
+        new = job("run", **spec)
+        new["metadata"]["labels"] = {"team": "rl"}
+        return [m for _, m in admission_errors(crds, new, old)]
+
+    assert update() == []  # a label
+    refused = update(model={"base": "Qwen/Qwen3-14B"})
+    assert any("spec.model and spec.checkpoint.uri cannot change" in m for m in refused), refused
+    assert update(checkpoint={"uri": "s3://elsewhere"}) != []
+    assert update(seed=3) == []  # changes the run: allowed (the trainer is replaced and resumes)
+    for phase in ("Failed", "Pending"):  # not started, or over: anything goes
+        done = {**old, "status": {"phase": phase}}
+        new = job("run", model={"base": "Qwen/Qwen3-14B"})
+        assert admission_errors(crds, new, done) == []
+    assert admission_errors(crds, job("run", model={"base": "x"})) == []  # create
