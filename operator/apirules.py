@@ -148,9 +148,61 @@ def _keyed_duplicates(items: Iterable[dict[str, Any]], key: str, where: str) -> 
     return out
 
 
+IANA_SVC_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _container_extras(c: dict[str, Any], at: str) -> list[str]:
+    """Env names, ports and the image string, as the API server checks them."""
+    out = []
+    image = c.get("image")
+    if isinstance(image, str) and image != image.strip():
+        out.append(f"{at}.image: must not have leading or trailing whitespace")
+    for e in c.get("env") or []:
+        name = str(e.get("name", ""))
+        if not name or "=" in name or not name.isprintable():
+            out.append(f"{at}.env[{name}]: a valid environment variable name must consist of printable "
+                       "characters other than '='")
+    for p in c.get("ports") or []:
+        port = p.get("containerPort")
+        if not isinstance(port, int) or not 1 <= port <= 65535:
+            out.append(f"{at}.ports: containerPort {port!r} must be between 1 and 65535")
+        name = p.get("name")
+        if name is not None and (
+            len(name) > 15 or not IANA_SVC_NAME.match(name) or "--" in name or not re.search("[a-z]", name)
+        ):
+            out.append(f"{at}.ports: port name {name!r} must be an IANA service name (at most 15 "
+                       "characters of a-z, 0-9 and '-', with a letter)")
+    return out
+
+
+def _scheduling_problems(spec: dict[str, Any], where: str) -> list[str]:
+    out = label_problems(spec.get("nodeSelector"), f"{where}.nodeSelector")
+    for i, t in enumerate(spec.get("tolerations") or []):
+        op = t.get("operator", "Equal")
+        if op not in TOLERATION_OPERATORS:
+            out.append(f"{where}.tolerations[{i}].operator: must be Exists or Equal (got {op!r})")
+        if op == "Exists" and t.get("value"):
+            out.append(f"{where}.tolerations[{i}].value: must be empty when operator is Exists")
+        if t.get("effect") and t["effect"] not in TAINT_EFFECTS:
+            out.append(f"{where}.tolerations[{i}].effect: must be one of {', '.join(TAINT_EFFECTS)}")
+        if not t.get("key") and op != "Exists":
+            out.append(f"{where}.tolerations[{i}]: an empty key needs operator Exists")
+    for field in ("priorityClassName", "serviceAccountName"):
+        value = spec.get(field)
+        if value is not None and (not isinstance(value, str) or not DNS1123_SUBDOMAIN.match(value)):
+            out.append(f"{where}.{field}: {value!r} is not a DNS subdomain")
+    for i, s in enumerate(spec.get("imagePullSecrets") or []):
+        if not DNS1123_SUBDOMAIN.match(str(s.get("name", ""))):
+            out.append(f"{where}.imagePullSecrets[{i}].name: {s.get('name')!r} is not a DNS subdomain")
+    return out
+
+
 def pod_spec_problems(spec: dict[str, Any], where: str) -> list[str]:
-    """A PodSpec: container and volume names, images, resources, emptyDir sizes, mounts."""
-    out: list[str] = []
+    """A PodSpec: container and volume names, images, resources, emptyDir sizes, mounts, env
+    names, ports, tolerations, nodeSelector."""
+    out: list[str] = _scheduling_problems(spec, where)
     volumes = spec.get("volumes") or []
     out += _keyed_duplicates(volumes, "name", f"{where}.volumes")
     names = {v.get("name") for v in volumes}
@@ -177,6 +229,7 @@ def pod_spec_problems(spec: dict[str, Any], where: str) -> list[str]:
             if m.get("name") not in names:
                 out.append(f"{at}.volumeMounts[{m.get('name')}]: volume {m.get('name')!r} not found")
         out += _keyed_duplicates(c.get("env") or [], "name", f"{at}.env")
+        out += _container_extras(c, at)
     return out
 
 
@@ -207,6 +260,13 @@ def object_problems(obj: dict[str, Any]) -> list[str]:
         out.append(f"{what}: metadata.name: {problem}")
     out += label_problems(meta.get("labels"), f"{what}: metadata.labels")
     spec = obj.get("spec") or {}
+    if kind == "PersistentVolumeClaim":
+        storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")
+        if storage is None or (problem := quantity_problem(storage)):
+            out.append(f"{what}: spec.resources.requests.storage: {problem if storage is not None else 'Required value'}")
+        cls = spec.get("storageClassName")
+        if cls is not None and not DNS1123_SUBDOMAIN.match(str(cls)):
+            out.append(f"{what}: spec.storageClassName: {cls!r} is not a DNS subdomain")
     if kind == "Deployment":
         out += [f"{what}: {p}" for p in _template_problems(spec.get("template") or {}, "spec.template")]
     elif kind == "Job":

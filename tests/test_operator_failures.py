@@ -48,6 +48,14 @@ def _deploy(resources: dict[str, Any], name: str = "d") -> dict[str, Any]:
     }
 
 
+def _pod_with(pod: dict[str, Any] | None = None, image: str = "i", **container: Any) -> dict[str, Any]:
+    dep = _deploy({})
+    spec = dep["spec"]["template"]["spec"]
+    spec.update(pod or {})
+    spec["containers"][0].update(container, image=image)
+    return dep
+
+
 @pytest.mark.parametrize(
     ("obj", "fragment"),
     [
@@ -58,6 +66,22 @@ def _deploy(resources: dict[str, Any], name: str = "d") -> dict[str, Any]:
         (_deploy({"requests": {"amd.com/gpu": "1"}, "limits": {"amd.com/gpu": "2"}}), "must be equal"),
         (_deploy({"requests": {"gpu": "1"}}), "not a standard resource"),
         (_deploy({}, name="Bad_Name"), "not a DNS subdomain"),
+        (_pod_with(env=[{"name": "A=B", "value": "1"}]), "environment variable name"),
+        (_pod_with(ports=[{"name": "prometheus-metrics", "containerPort": 9090}]), "IANA service name"),
+        (_pod_with(ports=[{"containerPort": 70000}]), "between 1 and 65535"),
+        (_pod_with(image="ghcr.io/x:1 "), "trailing whitespace"),
+        (_pod_with(pod={"tolerations": [{"key": "gpu", "operator": "In"}]}), "must be Exists or Equal"),
+        (_pod_with(pod={"nodeSelector": {"pool": "mi300x gpu"}}), "label value 'mi300x gpu'"),
+        (_pod_with(pod={"priorityClassName": "High"}), "priorityClassName: 'High' is not a DNS subdomain"),
+        (
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": "c"},
+                "spec": {"resources": {"requests": {"storage": "100GB!"}}, "storageClassName": "Fast_SSD"},
+            },
+            "storage: '100GB!' is not a quantity",
+        ),
         (
             {
                 "apiVersion": "batch/v1",
