@@ -38,6 +38,7 @@ class ChildFailure:
     code: int
     reason: str
     message: str
+    pods: bool = False  # the object was accepted; its controller cannot create its pods
 
     @property
     def what(self) -> str:
@@ -48,11 +49,15 @@ class ChildFailure:
         """A CamelCase reason for the condition (Invalid, Forbidden, QuotaExceeded, KindNotInstalled)."""
         if self.code == 404:
             return "KindNotInstalled"
-        if self.code == 403 and "quota" in self.message.lower():
+        if (self.code == 403 or self.pods) and "quota" in self.message.lower():
             return "QuotaExceeded"
+        if self.pods:
+            return "PodsRefused"
         return self.reason if self.reason.isalnum() and self.reason[:1].isupper() else f"Http{self.code}"
 
     def line(self) -> str:
+        if self.pods:
+            return f"{self.what} cannot create its pods: {self.message}"
         if self.code == 404:
             return (
                 f"{self.what}: the API server does not serve {self.api_version} {self.kind} (is its "
@@ -61,16 +66,39 @@ class ChildFailure:
         return f"{self.what} was refused by the API server ({self.code} {self.reason}): {self.message}"
 
 
-def failure_from_api(obj: dict[str, Any], code: int, reason: str, message: str) -> ChildFailure:
+def failure_from_api(
+    obj: dict[str, Any], code: int, reason: str, message: str, *, pods: bool = False
+) -> ChildFailure:
     meta = obj.get("metadata") or {}
     return ChildFailure(
         kind=str(obj.get("kind", "?")),
         name=str(meta.get("name", "?")),
-        api_version=str(obj.get("apiVersion", "?")),
+        api_version=str(obj.get("apiVersion", "batch/v1" if pods else "?")),
         code=code,
         reason=reason,
         message=message,
+        pods=pods,
     )
+
+
+def trainer_short_of_pods(trainer: dict[str, Any] | None) -> bool:
+    """Whether a running (not suspended, not finished) trainer Job has fewer pods than it wants:
+    then the Job controller's FailedCreate events say why (a quota, Pod Security admission);
+    a Job, unlike a Deployment, has no status condition for it."""
+    if trainer is None:
+        return False
+    spec, st = trainer.get("spec") or {}, trainer.get("status") or {}
+    finished = any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in st.get("conditions") or []
+    )
+    return not spec.get("suspend") and not finished and int(st.get("active") or 0) < int(spec.get("parallelism") or 1)
+
+
+def latest_failed_create(trainer: dict[str, Any], events: list[dict[str, Any]]) -> ChildFailure | None:
+    if not events:
+        return None
+    latest = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    return failure_from_api(trainer, 403, "FailedCreate", str(latest.get("message", "")), pods=True)
 
 
 def _message(failures: list[ChildFailure]) -> str:
@@ -93,7 +121,11 @@ def with_child_failures(
     cause = failures[0].cause
     conds = [c for c in conds if c.get("type") != "Ready"]
     conds.append(condition("Ready", False, cause, msg, generation, prev_conds))
-    conds.append(condition(APPLIED, False, cause, msg, generation, prev_conds))
+    refused = [f for f in failures if not f.pods]
+    if refused:
+        conds.append(condition(APPLIED, False, refused[0].cause, _message(refused), generation, prev_conds))
+    else:
+        conds.append(condition(APPLIED, True, "AllChildrenApplied", "", generation, prev_conds))
     out = {**new, "conditions": conds}
     if new.get("phase") not in KEEP_PHASES:
         out["phase"] = DEGRADED
@@ -106,7 +138,7 @@ def failure_events(
     """A Warning per refused child, unless this answer was reported already: in the previous
     status (so an operator restart does not repeat it) or in ``already`` (what this operator
     posted since; a status write may still be in flight when the next pass runs)."""
-    before = next((c for c in previous.get("conditions") or [] if c.get("type") == APPLIED), None)
+    before = next((c for c in previous.get("conditions") or [] if c.get("type") == "Ready"), None)
     reported = (before or {}).get("message", "") if (before or {}).get("status") == "False" else ""
     return [
         Event("Warning", f"Child{f.cause}", f.line())

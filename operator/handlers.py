@@ -496,6 +496,14 @@ async def _reconcile_job(
         texts = await _scrape_pods(ctx, running[:1], ("metrics",))
         if texts:
             progress = train_progress(texts[0], name)
+    if trainer is not None and conditions.trainer_short_of_pods(trainer):
+        found = await client.list(
+            kind_of("v1", "Event"),
+            namespace,
+            fields={"involvedObject.kind": "Job", "involvedObject.name": trainer_name, "reason": "FailedCreate"},
+        )
+        refusal = conditions.latest_failed_create(trainer, found)
+        failures += [refusal] if refusal is not None else []
     uid = body.get("metadata", {}).get("uid", "")
     restarts = max(int(previous.get("restarts") or 0), ctx.restarts.get(uid, 0))
     failed = status.failed_trainer_message(trainer, pods)

@@ -320,12 +320,18 @@ class KubeClient:
             raise
 
     async def list(
-        self, kind: Kind, namespace: str, labels: dict[str, str] | None = None
+        self,
+        kind: Kind,
+        namespace: str,
+        labels: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        params = (
-            {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(labels.items()))} if labels else None
-        )
-        rsp = await self._call("GET", kind.path(namespace), params=params)
+        params: dict[str, str] = {}
+        if labels:
+            params["labelSelector"] = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        if fields:
+            params["fieldSelector"] = ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
+        rsp = await self._call("GET", kind.path(namespace), params=params or None)
         return list(rsp.get("items") or [])
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:

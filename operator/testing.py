@@ -136,6 +136,19 @@ def matches_selector(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def matches_fields(obj: dict[str, Any], selector: str) -> bool:
+    """Field selectors: ``a.b=c`` and ``a.b!=c`` on dotted paths (``involvedObject.name=x``)."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negate = "!=" in term
+        path, value = term.split("!=" if negate else "=", 1)
+        cur: Any = obj
+        for part in path.strip().split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        if (str(cur) == value.strip()) == negate:
+            return False
+    return True
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -150,6 +163,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     restricted_namespaces: set[str] = attrs.field(factory=set)  # Pod Security "restricted" enforced
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
+    _pending_events: list[tuple[dict[str, Any], str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -201,7 +215,38 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         else:
             self.objects[key].create(new)  # a new version in the object's history
         await self._emit(key[0], "ADDED" if created else "MODIFIED", new)
+        while self._pending_events:
+            await self._record_event(*self._pending_events.pop(0))
         return new
+
+    async def _record_event(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        """A controller's Warning event about ``obj`` (one per object and reason, like the
+        API server's event aggregation)."""
+        meta = obj.get("metadata") or {}
+        name = f"{meta.get('name')}.{reason.lower()}"
+        key = (kmock.resource("", "v1", "events"), meta.get("namespace"), name)
+        if self._store(key) is not None:
+            return
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": meta.get("namespace"), "uid": str(uuid.uuid4())},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": obj.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+            },
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+            "source": {"component": "job-controller"},
+            "firstTimestamp": _now(),
+            "lastTimestamp": _now(),
+            "count": 1,
+        }
+        await self._write(key, event, created=True)
 
     def _controller(self, obj: dict[str, Any]) -> None:
         """Stand-in for kube-controller-manager/LWS controller status (all pods ready)."""
@@ -227,6 +272,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             st["conditions"] = conds
         elif kind == "Job" and not st.get("conditions"):
             active = 0 if spec.get("suspend") else int(spec.get("parallelism", 1))
+            if active:
+                fit, refusal = self._quota_fit(obj, active)
+                if refusal:
+                    # The Job controller reports a refused pod only as a FailedCreate event.
+                    active = fit
+                    self._pending_events.append(
+                        (obj, "FailedCreate", f"Error creating: {refusal}")
+                    )
             st.update(active=active, ready=active)
             st.setdefault("startTime", _now())
 
@@ -241,8 +294,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         per_pod: dict[str, Any] = {}
         for c in pod.get("containers") or []:
             res = c.get("resources") or {}
-            for part in ("requests", "limits"):
-                for rname, q in (res.get(part) or {}).items():
+            # a limit without a request is also the request (the API server's defaulting)
+            parts = {"requests": {**(res.get("limits") or {}), **(res.get("requests") or {})}}
+            parts["limits"] = res.get("limits") or {}
+            for part, values in parts.items():
+                for rname, q in values.items():
                     key = f"{part}.{rname}"
                     per_pod[key] = per_pod.get(key, 0) + parse_quantity(q)[0]
         fit, refusal = wanted, None
@@ -371,12 +427,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         ns, name = request.namespace, request.name
         if act == enums.action.LIST:
             selector = request.params.get("labelSelector", "")
+            fields = request.params.get("fieldSelector", "")
             items = [
                 raw
                 for (r, n, _), raw in self._live()
                 if r == res
                 and (ns is None or n == ns)
                 and matches_selector(raw.get("metadata", {}).get("labels") or {}, selector)
+                and matches_fields(raw, fields)
             ]
             return {"metadata": {"resourceVersion": str(self._last_rv)}, "items": copy.deepcopy(items)}
         if act == enums.action.CREATE:

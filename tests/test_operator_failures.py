@@ -223,3 +223,30 @@ async def test_resource_quota_refusal_lands_in_status() -> None:
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and "exceeded quota: team" in ready["message"]
         assert st["readyReplicas"] == 4
+
+
+async def test_trainer_pods_refused_by_a_gpu_quota_land_in_status() -> None:
+    """A Job has no condition for pods it cannot create: its FailedCreate events say why."""
+    from tests.test_operator_e2e import job
+
+    async with emulated_cluster() as k, running_operator(k):
+        quota = {
+            "apiVersion": "v1",
+            "kind": "ResourceQuota",
+            "metadata": {"name": "gpus", "namespace": NS},
+            "spec": {"hard": {"requests.nvidia.com/gpu": "8"}},
+        }
+        await k.create(f"/api/v1/namespaces/{NS}/resourcequotas", quota)
+        await k.create(f"{API}/agenticrljobs", job("big"))  # 2 pods x 8 GPUs
+
+        async def degraded() -> Any:
+            st = await _status(k, f"{API}/agenticrljobs/big")
+            return st if st.get("phase") == "Degraded" else None
+
+        st = await eventually(degraded, what="job Degraded by the GPU quota")
+        ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+        assert ready["reason"] == "QuotaExceeded"
+        assert "Job/big-trainer cannot create its pods" in ready["message"] and "exceeded quota: gpus" in ready["message"]
+        applied = next(c for c in st["conditions"] if c["type"] == "Applied")
+        assert applied["status"] == "True"  # the Job itself was accepted
+        assert any(e["reason"] == "ChildQuotaExceeded" for e in await k.events("big"))
