@@ -34,7 +34,7 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-from kuberl.operator import podtemplate, sizing, trainer_runs
+from kuberl.operator import disruption, podtemplate, sizing, trainer_runs
 from kuberl.operator.engines import (
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
@@ -85,11 +85,17 @@ def object_labels(instance: str, component: str, owner_kind: str) -> dict[str, s
 # Every kind a builder may emit per owner kind (apiVersion, kind); KEDA ScaledObjects are only
 # rendered (``kuberl render``), never applied, so they are not children to clean up.
 CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "SandboxPool": (("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")),
+    "SandboxPool": (
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("policy/v1", "PodDisruptionBudget"),
+    ),
     "RolloutFleet": (
         ("apps/v1", "Deployment"),
         ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
         ("v1", "Service"),
+        ("policy/v1", "PodDisruptionBudget"),
     ),
     "AgenticRLJob": (
         ("v1", "ServiceAccount"),
@@ -330,8 +336,10 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
             "egress": [],
         },
     }
+    deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
     deployment["spec"]["template"] = podtemplate.apply(deployment["spec"]["template"], spec.pod_template)
-    return [deployment, service, netpol]
+    pdb = disruption.budget(name, namespace, labels, sel, "25%")
+    return [deployment, service, netpol, pdb]
 
 
 # --- RolloutFleet -------------------------------------------------------------------------
@@ -388,6 +396,14 @@ def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
     subresource's ``status.selector`` and the autoscaler's scrape all use this."""
     sel = selector_labels(fleet.metadata.name, "rollout")
     return sel if fleet.spec.nodes_per_engine == 1 else {**sel, LABEL_ROLE: "leader"}
+
+
+def _spread_engines(workload: Manifest, sel: dict[str, str]) -> None:
+    if workload["kind"] == "Deployment":
+        workload["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
+    else:  # groups' leaders apart (the workers follow their leader's group placement)
+        leader = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+        leader["spec"]["topologySpreadConstraints"] = disruption.spread({**sel, LABEL_ROLE: "leader"})
 
 
 def _override_templates(workload: Manifest, spec: RolloutFleetSpec) -> None:
@@ -464,6 +480,7 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             },
         }
         service_selector = engine_selector(fleet)
+    _spread_engines(workload, sel)
     _override_templates(workload, spec)
     service = {
         "apiVersion": "v1",
@@ -475,7 +492,9 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [workload, service]
+    # One engine at a time: a Deployment pod, or every pod of one LeaderWorkerSet group.
+    pdb = disruption.budget(name, namespace, labels, sel, nodes)
+    return [workload, service, pdb]
 
 
 # --- AgenticRLJob -------------------------------------------------------------------------
@@ -956,6 +975,7 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _CRUD},
         # A job's checkpoint volume (operator/trainer_runs.py); never deleted by the operator.
         {
             "apiGroups": [""],

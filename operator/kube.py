@@ -69,6 +69,7 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
         Kind("v1", "Event", "events"),
         Kind("v1", "ServiceAccount", "serviceaccounts"),
         Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("apps/v1", "Deployment", "deployments"),

@@ -69,6 +69,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "v1/resourcequotas": ("ResourceQuota", True, ("status",)),
     "apps/v1/deployments": ("Deployment", True, ("status", "scale")),
     "apps/v1/statefulsets": ("StatefulSet", True, ("status", "scale")),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, ("status",)),
     "batch/v1/jobs": ("Job", True, ("status",)),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
@@ -91,7 +92,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
 
 # Groups served from Go types (their objects are re-encoded on write); everything else here is a CRD.
 BUILTIN_GROUPS = frozenset(
-    {"", "apps", "batch", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
+    {"", "apps", "batch", "policy", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
 )
 
 

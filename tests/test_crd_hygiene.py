@@ -83,3 +83,27 @@ def test_ready_waits_for_the_workload_to_observe_its_generation() -> None:
     old["status"]["observedGeneration"] = 3
     st = scaled_status(desired=2, workload=old, selector="", generation=5, previous={}, noun="sandbox")
     assert st["phase"] == "Ready"
+
+
+def test_engines_and_sandboxes_have_disruption_budgets_and_spread_over_nodes() -> None:
+    from kuberl.api import parse_resource
+    from kuberl.operator.builders import build_for
+
+    fleet = parse_resource(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "big"},
+            "spec": {"model": {"uri": "m"}, "engine": {"tensorParallel": 16}, "accelerator": {"count": 8}},
+        }
+    )
+    objs = {o["kind"]: o for o in build_for(fleet)}
+    assert objs["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 2  # one 2-node engine group
+    leader = objs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
+    assert leader["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
+    pool = parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "t"}})
+    objs = {o["kind"]: o for o in build_for(pool)}
+    sel = objs["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert objs["PodDisruptionBudget"]["spec"] == {"maxUnavailable": "25%", "selector": {"matchLabels": sel}}
+    spread = objs["Deployment"]["spec"]["template"]["spec"]["topologySpreadConstraints"][0]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
