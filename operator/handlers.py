@@ -105,6 +105,7 @@ class OperatorContext:
     known: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # uid -> (ns, kind, name)
     refusals: dict[str, set[str]] = field(default_factory=dict)  # uid -> child refusals reported
     restarts: dict[str, int] = field(default_factory=dict)  # uid -> trainer restarts (until status has it)
+    finished: dict[str, int | None] = field(default_factory=dict)  # uid -> generation found terminal
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
     _client: KubeClient | None = field(default=None, repr=False)
 
@@ -121,6 +122,7 @@ class OperatorContext:
         self.phases.pop(uid, None)
         self.refusals.pop(uid, None)
         self.restarts.pop(uid, None)
+        self.finished.pop(uid, None)
         lock = self._locks.get(uid)
         if lock is not None and not lock.locked():
             del self._locks[uid]
@@ -360,6 +362,8 @@ async def reconcile(
         events = events + status.transition_events(kind, old_phase, new)
         if new.get("phase"):
             ctx.phases[uid] = new["phase"]
+            if new["phase"] in TERMINAL:
+                ctx.finished[uid] = generation
         return new, events
 
 
@@ -430,7 +434,11 @@ async def _reconcile_job(
     name = job.metadata.name
     events: list[status.Event] = []
     trainer_name = builders.trainer_name(name)
-    finished = previous.get("phase") in TERMINAL and previous.get("observedGeneration") == generation
+    uid = body.get("metadata", {}).get("uid", "")
+    # Also from memory: a pass may still hold a body read before the terminal status was written.
+    finished = (
+        previous.get("phase") in TERMINAL and previous.get("observedGeneration") == generation
+    ) or (ctx.finished.get(uid) == generation and generation is not None)
     if finished:
         # Terminal: no trainer is recreated; the job-owned fleet and pool are released.
         for kind, child in (
@@ -504,7 +512,6 @@ async def _reconcile_job(
         )
         refusal = conditions.latest_failed_create(trainer, found)
         failures += [refusal] if refusal is not None else []
-    uid = body.get("metadata", {}).get("uid", "")
     restarts = max(int(previous.get("restarts") or 0), ctx.restarts.get(uid, 0))
     failed = status.failed_trainer_message(trainer, pods)
     if failed is not None:

@@ -211,3 +211,29 @@ def admission_errors(crds: list[dict[str, Any]], doc: dict[str, Any], old: Any =
     errors += [("list-type", m) for m in list_type_errors(schema, defaulted)]
     errors += [("cel", m) for m in cel_errors(schema, defaulted, with_defaults(schema, old) if old is not _MISSING else old)]
     return errors
+
+
+def strict_admission(crds: list[dict[str, Any]]) -> Any:
+    """``ClusterEmulator(admit=...)``: custom resources through the CRDs (unknown fields, defaults,
+    OpenAPI, list types, CEL and transition rules), built-in kinds through their OpenAPI schemas
+    (``kubernetes_validate``, strict), as a real API server with ``--validate=strict`` clients."""
+    from kuberl import GROUP
+    from kuberl.operator.schemas import validate_manifest
+
+    def admit(doc: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+        api_version = str(doc.get("apiVersion", ""))
+        if api_version.startswith(f"{GROUP}/"):
+            schema = served_schema(crds, doc)
+            errors = admission_errors(crds, doc, old if old is not None else _MISSING)
+            stored = with_defaults(schema, doc) if schema is not None and not errors else doc
+            return stored, [m for _, m in errors]
+        if doc.get("kind") in ("Event",) or api_version.startswith("keda.sh"):
+            return doc, []
+        body = {k: v for k, v in doc.items() if k != "status"}
+        try:
+            validate_manifest(body)
+        except ValueError as err:
+            return doc, [str(err)]
+        return doc, []
+
+    return admit

@@ -18,10 +18,13 @@ import kmock
 import kopf
 import pytest
 
+from kuberl.api.crdgen import all_crds
 from kuberl.operator.handlers import OperatorConfig
 from kuberl.operator.main import operate
 from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
+from tests.apiserver_emulation import strict_admission
 
+STRICT = strict_admission(list(all_crds().values()))
 NS = "e2e"
 API = "/apis/kuberl.io/v1alpha1/namespaces/e2e"
 pytestmark = pytest.mark.timeout(60)
@@ -72,7 +75,9 @@ async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0,
 
 @contextlib.asynccontextmanager
 async def emulated_cluster(**emulator: Any) -> AsyncIterator[Cluster]:
-    """The API emulator serving over HTTP, with the test namespace."""
+    """The API emulator serving over HTTP, with the test namespace; by default as strict as an API
+    server about schemas (``admit=None`` lets through what the CRDs would refuse)."""
+    emulator.setdefault("admit", STRICT)
     async with (
         ClusterEmulator(namespaces={NS}, **emulator) as emu,
         kmock.Server(emu) as srv,
@@ -341,7 +346,8 @@ async def test_job_failure_is_reported_from_trainer_pods() -> None:
 
 
 async def test_invalid_objects_and_missing_references_are_reported() -> None:
-    async with cluster_and_operator() as k:
+    # admit=None: what the CRD would reject, reaching the operator anyway (e.g. an older CRD).
+    async with emulated_cluster(admit=None) as k, running_operator(k):
         # What the CRD's CEL rule would reject, reaching the operator anyway (e.g. no webhook).
         bad = pool("bad", replicas=9, autoscaling={"minReplicas": 1, "maxReplicas": 4})
         await k.create(f"{API}/sandboxpools", bad)

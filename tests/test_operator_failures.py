@@ -156,6 +156,18 @@ async def test_emulator_refuses_what_the_api_server_refuses() -> None:
         async with k.session.post(f"{k.url}/api/v1/namespaces/{NS}/services", json=_svc("7b-fleet")) as rsp:
             body = await rsp.json()
         assert rsp.status == 422 and "RFC 1035" in body["message"]
+        # OpenAPI of a built-in kind (strict: unknown fields) and of the CRDs (types, CEL)
+        dep = _deploy({}, name="d")
+        dep["spec"].update(replica=2, selector={"matchLabels": {"a": "b"}})
+        dep["spec"]["template"]["metadata"] = {"labels": {"a": "b"}}
+        async with k.session.post(f"{k.url}/apis/apps/v1/namespaces/{NS}/deployments", json=dep) as rsp:
+            assert rsp.status == 422 and "replica" in (await rsp.json())["message"]
+        bad = pool("tools", replicas="3")
+        async with k.session.post(f"{k.url}{API}/sandboxpools", json=bad) as rsp:
+            assert rsp.status == 422 and "'3' is not of type 'integer'" in (await rsp.json())["message"]
+        # and CRD defaults are stored, as the API server stores them
+        created = await k.create(f"{API}/sandboxpools", pool("tools"))
+        assert created["spec"]["workersPerPod"] == 2
 
 
 async def test_operator_preflight_creates_nothing_when_a_child_would_be_refused() -> None:
