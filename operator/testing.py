@@ -167,6 +167,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     # CRDs (OpenAPI + CEL, transition rules included) and the built-in kinds' OpenAPI schemas.
     admit: Callable[[dict[str, Any], dict[str, Any] | None], tuple[dict[str, Any], list[str]]] | None = None
     restricted_namespaces: set[str] = attrs.field(factory=set)  # Pod Security "restricted" enforced
+    # OwnerReferencesPermissionEnforcement: the writer's RBAC rules (None: not enforced). An
+    # ownerReference with blockOwnerDeletion needs "update" on the owner's <plural>/finalizers.
+    owner_reference_rules: list[dict[str, Any]] | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
     _pending_events: list[tuple[dict[str, Any], str, str]] = attrs.field(factory=list, init=False)
@@ -434,6 +437,30 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             raise _error(422, "Invalid", f"{kind} {name!r} is invalid: " + "; ".join(problems))
         return stored
 
+    def _check_owner_references(self, obj: dict[str, Any]) -> None:
+        if self.owner_reference_rules is None:
+            return
+        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+            if not ref.get("blockOwnerDeletion"):
+                continue
+            group = ref.get("apiVersion", "").rpartition("/")[0]
+            plural = next(
+                (k.rsplit("/", 1)[1] for k, (kind, _, _) in CORE_RESOURCES.items() if kind == ref.get("kind")), "?"
+            )
+            wanted = f"{plural}/finalizers"
+            if not any(
+                group in r.get("apiGroups", []) and wanted in r.get("resources", []) and "update" in r.get("verbs", [])
+                for r in self.owner_reference_rules
+            ):
+                name = (obj.get("metadata") or {}).get("name", "?")
+                raise _error(
+                    403,
+                    "Forbidden",
+                    f'{obj.get("kind", "?").lower()}s "{name}" is forbidden: cannot set blockOwnerDeletion if an '
+                    "ownerReference refers to a resource you can't set finalizers on: cannot update resource "
+                    f'"{wanted}" in API group "{group}"',
+                )
+
     def _absent_plurals(self) -> set[str]:
         return {key.rsplit("/", 1)[1] for key, (kind, _, _) in CORE_RESOURCES.items() if kind in self.absent_kinds}
 
@@ -479,6 +506,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             if self._store(key) is not None:
                 raise _error(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
             self._validate(res, obj)
+            self._check_owner_references(obj)
             obj = self._admitted(self._typed(res, obj), None)
             meta = obj["metadata"]
             meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())

@@ -262,3 +262,32 @@ async def test_trainer_pods_refused_by_a_gpu_quota_land_in_status() -> None:
         applied = next(c for c in st["conditions"] if c["type"] == "Applied")
         assert applied["status"] == "True"  # the Job itself was accepted
         assert any(e["reason"] == "ChildQuotaExceeded" for e in await k.events("big"))
+
+
+async def test_owner_reference_permission_refusal_is_reported() -> None:
+    """Where OwnerReferencesPermissionEnforcement runs (OpenShift), children with
+    blockOwnerDeletion need update on <owner>/finalizers; without it every child is refused."""
+    from kuberl.operator.builders import operator_rbac_rules
+
+    without = [
+        {**r, "resources": [x for x in r["resources"] if not x.endswith("/finalizers")]}
+        for r in operator_rbac_rules()
+    ]
+    async with emulated_cluster(owner_reference_rules=without) as k, running_operator(k):
+        await k.create(f"{API}/sandboxpools", pool("tools"))
+
+        async def refused() -> Any:
+            st = await _status(k, f"{API}/sandboxpools/tools")
+            applied = next((c for c in st.get("conditions") or [] if c["type"] == "Applied"), None)
+            return applied if applied and applied["status"] == "False" else None
+
+        applied = await eventually(refused, what="Applied=False")
+        assert applied["reason"] == "Forbidden" and "sandboxpools/finalizers" in applied["message"]
+    granted = [*without, {"apiGroups": ["kuberl.io"], "resources": ["sandboxpools/finalizers"], "verbs": ["update"]}]
+    async with emulated_cluster(owner_reference_rules=granted) as k, running_operator(k):
+        await k.create(f"{API}/sandboxpools", pool("tools"))
+
+        async def ready() -> bool:
+            return (await _status(k, f"{API}/sandboxpools/tools")).get("phase") == "Ready"
+
+        await eventually(ready, what="pool Ready with the finalizers permission")
