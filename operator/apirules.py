@@ -286,12 +286,13 @@ def object_problems(obj: dict[str, Any]) -> list[str]:
         groups, size = int(spec.get("replicas", 1)), int(lwt.get("size", 1))
         sts = len(name) + 1 + _digits(groups - 1)
         pod = sts + 1 + _digits(size - 1)
-        if sts > STATEFULSET_NAME_MAX or pod > 63:
-            out.append(
-                f"{what}: the names it derives are too long (StatefulSet <name>-<group> {sts} > "
-                f"{STATEFULSET_NAME_MAX} or pod <name>-<group>-<worker> {pod} > 63 characters); "
-                "shorten the name"
-            )
+        too_long = []
+        if sts > STATEFULSET_NAME_MAX:
+            too_long.append(f"each group's StatefulSet <name>-<group> has {sts} > {STATEFULSET_NAME_MAX} characters")
+        if pod > 63:
+            too_long.append(f"its pods <name>-<group>-<worker> have {pod} > 63 characters")
+        if too_long:
+            out.append(f"{what}: the names it derives are too long ({'; '.join(too_long)}); shorten the name")
     return out
 
 
