@@ -10,14 +10,15 @@ So, per pod, unless ``resources`` says otherwise:
 
 * ``requests.cpu``: 8 per accelerator (MI300X and H100 nodes have 12-24 cores per device);
   the cpu profile asks for its ``count``;
-* ``requests.memory`` = ``limits.memory``: 32Gi per accelerator (2Gi for the cpu profile) plus
-  the /dev/shm size, so the memory the pod can pin in shm is part of what it is scheduled with;
+* ``requests.memory`` = ``limits.memory``: 32Gi per accelerator plus the /dev/shm size, so the
+  memory the pod can pin in shm is part of what it is scheduled with (the cpu profile, meant for
+  small and local runs, requests 2Gi plus shm and sets no limit it might outgrow);
 * /dev/shm: 8Gi per accelerator, at most 64Gi (1Gi for the cpu profile); when ``resources``
   sets a memory limit (or only a request), shm takes at most half of it, so a full shm still
   leaves the process room before the OOM killer;
-* /models: an emptyDir bounded by ``modelCacheSize`` and requested as ``ephemeral-storage``, so
-  the scheduler places the pod on a node with room for the weights and the kubelet evicts it
-  (instead of filling the node's disk) if a download outgrows it.
+* /models: an emptyDir bounded by ``modelCacheSize`` and, for accelerator profiles, requested as
+  ``ephemeral-storage``, so the scheduler places the pod on a node with room for the weights and
+  the kubelet evicts it (instead of filling the node's disk) if a download outgrows it.
 
 No CPU limit is set by default (throttling a GPU feeder costs more than it protects).
 """
@@ -69,13 +70,14 @@ def size_pod(acc: AcceleratorSpec, user: ResourceRequirements, model_cache: Quan
     if user_mem is None:
         memory = _gi(base_mem + shm_bytes)
         requests["memory"] = memory
-        limits.setdefault("memory", memory)
+        if gpu:  # a CPU run (a laptop cluster, a tiny model) gets no limit it might outgrow
+            limits.setdefault("memory", memory)
     else:
         shm_bytes = min(shm_bytes, quantity_value(user_mem) / 2)
     # (a limit without a request makes the API server use the limit: leave that alone)
     if "cpu" not in limits:
         requests.setdefault("cpu", str(cpu))
-    if "ephemeral-storage" not in limits:
+    if gpu and "ephemeral-storage" not in limits:
         requests.setdefault("ephemeral-storage", str(model_cache))
     if gpu:
         requests[gpu] = limits[gpu] = str(devices)
