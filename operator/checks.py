@@ -79,6 +79,38 @@ def _pool_notes(spec: SandboxPoolSpec, where: str) -> list[str]:
     ]
 
 
+def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
+    """Checkpoints that would not survive the trainer's pod, or could not be written."""
+    uri = job.spec.checkpoint.uri
+    tpl = job.spec.trainer.pod_template
+    spec = tpl.spec if tpl is not None else {}
+    mounts = [
+        m.get("mountPath", "")
+        for c in spec.get("containers") or []
+        if c.get("name") == "trainer"
+        for m in c.get("volumeMounts") or []
+    ]
+    if uri.startswith("/") and not any(uri == m or uri.startswith(m.rstrip("/") + "/") for m in mounts):
+        return [
+            f"warning: checkpoint.uri {uri} is not on a volume the trainer mounts: its checkpoints go with the "
+            "pod; mount one there with trainer.podTemplate, or use a relative uri (the job's own volume)"
+        ]
+    if uri.startswith("s3://"):
+        env = [
+            e.get("name", "")
+            for c in spec.get("containers") or []
+            if c.get("name") == "trainer"
+            for e in c.get("env") or []
+        ]
+        has_from = any(c.get("envFrom") for c in spec.get("containers") or [] if c.get("name") == "trainer")
+        if not has_from and not any(n.startswith("AWS_") for n in env):
+            return [
+                f"not checked: checkpoint.uri {uri} needs S3 credentials in the trainer (AWS_* from a Secret "
+                "through trainer.podTemplate env/envFrom, or a node or workload identity)"
+            ]
+    return []
+
+
 def check_file(resources: list[Resource], namespace: str = "default") -> list[Verdict]:
     """Per resource: refusals (rendered children, references this file can resolve) and notes
     (references it cannot, resource sizes likely to fail at run time)."""
@@ -111,6 +143,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
                 )
             if r.spec.sandbox.pool is not None:
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
+            v.notes += _checkpoint_notes(r)
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.")
         v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)

@@ -73,3 +73,24 @@ def test_per_call_memory_times_workers_above_the_pod_limit_warns(tmp_path: Any, 
     rc, out, _ = _validate(tmp_path, capsys, pool)
     assert rc == 0
     assert "warning: spec.workersPerPod (16) x limits.memoryMB (2048) = 32.0 GiB exceeds" in out
+
+
+def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, capsys: Any) -> None:
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {}
+    job["spec"]["checkpoint"] = {"uri": "/ckpt/run"}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0 and "warning: checkpoint.uri /ckpt/run is not on a volume the trainer mounts" in out
+    job["spec"]["trainer"] = {
+        "podTemplate": {
+            "spec": {
+                "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}],
+                "containers": [{"name": "trainer", "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}],
+            }
+        }
+    }
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0 and "checkpoint.uri" not in out
+    job["spec"]["checkpoint"] = {"uri": "s3://b/run"}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert "needs S3 credentials" in out
