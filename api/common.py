@@ -40,6 +40,18 @@ RESOURCE_NAME_RULE = (
 PATTERN_RULES: dict[str, str] = {NAME_PATTERN: NAME_RULE, RESOURCE_NAME_PATTERN: RESOURCE_NAME_RULE}
 """Plain-language wording for the regexes above, used by error messages instead of the regex."""
 
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_QUALIFIED = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _qualified_key(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
+        return False
+    return len(name) <= 63 and bool(_QUALIFIED.match(name))
+
+
 # k8s.io/apimachinery resource.Quantity, as kubebuilder writes it into CRDs.
 QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
@@ -90,9 +102,34 @@ class ObjectMeta(BaseModel):
     model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
     name: str = Field(pattern=RESOURCE_NAME_PATTERN, max_length=63)
-    namespace: str | None = None
+    namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        """The API server refuses the whole object for one bad label; say which."""
+        for key, value in labels.items():
+            if not _qualified_key(key):
+                raise ValueError(
+                    f"label key {key!r} must be a name of at most 63 characters of letters, digits, '-', '_' "
+                    "and '.' (starting and ending with a letter or digit), optionally behind a DNS prefix and '/'"
+                )
+            if len(value) > 63 or not _LABEL_VALUE.match(value):
+                raise ValueError(
+                    f"label {key}={value!r}: values are at most 63 characters of letters, digits, '-', '_' and '.', "
+                    "starting and ending with a letter or digit"
+                )
+        return labels
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in annotations if not _qualified_key(k)]
+        if bad:
+            raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
+        return annotations
     generation: int | None = None
     uid: str | None = None
 

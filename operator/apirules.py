@@ -130,6 +130,8 @@ def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
         extended = "/" in name and not name.startswith("kubernetes.io/")
         if lim is not None and req > lim:
             out.append(f"{where}.requests[{name}]: must be less than or equal to {name} limit")
+        if extended and req.denominator != 1:
+            out.append(f"{where}.requests[{name}]: must be a whole number (extended resource)")
         if extended and lim is not None and req != lim:
             out.append(f"{where}.requests[{name}]: must be equal to {name} limit (extended resource)")
         if extended and lim is None:

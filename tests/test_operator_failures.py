@@ -9,6 +9,7 @@ a Deployment that a ResourceQuota keeps from creating pods reports ``ReplicaFail
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -291,3 +292,24 @@ async def test_owner_reference_permission_refusal_is_reported() -> None:
             return (await _status(k, f"{API}/sandboxpools/tools")).get("phase") == "Ready"
 
         await eventually(ready, what="pool Ready with the finalizers permission")
+
+
+@pytest.mark.parametrize(
+    ("meta", "fragment"),
+    [
+        ({"name": "tools", "namespace": "Team_A"}, "metadata.namespace: must be a lowercase RFC 1123 label"),
+        ({"name": "tools", "labels": {"team": "rl team"}}, "label team='rl team'"),
+        ({"name": "tools", "labels": {"-bad": "x"}}, "label key '-bad'"),
+        ({"name": "tools", "annotations": {"not a key": "x"}}, "not qualified names"),
+    ],
+)
+def test_the_resources_own_metadata_is_checked_as_the_api_server_would(meta: dict[str, Any], fragment: str) -> None:
+    from kuberl.api import ManifestError
+
+    with pytest.raises(ManifestError, match=re.escape(fragment)):
+        parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": meta})
+
+
+def test_extended_resources_are_whole_numbers() -> None:
+    problems = object_problems(_deploy({"requests": {"nvidia.com/gpu": "0.5"}, "limits": {"nvidia.com/gpu": "0.5"}}))
+    assert any("whole number" in p for p in problems), problems
