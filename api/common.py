@@ -9,10 +9,12 @@ floats still take integers, as a CRD ``type: number`` does.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from fractions import Fraction
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from kuberl import API_VERSION
@@ -27,11 +29,55 @@ NAME_RULE = (
     "must be a lowercase RFC 1123 label: at most 63 characters of a-z, 0-9 and '-', "
     "starting and ending with a letter or digit"
 )
-PATTERN_RULES: dict[str, str] = {NAME_PATTERN: NAME_RULE}
+# A resource's own name also names Services (its own, or its children's), and Service names
+# are RFC 1035 labels: the API server refuses a Service "7b-fleet" (a leading digit), so the
+# resource name must start with a letter.
+RESOURCE_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RESOURCE_NAME_RULE = (
+    "must be a lowercase RFC 1035 label: at most 63 characters of a-z, 0-9 and '-', starting with a "
+    "letter (it names Services, which may not start with a digit) and ending with a letter or digit"
+)
+PATTERN_RULES: dict[str, str] = {NAME_PATTERN: NAME_RULE, RESOURCE_NAME_PATTERN: RESOURCE_NAME_RULE}
 """Plain-language wording for the regexes above, used by error messages instead of the regex."""
 
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_QUALIFIED = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _qualified_key(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
+        return False
+    return len(name) <= 63 and bool(_QUALIFIED.match(name))
+
+
+# k8s.io/apimachinery resource.Quantity, as kubebuilder writes it into CRDs.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)"
+    r"|(\.[0-9]+))))?$"
+)
+_QUANTITY_RE = re.compile(QUANTITY_PATTERN)
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and not _QUANTITY_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a Kubernetes quantity: a number with an optional suffix "
+            "(m, k, M, G, Ki, Mi, Gi, ...), e.g. 500m, 2, 16Gi"
+        )
+    if (isinstance(value, int) and value < 0) or (isinstance(value, str) and value.startswith("-")):
+        raise ValueError(f"quantity {value!r} must not be negative")
+    return value
+
+
 # Kubernetes resource quantities ("500m", "2Gi", 4) are int-or-string on the wire.
-Quantity = Annotated[int | str, Field(json_schema_extra={"x-kubernetes-int-or-string": True})]
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    Field(json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 
 
 class KubeModel(BaseModel):
@@ -55,10 +101,35 @@ class ObjectMeta(BaseModel):
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, strict=True)
 
-    name: str = Field(pattern=NAME_PATTERN, max_length=63)
-    namespace: str | None = None
+    name: str = Field(pattern=RESOURCE_NAME_PATTERN, max_length=63)
+    namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        """The API server refuses the whole object for one bad label; say which."""
+        for key, value in labels.items():
+            if not _qualified_key(key):
+                raise ValueError(
+                    f"label key {key!r} must be a name of at most 63 characters of letters, digits, '-', '_' "
+                    "and '.' (starting and ending with a letter or digit), optionally behind a DNS prefix and '/'"
+                )
+            if len(value) > 63 or not _LABEL_VALUE.match(value):
+                raise ValueError(
+                    f"label {key}={value!r}: values are at most 63 characters of letters, digits, '-', '_' and '.', "
+                    "starting and ending with a letter or digit"
+                )
+        return labels
+
+    @field_validator("annotations")
+    @classmethod
+    def _annotations(cls, annotations: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in annotations if not _qualified_key(k)]
+        if bad:
+            raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
+        return annotations
     generation: int | None = None
     uid: str | None = None
 
@@ -68,6 +139,40 @@ class ResourceRequirements(KubeModel):
 
     requests: dict[str, Quantity] = Field(default_factory=dict)
     limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _as_the_api_server(self) -> ResourceRequirements:
+        """The pod validation a schema cannot express: resource names, requests <= limits."""
+        for part in (self.requests, self.limits):
+            for name in part:
+                if name not in STANDARD_RESOURCES and not name.startswith("hugepages-") and "/" not in name:
+                    raise ValueError(
+                        f"unknown resource {name!r}: use cpu, memory, ephemeral-storage, hugepages-<size> "
+                        "or a fully qualified extended resource such as amd.com/gpu"
+                    )
+        for name, req in self.requests.items():
+            if name in self.limits and quantity_value(req) > quantity_value(self.limits[name]):
+                raise ValueError(
+                    f"requests.{name} ({req}) must be less than or equal to limits.{name} ({self.limits[name]})"
+                )
+        return self
+
+
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_SUFFIX.update({"n": Fraction(1, 10**9), "u": Fraction(1, 10**6), "m": Fraction(1, 1000), "": 1})
+_SUFFIX.update({"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18})
+
+
+def quantity_value(q: int | str) -> Fraction:
+    """The exact amount of a quantity that passed ``Quantity`` validation."""
+    text = str(q)
+    m = re.match(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:[eE]([+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$", text)
+    if m is None:
+        raise ValueError(f"{q!r} is not a quantity")
+    amount = Fraction(m.group(1))
+    if m.group(2) is not None:
+        return amount * Fraction(10) ** int(m.group(2))
+    return amount * _SUFFIX[m.group(3) or ""]
 
 
 class AcceleratorSpec(KubeModel):
@@ -87,7 +192,9 @@ class Condition(KubeModel):
     status: Literal["True", "False", "Unknown"]
     reason: str = ""
     message: str = ""
-    last_transition_time: str = Field(default_factory=lambda: now_rfc3339())
+    last_transition_time: str = Field(
+        default_factory=lambda: now_rfc3339(), json_schema_extra={"format": "date-time"}
+    )
     observed_generation: int | None = None
 
 
@@ -97,7 +204,10 @@ class ResourceStatus(KubeModel):
     model_config = ConfigDict(extra="allow")
 
     phase: str | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     observed_generation: int | None = None
 
 
@@ -148,6 +258,19 @@ class Autoscaling(KubeModel):
                 f"autoscaling.maxReplicas ({self.max_replicas})"
             )
         return self
+
+
+def without_default(schema: dict[str, Any]) -> None:
+    """json_schema_extra that keeps a field's default out of the CRD: the API server would fill it
+    in, and the model could no longer tell "not set" (whose default depends on other fields)."""
+    schema.pop("default", None)
+
+
+def default_replicas_to_min(spec: Any) -> None:
+    """An autoscaled resource without ``replicas`` starts at ``autoscaling.minReplicas`` (a fixed
+    default of 1 would be refused by minReplicas > 1)."""
+    if "replicas" not in spec.model_fields_set and spec.autoscaling is not None:
+        object.__setattr__(spec, "replicas", spec.autoscaling.min_replicas)
 
 
 def check_replicas_in_bounds(replicas: int, autoscaling: Autoscaling | None) -> None:

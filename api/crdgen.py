@@ -11,12 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kuberl import GROUP, VERSION
 
-from .common import NAME_PATTERN, Resource
-from .loader import KINDS
+from .common import RESOURCE_NAME_PATTERN, Resource
+from .loader import KINDS, dump_yaml
 
 _DROP = {"title", "discriminator"}
 
@@ -26,7 +24,7 @@ _DROP = {"title", "discriminator"}
 # is always present; fields without one need has(). Paths name properties; "[]" steps into a
 # list's items. tests/test_api.py evaluates every rule against the invalid corpus.
 _REPLICAS_RULE = {
-    "rule": "!has(self.autoscaling) || (self.replicas >= self.autoscaling.minReplicas && "
+    "rule": "!has(self.autoscaling) || !has(self.replicas) || (self.replicas >= self.autoscaling.minReplicas && "
     "self.replicas <= self.autoscaling.maxReplicas)",
     "message": "replicas must lie within [autoscaling.minReplicas, autoscaling.maxReplicas]",
 }
@@ -40,7 +38,14 @@ _TP_SPAN_RULE = {
     "self.engine.tensorParallel % self.accelerator.count == 0",
     "message": "engine.tensorParallel spans nodes, so it must be a multiple of accelerator.count",
 }
-_FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE]
+_WHOLE_NODES_RULE = {
+    # accelerator has no schema default (a per-kind default_factory): absent means mi300x x 1.
+    "rule": "!has(self.engine) || self.engine.tensorParallel <= (has(self.accelerator) ? "
+    "self.accelerator.count : 1) || (has(self.accelerator) && (self.accelerator.profile == 'cpu' || "
+    "self.accelerator.count == 8))",
+    "message": "engine.tensorParallel spans pods, which must be whole nodes: set accelerator.count: 8",
+}
+_FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE, _WHOLE_NODES_RULE]
 _HAS_CONTEXT = "has(self.fleet) && has(self.fleet.engine) && has(self.fleet.engine.contextLength)"
 _CONTEXT = "self.rollout.fleet.engine.contextLength"
 
@@ -105,6 +110,31 @@ CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
     "RolloutFleet": {(): _FLEET_RULES, ("autoscaling",): [_BOUNDS_RULE]},
 }
 
+_CKPT_URI = "(has({0}.spec.checkpoint) ? {0}.spec.checkpoint.uri : 'runs/checkpoints')"
+
+# Rules on the whole object: only these may read metadata.name and status.
+ROOT_RULES: dict[str, list[dict[str, str]]] = {
+    "AgenticRLJob": [
+        {
+            # A transition rule (oldSelf): it runs on updates only. A started run's checkpoints are of
+            # its model; a restarted trainer would refuse them (another model) or, with another
+            # checkpoint.uri, silently start over.
+            "rule": "!has(oldSelf.status) || !has(oldSelf.status.phase) || "
+            "!(oldSelf.status.phase in ['Running', 'Suspended']) || "
+            f"(self.spec.model == oldSelf.spec.model && {_CKPT_URI.format('self')} == "
+            f"{_CKPT_URI.format('oldSelf')})",
+            "message": "spec.model and spec.checkpoint.uri cannot change while the job is Running or "
+            "Suspended (its checkpoints are of this model); create a new job to train another",
+        },
+        {
+            "rule": "size(self.metadata.name) + size(string((has(self.spec.trainer) ? "
+            "self.spec.trainer.replicas : 1) - 1)) <= 54",
+            "message": "metadata.name is too long: the trainer pods' hostnames <name>-trainer-<index> "
+            "must fit 63 characters",
+        }
+    ]
+}
+
 PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
     "AgenticRLJob": [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
@@ -146,8 +176,11 @@ def structural(node: Any, defs: dict[str, Any], in_status: bool = False) -> Any:
     node = dict(node)
     if node.get("x-kubernetes-int-or-string"):
         out = {"x-kubernetes-int-or-string": True}
-        if "description" in node:
-            out["description"] = node["description"]
+        for key in ("description", "pattern"):
+            if key in node:
+                out[key] = node[key]
+        if "pattern" in out:  # a quantity: kubebuilder's form (the pattern checks strings only)
+            out = {"anyOf": [{"type": "integer"}, {"type": "string"}], **out}
         return out
     for key in ("anyOf", "oneOf"):
         if key in node:
@@ -208,7 +241,9 @@ def schema_for(kind: type[Resource]) -> dict[str, Any]:
     # makes status patches silently vanish.
     status["x-kubernetes-preserve-unknown-fields"] = True
     spec.pop("default", None)
+    root: dict[str, Any] = {"x-kubernetes-validations": ROOT_RULES[kind.KIND]} if kind.KIND in ROOT_RULES else {}
     return {
+        **root,
         "type": "object",
         "description": (kind.__doc__ or kind.KIND).strip().splitlines()[0],
         "required": ["spec"],
@@ -219,7 +254,7 @@ def schema_for(kind: type[Resource]) -> dict[str, Any]:
             # the Services and pods it derives from the name.
             "metadata": {
                 "type": "object",
-                "properties": {"name": {"type": "string", "maxLength": 63, "pattern": NAME_PATTERN}},
+                "properties": {"name": {"type": "string", "maxLength": 63, "pattern": RESOURCE_NAME_PATTERN}},
             },
             "spec": spec,
             "status": status,
@@ -276,7 +311,7 @@ HEADER = "# Generated by `kuberl crds` from kuberl.api; do not edit.\n"
 
 
 def render(crd: dict[str, Any]) -> str:
-    return HEADER + yaml.safe_dump(crd, sort_keys=False, width=120)
+    return HEADER + dump_yaml(crd)
 
 
 def _orphans(out: Path, want: dict[str, Any]) -> list[Path]:

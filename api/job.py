@@ -16,10 +16,12 @@ from .common import (
     NAME_PATTERN,
     AcceleratorSpec,
     KubeModel,
+    Quantity,
     Resource,
     ResourceRequirements,
     ResourceStatus,
 )
+from .pod_template import PodTemplateOverride
 from .rollout_fleet import ModelRef, RolloutFleetSpec
 from .sandbox_pool import SandboxPoolSpec
 from .tracking import TrackingSpec
@@ -267,8 +269,27 @@ class TrainerSpec(KubeModel):
     )
     accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=8))
     image: str | None = None
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+    )
+    model_cache_size: Quantity = Field(
+        "100Gi",
+        description="Bound of the /models cache (downloaded weights), also requested as ephemeral-storage.",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=100,
+        description=(
+            "Times the operator restarts a failed trainer (all its pods, resuming from the last "
+            "checkpoint) before the job is Failed. Evictions and preemptions are not counted."
+        ),
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch device for local runs.")
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...)."
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
 
     @property
@@ -277,9 +298,31 @@ class TrainerSpec(KubeModel):
 
 
 class CheckpointSpec(KubeModel):
-    uri: str = Field("runs/checkpoints", min_length=1, description="s3://bucket/prefix or a file path.")
+    """Where a run's checkpoints live, so that a restarted trainer resumes instead of starting over.
+
+    On a cluster a relative ``uri`` (the default) is kept on a PersistentVolumeClaim
+    ``<job>-checkpoints`` that the operator creates and the job owns: it outlives the trainer's
+    pods, their replacement after a spec change and their restarts, and goes with the job.
+    ``s3://`` needs credentials in the trainer pods (``trainer.podTemplate`` env/envFrom); an
+    absolute path must be a volume the pod template mounts.
+    """
+
+    uri: str = Field(
+        "runs/checkpoints",
+        min_length=1,
+        description="s3://bucket/prefix, or a path; relative: on the job's checkpoint volume on a cluster.",
+    )
     every_steps: int = Field(50, ge=1)
     keep: int = Field(3, ge=1)
+    volume_size: Quantity = Field("100Gi", description="Size of the checkpoint volume (relative uri only).")
+    storage_class_name: str | None = Field(
+        None, description="StorageClass of the checkpoint volume; the cluster default when unset."
+    )
+
+    @property
+    def on_volume(self) -> bool:
+        """Whether the operator keeps these checkpoints on the job's own volume."""
+        return not self.uri.startswith("s3://") and not self.uri.startswith("/")
 
 
 class AgenticRLJobSpec(KubeModel):
@@ -355,12 +398,13 @@ class JobSummary(KubeModel):
 
 
 class AgenticRLJobStatus(ResourceStatus):
+    restarts: int | None = Field(None, description="Failed trainers restarted so far (trainer.maxRestarts).")
     stage: str | None = None
     step: int | None = None
     last_checkpoint: str | None = None
     summary: JobSummary | None = None
-    start_time: str | None = None
-    completion_time: str | None = None
+    start_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    completion_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
 
 
 class AgenticRLJob(Resource):
@@ -373,3 +417,16 @@ class AgenticRLJob(Resource):
     kind: Literal["AgenticRLJob"] = "AgenticRLJob"
     spec: AgenticRLJobSpec
     status: AgenticRLJobStatus | None = None
+
+    @model_validator(mode="after")
+    def _hostnames_fit(self) -> AgenticRLJob:
+        """Trainer pods are named ``<name>-trainer-<index>`` as DNS hostnames (63 characters)."""
+        last = f"{self.metadata.name}-trainer-{self.spec.trainer.replicas - 1}"
+        if len(last) > 63:
+            room = 63 - len(last) + len(self.metadata.name)
+            raise ValueError(
+                f"metadata.name: at most {room} characters with trainer.replicas "
+                f"{self.spec.trainer.replicas}: the trainer pods' hostnames <name>-trainer-<index> "
+                f"must fit 63 ({last!r} has {len(last)})"
+            )
+        return self

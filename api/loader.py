@@ -43,6 +43,23 @@ KubeYamlLoader.add_implicit_resolver(
 )
 
 
+class PlainDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper without anchors and aliases (``&id001`` / ``*id001``): an object used
+    twice is written out twice. Anchors are valid YAML, but kubectl diffs, Helm, GitOps tools
+    and people reading a CRD or `kuberl render` output should not have to resolve them."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(doc: Any) -> str:
+    return yaml.dump(doc, Dumper=PlainDumper, sort_keys=False, width=120)
+
+
+def dump_yaml_all(docs: Iterable[Any]) -> str:
+    return yaml.dump_all(list(docs), Dumper=PlainDumper, sort_keys=False, width=120)
+
+
 def _loc(loc: Iterable[Any]) -> str:
     out = ""
     for part in loc:

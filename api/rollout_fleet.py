@@ -10,11 +10,15 @@ from .common import (
     AcceleratorSpec,
     Autoscaling,
     KubeModel,
+    Quantity,
     Resource,
     ResourceRequirements,
     ScaledResourceStatus,
     check_replicas_in_bounds,
+    default_replicas_to_min,
+    without_default,
 )
+from .pod_template import PodTemplateOverride
 
 # Default images by engine and accelerator profile; engine.image overrides.
 SGLANG_IMAGES: dict[str, str] = {
@@ -30,6 +34,9 @@ VLLM_IMAGES: dict[str, str] = {
     "cpu": "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
 }
 ENGINE_IMAGES: dict[str, dict[str, str]] = {"sglang": SGLANG_IMAGES, "vllm": VLLM_IMAGES}
+
+GPUS_PER_NODE = 8
+"""GPUs of an MI300X or H100 HGX node: the unit an engine spanning several pods is built from."""
 
 SchedulerPolicy = Literal["kv-aware", "least-requests", "round-robin", "static"]
 
@@ -96,25 +103,48 @@ class SchedulerSpec(KubeModel):
 
 
 class RolloutFleetSpec(KubeModel):
-    replicas: int = Field(1, ge=0, le=1000, description="Engines; the scale subresource writes this field.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Engines; the scale subresource writes this field. Default: autoscaling.minReplicas, else 1.",
+        json_schema_extra=without_default,
+    )
     model: ModelRef
     engine: EngineSpec = Field(default_factory=EngineSpec)
     accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=1))
-    resources: ResourceRequirements = Field(default_factory=ResourceRequirements)
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+    )
+    model_cache_size: Quantity = Field(
+        "100Gi",
+        description="Bound of the /models cache (downloaded weights), also requested as ephemeral-storage.",
+    )
     autoscaling: FleetAutoscaling | None = None
     scheduler: SchedulerSpec = Field(default_factory=SchedulerSpec)
     weight_sync: WeightSyncSpec | None = Field(
         None, description="Shared volume for policy updates from a training run (see WeightSyncSpec)."
     )
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered engine pods (env, secrets, scheduling, ...)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RolloutFleetSpec:
+        default_replicas_to_min(self)
         check_replicas_in_bounds(self.replicas, self.autoscaling)
         tp, per_node = self.engine.tensor_parallel, self.accelerator.count
         if self.accelerator.profile != "cpu" and tp > per_node and tp % per_node:
             raise ValueError(
                 f"engine.tensorParallel ({tp}) spans nodes, so it must be a multiple of "
                 f"accelerator.count ({per_node})"
+            )
+        if self.accelerator.profile != "cpu" and tp > per_node and per_node != GPUS_PER_NODE:
+            raise ValueError(
+                f"engine.tensorParallel ({tp}) with accelerator.count {per_node} would span {tp // per_node} "
+                f"pods of {per_node} GPU(s) each; an engine that spans nodes must use whole nodes: set "
+                f"accelerator.count: {GPUS_PER_NODE} (or engine.tensorParallel <= {per_node})"
             )
         if self.engine.type == "vllm" and self.nodes_per_engine > 1:
             raise ValueError(

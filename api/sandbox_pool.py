@@ -13,7 +13,10 @@ from .common import (
     ResourceRequirements,
     ScaledResourceStatus,
     check_replicas_in_bounds,
+    default_replicas_to_min,
+    without_default,
 )
+from .pod_template import PodTemplateOverride
 
 DEFAULT_SANDBOX_IMAGE = "ghcr.io/kuberl/sandbox:0.1.0"
 
@@ -41,7 +44,13 @@ class SandboxAutoscaling(Autoscaling):
 
 
 class SandboxPoolSpec(KubeModel):
-    replicas: int = Field(1, ge=0, le=1000, description="Pods; the scale subresource writes this field.")
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="Pods; the scale subresource writes this field. Default: autoscaling.minReplicas, else 1.",
+        json_schema_extra=without_default,
+    )
     image: str = DEFAULT_SANDBOX_IMAGE
     workers_per_pod: int = Field(2, ge=1, le=256, description="Warm fork-server workers in each pod.")
     resources: ResourceRequirements = Field(
@@ -61,9 +70,13 @@ class SandboxPoolSpec(KubeModel):
         ),
     )
     autoscaling: SandboxAutoscaling | None = None
+    pod_template: PodTemplateOverride | None = Field(
+        None, description="PodTemplateSpec merged over the rendered sandbox pods (env, secrets, scheduling, ...)."
+    )
 
     @model_validator(mode="after")
     def _replicas_in_bounds(self) -> SandboxPoolSpec:
+        default_replicas_to_min(self)
         check_replicas_in_bounds(self.replicas, self.autoscaling)
         return self
 

@@ -44,6 +44,7 @@ def is_source_checkout(root: Path) -> bool:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kuberl.api.loader import ManifestError, load_manifests
+    from kuberl.operator.checks import check_file
 
     failed = 0
     for path in args.files:
@@ -53,8 +54,16 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             failed += 1
             print(f"INVALID {err}", file=sys.stderr)
             continue
-        for r in resources:
-            print(f"ok      {path}: {r.KIND}/{r.metadata.name}")
+        # The children are rendered as the operator would and checked as the API server would.
+        for v in check_file(resources):
+            what = f"{path}: {v.resource.KIND}/{v.resource.metadata.name}"
+            if v.problems:
+                failed += 1
+                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems), file=sys.stderr)
+            else:
+                print(f"ok      {what}")
+            for note in v.notes:
+                print(f"  {note}")
     return 1 if failed else 0
 
 
@@ -127,10 +136,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    import yaml
 
     from kuberl.api import AgenticRLJob, RolloutFleet
-    from kuberl.api.loader import load_manifests
+    from kuberl.api.loader import dump_yaml_all, load_manifests
     from kuberl.operator.builders import build_for
 
     resources = load_manifests(args.file)
@@ -141,7 +149,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return fleets.get(r.spec.rollout.fleet_ref or "") if isinstance(r, AgenticRLJob) else None
 
     docs = [m for r in resources for m in build_for(r, namespace=args.namespace, fleet=fleet_of(r))]
-    sys.stdout.write(yaml.safe_dump_all(docs, sort_keys=False))
+    sys.stdout.write(dump_yaml_all(docs))
     return 0
 
 

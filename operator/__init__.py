@@ -8,5 +8,12 @@ Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
 * ``kube``      -- a small async REST client for the children;
 * ``handlers``  -- kopf registry + resync loop; ``main`` -- ``kuberl operator``;
-* ``schemas``   -- validation of built manifests; ``testing`` -- the kmock-based API emulator.
+* ``schemas``   -- validation of built manifests; ``testing`` -- the kmock-based API emulator;
+* ``apirules``  -- what the API server's own validation refuses in built-in objects (names,
+  derived names, labels, quantities, Pod Security "restricted"); ``checks`` -- those rules over a
+  resource's rendered children (`kuberl validate`, the operator's pre-flight);
+* ``conditions`` -- refused children and pods as status conditions and events;
+* ``podtemplate`` -- merging a component's podTemplate override; ``sizing`` -- cpu/memory/shm/
+  cache sizes of engine and trainer pods; ``trainer_runs`` -- checkpoint volume, restarts, the
+  run's config hash; ``disruption`` -- PodDisruptionBudgets and topology spread.
 """

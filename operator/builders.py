@@ -34,6 +34,7 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec, WeightSyncSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
+from kuberl.operator import disruption, podtemplate, sizing, trainer_runs
 from kuberl.operator.engines import (
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
@@ -85,11 +86,17 @@ def object_labels(instance: str, component: str, owner_kind: str) -> dict[str, s
 # Every kind a builder may emit per owner kind (apiVersion, kind); KEDA ScaledObjects are only
 # rendered (``kuberl render``), never applied, so they are not children to clean up.
 CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "SandboxPool": (("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")),
+    "SandboxPool": (
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("policy/v1", "PodDisruptionBudget"),
+    ),
     "RolloutFleet": (
         ("apps/v1", "Deployment"),
         ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
         ("v1", "Service"),
+        ("policy/v1", "PodDisruptionBudget"),
     ),
     "AgenticRLJob": (
         ("v1", "ServiceAccount"),
@@ -135,8 +142,9 @@ def spec_hash(obj: Any) -> str:
 AMD_GPU_RESOURCE = "amd.com/gpu"
 NVIDIA_GPU_RESOURCE = "nvidia.com/gpu"
 AMD_PRODUCT_LABEL = "amd.com/gpu.product-name"
-AMD_NFD_LABEL = "feature.node.kubernetes.io/amd-gpu"
+AMD_DEVICE_ID_LABEL = "amd.com/gpu.device-id"
 MI300X_PRODUCT_NAMES = ("AMD_Instinct_MI300X_OAM", "AMD_Instinct_MI300X")
+MI300X_DEVICE_IDS = ("74a1", "74b5")  # MI300X and its SR-IOV virtual function
 NVIDIA_PRESENT_LABEL = "nvidia.com/gpu.present"
 NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
 H100_PRODUCT_NAMES = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-NVL", "NVIDIA-H100-PCIe")
@@ -145,9 +153,11 @@ H100_PRODUCT_NAMES = ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-NVL", "NVIDIA-H100-P
 def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
     """Scheduling fields (affinity/tolerations) for an accelerator profile.
 
-    mi300x: nodes labelled by the AMD GPU operator's node labeller (``amd.com/gpu.product-name``)
-    or, where only Node Feature Discovery runs, ``feature.node.kubernetes.io/amd-gpu=true``
-    (nodeSelectorTerms are ORed). h100: NVIDIA GPU feature discovery's product label.
+    mi300x: nodes whose GPUs the AMD GPU operator's node labeller names MI300X, by product name
+    or by PCI device id (nodeSelectorTerms are ORed). Not "any AMD GPU" (Node Feature
+    Discovery's ``feature.node.kubernetes.io/amd-gpu``): the default images are built for MI30x
+    (gfx942) only and would fail on other AMD GPUs. h100: NVIDIA GPU feature discovery's
+    product label.
     GPU nodes are commonly tainted with the resource name, so both tolerate that taint.
     """
     if acc.profile == "mi300x":
@@ -157,7 +167,11 @@ def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
                     {"key": AMD_PRODUCT_LABEL, "operator": "In", "values": list(MI300X_PRODUCT_NAMES)}
                 ]
             },
-            {"matchExpressions": [{"key": AMD_NFD_LABEL, "operator": "In", "values": ["true"]}]},
+            {
+                "matchExpressions": [
+                    {"key": AMD_DEVICE_ID_LABEL, "operator": "In", "values": list(MI300X_DEVICE_IDS)}
+                ]
+            },
         ]
         taint = AMD_GPU_RESOURCE
     elif acc.profile == "h100":
@@ -177,20 +191,6 @@ def accelerator_pod_fields(acc: AcceleratorSpec) -> dict[str, Any]:
         },
         "tolerations": [{"key": taint, "operator": "Exists", "effect": "NoSchedule"}],
     }
-
-
-def accelerator_resources(acc: AcceleratorSpec, base: ResourceRequirements) -> dict[str, Any]:
-    """Container resources: the spec's own requests/limits plus the accelerator count.
-
-    Extended resources (amd.com/gpu, nvidia.com/gpu) must have requests == limits, so both are
-    set; the cpu profile adds nothing (its ``count`` is a CPU hint for local runs only).
-    """
-    res = _resources(base)
-    gpu = {"mi300x": AMD_GPU_RESOURCE, "h100": NVIDIA_GPU_RESOURCE}.get(acc.profile)
-    if gpu:
-        res.setdefault("limits", {})[gpu] = str(acc.count)
-        res.setdefault("requests", {})[gpu] = str(acc.count)
-    return res
 
 
 def _shm_volume(size: str) -> dict[str, Any]:
@@ -338,7 +338,10 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
             "egress": [],
         },
     }
-    return [deployment, service, netpol]
+    deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
+    deployment["spec"]["template"] = podtemplate.apply(deployment["spec"]["template"], spec.pod_template)
+    pdb = disruption.budget(name, namespace, labels, sel, "25%")
+    return [deployment, service, netpol, pdb]
 
 
 # --- RolloutFleet -------------------------------------------------------------------------
@@ -348,6 +351,7 @@ def _engine_pod_spec(
 ) -> dict[str, Any]:
     eng = spec.engine
     acc = spec.accelerator
+    size = sizing.size_pod(acc, spec.resources, spec.model_cache_size)
     container: dict[str, Any] = {
         "name": spec.engine.type,
         "image": spec.image,
@@ -355,7 +359,7 @@ def _engine_pod_spec(
         "command": engine_command(spec, served_name, multi_node=multi_node),
         "env": engine_env(spec),
         "ports": [{"name": "http", "containerPort": eng.port, "protocol": "TCP"}],
-        "resources": accelerator_resources(acc, spec.resources),
+        "resources": size.resources,
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": "/models"},
@@ -365,8 +369,7 @@ def _engine_pod_spec(
         container["ports"].append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
     if leader:
         container.update(engine_probes(spec))
-    shm = "2Gi" if acc.profile == "cpu" else f"{min(256, 32 * acc.count)}Gi"
-    volumes = [_shm_volume(shm), {"name": "model-cache", "emptyDir": {}}]
+    volumes = [_shm_volume(size.shm), {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}}]
     if spec.weight_sync is not None:
         # The trainer writes policy versions here; the engine only reads them.
         volumes.append(weights_volume(spec.weight_sync))
@@ -395,6 +398,24 @@ def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
     subresource's ``status.selector`` and the autoscaler's scrape all use this."""
     sel = selector_labels(fleet.metadata.name, "rollout")
     return sel if fleet.spec.nodes_per_engine == 1 else {**sel, LABEL_ROLE: "leader"}
+
+
+def _spread_engines(workload: Manifest, sel: dict[str, str]) -> None:
+    if workload["kind"] == "Deployment":
+        workload["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
+    else:  # groups' leaders apart (the workers follow their leader's group placement)
+        leader = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+        leader["spec"]["topologySpreadConstraints"] = disruption.spread({**sel, LABEL_ROLE: "leader"})
+
+
+def _override_templates(workload: Manifest, spec: RolloutFleetSpec) -> None:
+    """The fleet's podTemplate goes over every engine pod (LeaderWorkerSet leaders and workers)."""
+    if workload["kind"] == "Deployment":
+        workload["spec"]["template"] = podtemplate.apply(workload["spec"]["template"], spec.pod_template)
+        return
+    lwt = workload["spec"]["leaderWorkerTemplate"]
+    for part in ("leaderTemplate", "workerTemplate"):
+        lwt[part] = podtemplate.apply(lwt[part], spec.pod_template)
 
 
 def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list[Manifest]:
@@ -461,6 +482,8 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             },
         }
         service_selector = engine_selector(fleet)
+    _spread_engines(workload, sel)
+    _override_templates(workload, spec)
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -471,7 +494,9 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [workload, service]
+    # One engine at a time: a Deployment pod, or every pod of one LeaderWorkerSet group.
+    pdb = disruption.budget(name, namespace, labels, sel, nodes)
+    return [workload, service, pdb]
 
 
 # --- AgenticRLJob -------------------------------------------------------------------------
@@ -605,6 +630,7 @@ def build_job(
     fleet_spec = job_fleet_spec(job, fleet)
     trainer = spec.trainer
     acc = trainer.accelerator
+    size = sizing.size_pod(acc, trainer.resources, trainer.model_cache_size)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -660,7 +686,7 @@ def build_job(
             {"name": "rendezvous", "containerPort": TRAINER_RENDEZVOUS_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": accelerator_resources(acc, trainer.resources),
+        "resources": size.resources,
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/kuberl", "readOnly": True},
             {"name": "run", "mountPath": JOB_RUN_DIR},
@@ -671,14 +697,18 @@ def build_job(
     volumes = [
         {"name": "config", "configMap": {"name": config_map_name(name)}},
         {"name": "run", "emptyDir": {}},
-        _shm_volume("2Gi" if acc.profile == "cpu" else f"{min(512, 32 * acc.count)}Gi"),
-        {"name": "model-cache", "emptyDir": {}},
+        _shm_volume(size.shm),
+        {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}},
     ]
     if fleet_spec is not None and fleet_spec.weight_sync is not None:
         volumes.append(weights_volume(fleet_spec.weight_sync))
         container["volumeMounts"].append(
             {"name": WEIGHTS_VOLUME, "mountPath": fleet_spec.weight_sync.mount_path}
         )
+    claim = trainer_runs.checkpoint_claim(job, namespace, labels)
+    if (ckpt := trainer_runs.checkpoint_volume(job)) is not None:
+        volumes.append(ckpt[0])
+        container["volumeMounts"].append(ckpt[1])
     trainer_job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -687,14 +717,18 @@ def build_job(
             "completionMode": "Indexed",
             "completions": trainer.replicas,
             "parallelism": trainer.replicas,
-            # A distributed step cannot survive a lost rank: fail fast, resume from checkpoint.
+            # A distributed step cannot survive a lost rank: fail fast, and the operator restarts
+            # the whole trainer (trainer.maxRestarts), which resumes from its last checkpoint.
+            # Evicted/preempted pods are replaced without counting (podFailurePolicy).
             "backoffLimit": 0,
+            "podFailurePolicy": trainer_runs.POD_FAILURE_POLICY,
             "suspend": spec.suspend,
             "template": {
                 "metadata": {
                     "labels": labels,
                     "annotations": {
-                        ANNOTATION_CONFIG_HASH: spec_hash(job_yaml),
+                        # Only what defines the run: a label on the job must not replace it.
+                        ANNOTATION_CONFIG_HASH: spec_hash(trainer_runs.run_document(doc)),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(TRAINER_METRICS_PORT),
                     },
@@ -711,10 +745,12 @@ def build_job(
             },
         },
     }
+    trainer_job["spec"]["template"] = podtemplate.apply(trainer_job["spec"]["template"], trainer.pod_template)
     return [
         *trainer_rbac(job, namespace),
         config_map,
         service,
+        *([claim] if claim is not None else []),
         trainer_job,
         *_inline_children(job, namespace),
     ]
@@ -942,6 +978,13 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
+        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _CRUD},
+        # A job's checkpoint volume (operator/trainer_runs.py); never deleted by the operator.
+        {
+            "apiGroups": [""],
+            "resources": ["persistentvolumeclaims"],
+            "verbs": ["get", "list", "watch", "create", "patch"],
+        },
     ]
 
 

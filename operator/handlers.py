@@ -53,7 +53,7 @@ from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 
-from . import admission, autoscale, builders, children, metrics, status
+from . import admission, autoscale, builders, checks, children, conditions, metrics, status, trainer_runs
 from .kube import ApiError, KubeClient, is_subset, kind_of
 from .summary import summary_line
 
@@ -106,6 +106,9 @@ class OperatorContext:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     phases: dict[str, str] = field(default_factory=dict)  # uid -> last phase reported (events)
     known: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # uid -> (ns, kind, name)
+    refusals: dict[str, set[str]] = field(default_factory=dict)  # uid -> child refusals reported
+    restarts: dict[str, int] = field(default_factory=dict)  # uid -> trainer restarts (until status has it)
+    finished: dict[str, int | None] = field(default_factory=dict)  # uid -> generation found terminal
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
     _client: KubeClient | None = field(default=None, repr=False)
 
@@ -120,6 +123,9 @@ class OperatorContext:
     def forget(self, uid: str) -> None:
         """Drop everything kept about a deleted object (phase, lock, metric series)."""
         self.phases.pop(uid, None)
+        self.refusals.pop(uid, None)
+        self.restarts.pop(uid, None)
+        self.finished.pop(uid, None)
         lock = self._locks.get(uid)
         if lock is not None and not lock.locked():
             del self._locks[uid]
@@ -177,11 +183,13 @@ async def _apply_all(
     objs: list[dict[str, Any]],
     first_time: bool,
     adjust: Callable[[dict[str, Any]], Adjust | None] = lambda _: None,
-) -> tuple[dict[tuple[str, str], dict[str, Any]], list[status.Event]]:
+) -> tuple[dict[tuple[str, str], dict[str, Any]], list[status.Event], list[conditions.ChildFailure]]:
+    """Apply every child; a refused one is recorded (``conditions``) and the others still go."""
     client = ctx.client()
     kopf.adopt(objs, owner=kopf.Body(dict(body)))
     live: dict[tuple[str, str], dict[str, Any]] = {}
     events: list[status.Event] = []
+    failures: list[conditions.ChildFailure] = []
     for obj in objs:
         what = f"{obj['kind']}/{obj['metadata']['name']}"
         try:
@@ -195,7 +203,9 @@ async def _apply_all(
                 )
                 events.append(status.Event("Normal", "TrainerReplaced", f"{what} spec changed; replacing it"))
                 continue
-            raise kopf.TemporaryError(f"cannot apply {what}: {err}", delay=5) from err
+            log.warning("cannot apply %s: %s", what, err)
+            failures.append(conditions.failure_from_api(obj, err.status, err.reason, err.message))
+            continue
         live[obj["kind"], obj["metadata"]["name"]] = current
         if action == "created" and not first_time:
             events.append(
@@ -203,7 +213,20 @@ async def _apply_all(
             )
         elif action == "updated":
             events.append(status.Event("Normal", "ChildUpdated", f"{what} updated to match the spec"))
-    return live, events
+    return live, events, failures
+
+
+def _refusal_events(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    failures: list[conditions.ChildFailure],
+    previous: dict[str, Any],
+) -> list[status.Event]:
+    """Warnings for refusals not yet reported; a refusal that went away may be reported again."""
+    uid = body.get("metadata", {}).get("uid", "")
+    events = conditions.failure_events(failures, previous, ctx.refusals.get(uid, set()))
+    ctx.refusals[uid] = {f.line() for f in failures}
+    return events
 
 
 async def _prune(
@@ -342,6 +365,8 @@ async def reconcile(
         events = events + status.transition_events(kind, old_phase, new)
         if new.get("phase"):
             ctx.phases[uid] = new["phase"]
+            if new["phase"] in TERMINAL:
+                ctx.finished[uid] = generation
         return new, events
 
 
@@ -364,10 +389,18 @@ async def _reconcile_scaled(
     generation: int | None,
     first_time: bool,
 ) -> tuple[dict[str, Any], list[status.Event]]:
+    problems = checks.rendered_problems(res, namespace)
+    if problems:
+        return status.invalid_status(conditions.invalid_children_message(problems), generation, previous), []
+    if "replicas" not in (body.get("spec") or {}):
+        # The CRD leaves replicas unset (its default depends on autoscaling), but the scale
+        # subresource (kubectl scale, HPA, KEDA) cannot read a resource without it.
+        kind = kind_of(f"{GROUP}/{VERSION}", res.KIND)
+        await ctx.client().patch(kind, namespace, res.metadata.name, {"spec": {"replicas": res.spec.replicas}})
     objs = builders.build_for(res, namespace)
     objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
     component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
-    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    live, events, failures = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
     events += await _prune(ctx, body, objs)
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
@@ -387,7 +420,8 @@ async def _reconcile_scaled(
     if _autoscaled_here(res) and isinstance(previous.get("desiredReplicas"), int):
         desired = previous["desiredReplicas"]
     metrics.record(namespace, res.KIND, res.metadata.name, desired=desired, ready=new["readyReplicas"])
-    return new, events
+    events += _refusal_events(ctx, body, failures, previous)
+    return conditions.with_child_failures(new, failures, generation, previous), events
 
 
 async def _reconcile_job(
@@ -403,7 +437,11 @@ async def _reconcile_job(
     name = job.metadata.name
     events: list[status.Event] = []
     trainer_name = builders.trainer_name(name)
-    finished = previous.get("phase") in TERMINAL and previous.get("observedGeneration") == generation
+    uid = body.get("metadata", {}).get("uid", "")
+    # Also from memory: a pass may still hold a body read before the terminal status was written.
+    finished = (
+        previous.get("phase") in TERMINAL and previous.get("observedGeneration") == generation
+    ) or (ctx.finished.get(uid) == generation and generation is not None)
     if finished:
         # Terminal: no trainer is recreated; the job-owned fleet and pool are released.
         for kind, child in (
@@ -445,11 +483,14 @@ async def _reconcile_job(
                 f"SandboxPool {namespace}/{sandbox.pool_ref} (spec.sandbox.poolRef) which does not exist"
             )
 
+    problems = checks.rendered_problems(job, namespace, fleet=fleet_spec)
+    if problems:
+        return status.invalid_status(conditions.invalid_children_message(problems), generation, previous), events
     built = builders.build_for(job, namespace, fleet=fleet_spec)
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
-    live, events = await _apply_all(
+    live, events, failures = await _apply_all(
         ctx, body, objs, first_time and not previous.get("phase"), adjust=_keep_autoscaled_replicas
     )
     events += await _prune(ctx, body, built)
@@ -466,6 +507,25 @@ async def _reconcile_job(
         texts = await _scrape_pods(ctx, running[:1], ("metrics",))
         if texts:
             progress = train_progress(texts[0], name)
+    if trainer is not None and conditions.trainer_short_of_pods(trainer):
+        found = await client.list(
+            kind_of("v1", "Event"),
+            namespace,
+            fields={"involvedObject.kind": "Job", "involvedObject.name": trainer_name, "reason": "FailedCreate"},
+        )
+        refusal = conditions.latest_failed_create(trainer, found)
+        failures += [refusal] if refusal is not None else []
+    restarts = max(int(previous.get("restarts") or 0), ctx.restarts.get(uid, 0))
+    failed = status.failed_trainer_message(trainer, pods)
+    if failed is not None:
+        decision = trainer_runs.restart_decision(failed, restarts, job.spec.trainer.max_restarts)
+        if decision.restart:
+            # The whole trainer goes (a distributed step cannot lose a rank); the next pass
+            # creates it again and it resumes from the checkpoint volume.
+            await client.delete(kind_of("batch/v1", "Job"), namespace, trainer_name)
+            ctx.restarts[uid] = restarts = decision.restarts
+            events.append(status.Event("Warning", "TrainerRestarted", decision.message))
+            trainer, pods = None, []
     new = status.job_status(
         trainer=trainer,
         pods=pods,
@@ -475,7 +535,10 @@ async def _reconcile_job(
         previous=previous,
         progress=progress,
     )
-    return new, events
+    if restarts and new:
+        new["restarts"] = restarts
+    events += _refusal_events(ctx, body, failures, previous)
+    return conditions.with_child_failures(new, failures, generation, previous), events
 
 
 # --- autoscaling ---------------------------------------------------------------------------

@@ -68,6 +68,8 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
         Kind("v1", "Pod", "pods"),
         Kind("v1", "Event", "events"),
         Kind("v1", "ServiceAccount", "serviceaccounts"),
+        Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),
+        Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
         Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
         Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
         Kind("apps/v1", "Deployment", "deployments"),
@@ -319,12 +321,18 @@ class KubeClient:
             raise
 
     async def list(
-        self, kind: Kind, namespace: str, labels: dict[str, str] | None = None
+        self,
+        kind: Kind,
+        namespace: str,
+        labels: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        params = (
-            {"labelSelector": ",".join(f"{k}={v}" for k, v in sorted(labels.items()))} if labels else None
-        )
-        rsp = await self._call("GET", kind.path(namespace), params=params)
+        params: dict[str, str] = {}
+        if labels:
+            params["labelSelector"] = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        if fields:
+            params["fieldSelector"] = ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
+        rsp = await self._call("GET", kind.path(namespace), params=params or None)
         return list(rsp.get("items") or [])
 
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:

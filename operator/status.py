@@ -60,6 +60,19 @@ def scaled_status(
     replicas = int(st.get("replicas") or 0)
     ready = int(st.get("readyReplicas") or 0)
     prev_conds = list(previous.get("conditions") or [])
+    # The ReplicaSet controller's refusal to create pods (a ResourceQuota, Pod Security admission)
+    # is copied onto the Deployment as ReplicaFailure; without it the owner would just say
+    # "0/N ready" for ever.
+    refused = next(
+        (
+            c
+            for c in st.get("conditions") or []
+            if c.get("type") == "ReplicaFailure" and c.get("status") == "True"
+        ),
+        None,
+    )
+    wgen = ((workload or {}).get("metadata") or {}).get("generation")
+    stale = wgen is not None and st.get("observedGeneration") is not None and st["observedGeneration"] < wgen
     if workload is None:
         phase, ok, reason, msg = (
             "Pending",
@@ -67,6 +80,17 @@ def scaled_status(
             "WorkloadMissing",
             f"the {noun} workload does not exist yet",
         )
+    elif refused is not None:
+        phase, ok = "Degraded", False
+        reason = refused.get("reason") or "ReplicaFailure"
+        msg = (
+            f"{ready}/{desired} {noun} replicas ready; {workload.get('kind')}/"
+            f"{workload.get('metadata', {}).get('name')} cannot create pods: {refused.get('message', '')}"
+        )
+    elif stale:
+        # Ready counts of the previous generation say nothing about the spec just applied.
+        phase, ok, reason = "Progressing", False, "RolloutPending"
+        msg = f"the {noun} workload has not yet observed generation {wgen} (status is of {st['observedGeneration']})"
     elif ready >= desired and replicas <= desired:
         phase = "Ready"
         ok, reason, msg = True, "AllReplicasReady", f"{ready}/{desired} {noun} replicas ready"
@@ -116,6 +140,16 @@ def pod_failure_message(pods: list[dict[str, Any]]) -> str:
         if not lines and (pod.get("status") or {}).get("message"):
             lines.append(f"pod {name}: {pod['status']['message']}")
     return "; ".join(lines)
+
+
+def failed_trainer_message(trainer: dict[str, Any] | None, pods: list[dict[str, Any]]) -> str | None:
+    """Why the trainer Job failed (its Failed condition and the pods' reasons), None if it did not."""
+    failed = _job_condition(trainer or {}, "Failed")
+    if failed is None:
+        return None
+    msg = f"{failed.get('reason', 'Failed')}: {failed.get('message', 'trainer failed')}"
+    detail = pod_failure_message(pods)
+    return f"{msg}; {detail}" if detail else msg
 
 
 def job_status(
@@ -205,5 +239,5 @@ def transition_events(kind: str, old_phase: str | None, new_status: dict[str, An
         return []
     ready = next((c for c in new_status.get("conditions", []) if c["type"] in ("Failed", "Ready")), None)
     message = f"{kind} is {new_phase}" + (f": {ready['message']}" if ready and ready.get("message") else "")
-    bad = new_phase in ("Invalid", "Failed", "Waiting")
+    bad = new_phase in ("Invalid", "Failed", "Waiting", "Degraded")
     return [Event("Warning" if bad else "Normal", new_phase, message)]

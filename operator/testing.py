@@ -22,7 +22,16 @@ API server does more that the kopf runtime and the operator rely on, added here:
   StatefulSets and LeaderWorkerSets report all replicas ready; Jobs report active pods
   (none while suspended). Tests that need other states patch ``/status`` themselves.
 
-It is a test double, so it is deliberately permissive about schemas (no validation).
+* the API server's own validation of built-in objects (``apirules``: name rules per kind,
+  labels, quantities, requests <= limits, names the controllers derive), answered with 422
+  Invalid as a real server does, and kinds that are not installed (``absent_kinds``, e.g. a
+  cluster without the LeaderWorkerSet CRD) answered with 404;
+* Pod Security admission "restricted" in ``restricted_namespaces`` (a Deployment whose pods
+  break it creates none and reports ``ReplicaFailure``), and ResourceQuota for pods: a Deployment whose pods would pass a quota's ``hard`` requests or
+  limits (or that omit a request the quota tracks) gets only the pods that fit and the
+  ``ReplicaFailure`` condition with the quota's refusal, as the ReplicaSet controller reports it.
+
+It stays permissive about the OpenAPI schema of built-in kinds (``schemas.py`` checks that).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import datetime
 import itertools
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp.web
@@ -43,7 +53,8 @@ from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
 
-from .canonical import server_form
+from .apirules import object_problems, restricted_problems
+from .canonical import parse_quantity, server_form
 
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     # "group/version/plural": (kind, namespaced, subresources)
@@ -55,8 +66,11 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, ()),
     "v1/namespaces": ("Namespace", False, ("status",)),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, ("status",)),
+    "v1/resourcequotas": ("ResourceQuota", True, ("status",)),
     "apps/v1/deployments": ("Deployment", True, ("status", "scale")),
     "apps/v1/statefulsets": ("StatefulSet", True, ("status", "scale")),
+    "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, ("status",)),
     "batch/v1/jobs": ("Job", True, ("status",)),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
@@ -79,7 +93,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
 
 # Groups served from Go types (their objects are re-encoded on write); everything else here is a CRD.
 BUILTIN_GROUPS = frozenset(
-    {"", "apps", "batch", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
+    {"", "apps", "batch", "policy", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
 )
 
 
@@ -124,6 +138,19 @@ def matches_selector(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def matches_fields(obj: dict[str, Any], selector: str) -> bool:
+    """Field selectors: ``a.b=c`` and ``a.b!=c`` on dotted paths (``involvedObject.name=x``)."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negate = "!=" in term
+        path, value = term.split("!=" if negate else "=", 1)
+        cur: Any = obj
+        for part in path.strip().split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        if (str(cur) == value.strip()) == negate:
+            return False
+    return True
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -134,12 +161,24 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     simulate_controllers: bool = True
     namespaces: set[str] = attrs.field(factory=lambda: {"default"})
+    absent_kinds: set[str] = attrs.field(factory=set)
+    # The API server's schema validation (and CRD defaulting): (object, stored object or None) ->
+    # (object to store, problems). tests/apiserver_emulation.py has one built from the generated
+    # CRDs (OpenAPI + CEL, transition rules included) and the built-in kinds' OpenAPI schemas.
+    admit: Callable[[dict[str, Any], dict[str, Any] | None], tuple[dict[str, Any], list[str]]] | None = None
+    restricted_namespaces: set[str] = attrs.field(factory=set)  # Pod Security "restricted" enforced
+    # OwnerReferencesPermissionEnforcement: the writer's RBAC rules (None: not enforced). An
+    # ownerReference with blockOwnerDeletion needs "update" on the owner's <plural>/finalizers.
+    owner_reference_rules: list[dict[str, Any]] | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
+    _pending_events: list[tuple[dict[str, Any], str, str]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         for key, (kind, namespaced, subs) in CORE_RESOURCES.items():
+            if kind in self.absent_kinds:
+                continue
             self.resources[key] = kmock.ResourceInfo(
                 kind=kind,
                 namespaced=namespaced,
@@ -185,7 +224,38 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         else:
             self.objects[key].create(new)  # a new version in the object's history
         await self._emit(key[0], "ADDED" if created else "MODIFIED", new)
+        while self._pending_events:
+            await self._record_event(*self._pending_events.pop(0))
         return new
+
+    async def _record_event(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        """A controller's Warning event about ``obj`` (one per object and reason, like the
+        API server's event aggregation)."""
+        meta = obj.get("metadata") or {}
+        name = f"{meta.get('name')}.{reason.lower()}"
+        key = (kmock.resource("", "v1", "events"), meta.get("namespace"), name)
+        if self._store(key) is not None:
+            return
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": name, "namespace": meta.get("namespace"), "uid": str(uuid.uuid4())},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": obj.get("kind"),
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+            },
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+            "source": {"component": "job-controller"},
+            "firstTimestamp": _now(),
+            "lastTimestamp": _now(),
+            "count": 1,
+        }
+        await self._write(key, event, created=True)
 
     def _controller(self, obj: dict[str, Any]) -> None:
         """Stand-in for kube-controller-manager/LWS controller status (all pods ready)."""
@@ -197,13 +267,72 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         st = obj.setdefault("status", {})
         if kind in ("Deployment", "StatefulSet", "LeaderWorkerSet"):
             n = int(spec.get("replicas", 1))
+            fit, refusal = n, None
+            if kind == "Deployment":
+                fit, refusal = self._quota_fit(obj, n)
             st.update(
-                replicas=n, readyReplicas=n, availableReplicas=n, updatedReplicas=n, observedGeneration=gen
+                replicas=fit, readyReplicas=fit, availableReplicas=fit, updatedReplicas=fit, observedGeneration=gen
             )
+            conds = [c for c in st.get("conditions") or [] if c.get("type") != "ReplicaFailure"]
+            if refusal:
+                conds.append(
+                    {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": refusal}
+                )
+            st["conditions"] = conds
         elif kind == "Job" and not st.get("conditions"):
             active = 0 if spec.get("suspend") else int(spec.get("parallelism", 1))
+            if active:
+                fit, refusal = self._quota_fit(obj, active)
+                if refusal:
+                    # The Job controller reports a refused pod only as a FailedCreate event.
+                    active = fit
+                    self._pending_events.append(
+                        (obj, "FailedCreate", f"Error creating: {refusal}")
+                    )
             st.update(active=active, ready=active)
             st.setdefault("startTime", _now())
+
+    def _quota_fit(self, obj: dict[str, Any], wanted: int) -> tuple[int, str | None]:
+        """How many of a Deployment's pods the namespace's ResourceQuotas admit, and why not more.
+
+        Usage by other pods is not tracked (the emulator runs no pods): each quota's ``hard``
+        is compared with this Deployment's pods alone."""
+        ns = obj.get("metadata", {}).get("namespace")
+        name = obj.get("metadata", {}).get("name")
+        pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+        per_pod: dict[str, Any] = {}
+        for c in pod.get("containers") or []:
+            res = c.get("resources") or {}
+            # a limit without a request is also the request (the API server's defaulting)
+            parts = {"requests": {**(res.get("limits") or {}), **(res.get("requests") or {})}}
+            parts["limits"] = res.get("limits") or {}
+            for part, values in parts.items():
+                for rname, q in values.items():
+                    key = f"{part}.{rname}"
+                    per_pod[key] = per_pod.get(key, 0) + parse_quantity(q)[0]
+        fit, refusal = wanted, None
+        if ns in self.restricted_namespaces and (broken := restricted_problems(pod)):
+            return 0, f'pods "{name}-" is forbidden: violates PodSecurity "restricted:latest": {"; ".join(broken)}'
+        for (r, n, _), raw in self._live():
+            if r.plural != "resourcequotas" or n != ns:
+                continue
+            qname = raw["metadata"]["name"]
+            for key, hard in ((raw.get("spec") or {}).get("hard") or {}).items():
+                full = f"requests.{key}" if key in ("cpu", "memory", "ephemeral-storage") else key
+                if not full.startswith(("requests.", "limits.")):
+                    continue  # object counts are not emulated
+                if full not in per_pod:
+                    fit, refusal = 0, f'pods "{name}-" is forbidden: failed quota: {qname}: must specify {full}'
+                    continue
+                can = int(parse_quantity(hard)[0] // per_pod[full]) if per_pod[full] > 0 else wanted
+                if can < fit:
+                    fit = can
+                    refusal = (
+                        f'pods "{name}-" is forbidden: exceeded quota: {qname}, requested: '
+                        f"{full}={float(per_pod[full]):g}, used: {full}={float(per_pod[full] * can):g}, "
+                        f"limited: {full}={hard}"
+                    )
+        return max(0, fit), refusal
 
     async def _delete(self, key: tuple[Any, str | None, str]) -> dict[str, Any] | None:
         current = self._store(key)
@@ -266,12 +395,84 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         act = request.action
+        if res is not None and getattr(res, "plural", None) in self._absent_plurals():
+            # What the API server answers for a kind it does not serve (its CRD not installed).
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "NotFound",
+                    "code": 404,
+                    "message": "the server could not find the requested resource",
+                },
+                status=404,
+            )
         if res is None or act in (None, enums.action.WATCH) or not self._known(res):
             # Discovery, watches and anything unknown: kmock's own behaviour.
             return await kmock.RawHandler._handle(self, request)
         async with self._lock:
             payload = await self._serve(request)
         return aiohttp.web.json_response(payload)
+
+    @staticmethod
+    def _typed(res: Any, obj: dict[str, Any]) -> dict[str, Any]:
+        """The API server takes apiVersion and kind from the URL when a body leaves them out (kopf
+        posts webhook configurations that way)."""
+        path = f"{res.group}/{res.version}/{res.plural}" if res.group else f"{res.version}/{res.plural}"
+        known = CORE_RESOURCES.get(path)
+        if known is None:
+            return obj
+        obj.setdefault("apiVersion", f"{res.group}/{res.version}" if res.group else res.version)
+        obj.setdefault("kind", known[0])
+        return obj
+
+    def _admitted(self, obj: dict[str, Any], old: dict[str, Any] | None) -> dict[str, Any]:
+        if self.admit is None:
+            return obj
+        stored, problems = self.admit(obj, old)
+        if problems:
+            kind = obj.get("kind", "?")
+            name = (obj.get("metadata") or {}).get("name", "?")
+            raise _error(422, "Invalid", f"{kind} {name!r} is invalid: " + "; ".join(problems))
+        return stored
+
+    def _check_owner_references(self, obj: dict[str, Any]) -> None:
+        if self.owner_reference_rules is None:
+            return
+        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+            if not ref.get("blockOwnerDeletion"):
+                continue
+            group = ref.get("apiVersion", "").rpartition("/")[0]
+            plural = next(
+                (k.rsplit("/", 1)[1] for k, (kind, _, _) in CORE_RESOURCES.items() if kind == ref.get("kind")), "?"
+            )
+            wanted = f"{plural}/finalizers"
+            if not any(
+                group in r.get("apiGroups", []) and wanted in r.get("resources", []) and "update" in r.get("verbs", [])
+                for r in self.owner_reference_rules
+            ):
+                name = (obj.get("metadata") or {}).get("name", "?")
+                raise _error(
+                    403,
+                    "Forbidden",
+                    f'{obj.get("kind", "?").lower()}s "{name}" is forbidden: cannot set blockOwnerDeletion if an '
+                    "ownerReference refers to a resource you can't set finalizers on: cannot update resource "
+                    f'"{wanted}" in API group "{group}"',
+                )
+
+    def _absent_plurals(self) -> set[str]:
+        return {key.rsplit("/", 1)[1] for key, (kind, _, _) in CORE_RESOURCES.items() if kind in self.absent_kinds}
+
+    def _validate(self, res: Any, obj: dict[str, Any]) -> None:
+        """422 for what the API server's Go validation refuses (built-in kinds and LWS)."""
+        if (res.group or "") not in BUILTIN_GROUPS and res.group != "leaderworkerset.x-k8s.io":
+            return
+        problems = object_problems(obj)
+        if problems:
+            kind = obj.get("kind", "?")
+            name = (obj.get("metadata") or {}).get("name", "?")
+            raise _error(422, "Invalid", f"{kind} {name!r} is invalid: " + "; ".join(problems))
 
     def _known(self, res: Any) -> bool:
         return any(res == r for r in self.resources)
@@ -281,12 +482,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         ns, name = request.namespace, request.name
         if act == enums.action.LIST:
             selector = request.params.get("labelSelector", "")
+            fields = request.params.get("fieldSelector", "")
             items = [
                 raw
                 for (r, n, _), raw in self._live()
                 if r == res
                 and (ns is None or n == ns)
                 and matches_selector(raw.get("metadata", {}).get("labels") or {}, selector)
+                and matches_fields(raw, fields)
             ]
             return {"metadata": {"resourceVersion": str(self._last_rv)}, "items": copy.deepcopy(items)}
         if act == enums.action.CREATE:
@@ -302,6 +505,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             key = (res, ns, meta["name"])
             if self._store(key) is not None:
                 raise _error(409, "AlreadyExists", f"{res.plural} {meta['name']!r} already exists")
+            self._validate(res, obj)
+            self._check_owner_references(obj)
+            obj = self._admitted(self._typed(res, obj), None)
+            meta = obj["metadata"]
             meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now())
             meta.pop("resourceVersion", None)
             obj = await self._write(key, stored_form(obj, res.group), created=True)
@@ -358,6 +565,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             new["status"] = current.get("status")
             if new["status"] is None:
                 new.pop("status")
+        if sub is None:
+            self._validate(key[0], new)
+            new = self._admitted(new, current)
         new = stored_form(new, key[0].group)
         meta = new.setdefault("metadata", {})
         for fixed in ("uid", "creationTimestamp", "name", "namespace"):

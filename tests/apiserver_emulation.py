@@ -9,9 +9,10 @@ exclusiveMinimum like Kubernetes); enforce ``x-kubernetes-list-type`` map/set un
 evaluate ``x-kubernetes-validations`` CEL rules with cel-python, with values typed by the schema
 as Kubernetes types them (a ``type: number`` field holding 2 is the double 2.0 in CEL).
 
-Not emulated: CEL cost estimation, CRD-creation-time type checking of rules (a rule that does not
-type-check still shows up here as an evaluation error the first time it runs), transition rules,
-and the Kubernetes CEL extension libraries (the generated rules use none).
+Transition rules (``oldSelf``) run when ``admission_errors`` is given the stored object an update
+replaces. Not emulated: CEL cost estimation, CRD-creation-time type checking of rules (a rule that
+does not type-check still shows up here as an evaluation error the first time it runs), and the
+Kubernetes CEL extension libraries (the generated rules use none).
 """
 
 from __future__ import annotations
@@ -150,12 +151,38 @@ def compile_rule(rule: str) -> None:
     _program(rule)
 
 
-def cel_errors(schema: dict[str, Any], value: Any) -> list[str]:
+_MISSING = object()
+
+
+def _old_at(old: Any, path: str) -> Any:
+    """The old object's value at ``path`` (``a.b[2].c``), or _MISSING."""
+    if not path:
+        return old
+    cur = old
+    for part in path.replace("]", "").replace("[", ".").split("."):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+        elif isinstance(cur, list) and part.isdigit() and int(part) < len(cur):
+            cur = cur[int(part)]
+        else:
+            return _MISSING
+    return cur
+
+
+def cel_errors(schema: dict[str, Any], value: Any, old: Any = _MISSING) -> list[str]:
+    """Every rule over ``value``; transition rules (``oldSelf``) only on an update (``old``) where
+    the old object has a value at the same place, as the API server runs them."""
     out = []
     for node, val, path in _walk(schema, value, ""):
         for rule in node.get("x-kubernetes-validations") or []:
+            env = {"self": to_cel(node, val)}
+            if "oldSelf" in rule["rule"]:
+                before = _old_at(old, path) if old is not _MISSING else _MISSING
+                if before is _MISSING:
+                    continue
+                env["oldSelf"] = to_cel(node, before)
             try:
-                result = _program(rule["rule"]).evaluate({"self": to_cel(node, val)})
+                result = _program(rule["rule"]).evaluate(env)
             except celpy.CELEvalError as err:
                 out.append(f"{path or '<root>'}: evaluating {rule['rule']!r}: {err}")
                 continue
@@ -166,8 +193,9 @@ def cel_errors(schema: dict[str, Any], value: Any) -> list[str]:
     return out
 
 
-def admission_errors(crds: list[dict[str, Any]], doc: dict[str, Any]) -> Errors:
-    """Why the API server would refuse ``doc`` (empty = it would store it)."""
+def admission_errors(crds: list[dict[str, Any]], doc: dict[str, Any], old: Any = _MISSING) -> Errors:
+    """Why the API server would refuse ``doc`` (empty = it would store it); ``old``: the stored
+    object ``doc`` replaces (an update), for transition rules."""
     schema = served_schema(crds, doc)
     if schema is None:
         return [("served", f"no matches for kind {doc.get('kind')!r} in version {doc.get('apiVersion')!r}")]
@@ -181,5 +209,31 @@ def admission_errors(crds: list[dict[str, Any]], doc: dict[str, Any]) -> Errors:
     if any(layer == "schema" for layer, _ in errors):
         return errors  # CEL rules only run on values that passed the schema
     errors += [("list-type", m) for m in list_type_errors(schema, defaulted)]
-    errors += [("cel", m) for m in cel_errors(schema, defaulted)]
+    errors += [("cel", m) for m in cel_errors(schema, defaulted, with_defaults(schema, old) if old is not _MISSING else old)]
     return errors
+
+
+def strict_admission(crds: list[dict[str, Any]]) -> Any:
+    """``ClusterEmulator(admit=...)``: custom resources through the CRDs (unknown fields, defaults,
+    OpenAPI, list types, CEL and transition rules), built-in kinds through their OpenAPI schemas
+    (``kubernetes_validate``, strict), as a real API server with ``--validate=strict`` clients."""
+    from kuberl import GROUP
+    from kuberl.operator.schemas import validate_manifest
+
+    def admit(doc: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+        api_version = str(doc.get("apiVersion", ""))
+        if api_version.startswith(f"{GROUP}/"):
+            schema = served_schema(crds, doc)
+            errors = admission_errors(crds, doc, old if old is not None else _MISSING)
+            stored = with_defaults(schema, doc) if schema is not None and not errors else doc
+            return stored, [m for _, m in errors]
+        if doc.get("kind") in ("Event",) or api_version.startswith("keda.sh"):
+            return doc, []
+        body = {k: v for k, v in doc.items() if k != "status"}
+        try:
+            validate_manifest(body)
+        except ValueError as err:
+            return doc, [str(err)]
+        return doc, []
+
+    return admit

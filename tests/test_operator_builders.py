@@ -18,6 +18,7 @@ from kuberl.operator.builders import (
     selector_string,
 )
 from kuberl.operator.schemas import validate_manifest
+from kuberl.operator.trainer_runs import NEVER_PRUNED
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -142,7 +143,7 @@ def test_fleet_mi300x_profile() -> None:
 
 def test_fleet_h100_and_cpu_profiles() -> None:
     h100 = _container(_by_kind(build_for(_fleet(accelerator={"profile": "h100", "count": 1})))["Deployment"])
-    assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1"} and "cu12" in h100["image"]
+    assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "40Gi"} and "cu12" in h100["image"]
     cpu_dep = _by_kind(build_for(_fleet(accelerator={"profile": "cpu", "count": 1})))["Deployment"]
     c = _container(cpu_dep)
     assert not any("gpu" in k for part in c.get("resources", {}).values() for k in part)
@@ -250,6 +251,7 @@ def test_child_kinds_cover_everything_the_builders_emit() -> None:
     ]
     for res in resources:
         emitted = {(o["apiVersion"], o["kind"]) for o in build_for(res) if o["kind"] != "ScaledObject"}
+        emitted -= NEVER_PRUNED  # the checkpoint volume goes with its job only
         assert emitted <= set(CHILD_KINDS[res.KIND]), (res.KIND, emitted - set(CHILD_KINDS[res.KIND]))
 
 
@@ -261,7 +263,9 @@ def test_job_trainer_rendezvous_and_config() -> None:
     )
     objs = _by_kind(build_for(job, "team"))
     # refs: no inline children
-    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"}
+    assert set(objs) == {
+        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job", "PersistentVolumeClaim"
+    }
     assert objs["Role"]["rules"] == [
         {
             "apiGroups": ["discovery.k8s.io"],
@@ -410,7 +414,8 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service"]
+        ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment", "Service"]
+        + ["PodDisruptionBudget"]
         + ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"]
     )
     assert {d["metadata"]["namespace"] for d in docs} == {"rl"}

@@ -18,10 +18,13 @@ import kmock
 import kopf
 import pytest
 
+from kuberl.api.crdgen import all_crds
 from kuberl.operator.handlers import OperatorConfig
 from kuberl.operator.main import operate
 from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
+from tests.apiserver_emulation import strict_admission
 
+STRICT = strict_admission(list(all_crds().values()))
 NS = "e2e"
 API = "/apis/kuberl.io/v1alpha1/namespaces/e2e"
 pytestmark = pytest.mark.timeout(60)
@@ -71,10 +74,12 @@ async def eventually(probe: Callable[[], Awaitable[Any]], timeout: float = 10.0,
 
 
 @contextlib.asynccontextmanager
-async def emulated_cluster() -> AsyncIterator[Cluster]:
-    """The API emulator serving over HTTP, with the test namespace."""
+async def emulated_cluster(**emulator: Any) -> AsyncIterator[Cluster]:
+    """The API emulator serving over HTTP, with the test namespace; by default as strict as an API
+    server about schemas (``admit=None`` lets through what the CRDs would refuse)."""
+    emulator.setdefault("admit", STRICT)
     async with (
-        ClusterEmulator(namespaces={NS}) as emu,
+        ClusterEmulator(namespaces={NS}, **emulator) as emu,
         kmock.Server(emu) as srv,
         aiohttp.ClientSession() as session,
     ):
@@ -292,7 +297,8 @@ async def _absent(k: Cluster, path: str) -> bool:
 
 async def test_job_failure_is_reported_from_trainer_pods() -> None:
     async with cluster_and_operator() as k:
-        await k.create(f"{API}/agenticrljobs", job("boom"))
+        no_retry = {"replicas": 2, "accelerator": {"profile": "h100", "count": 8}, "maxRestarts": 0}
+        await k.create(f"{API}/agenticrljobs", job("boom", trainer=no_retry))
         await eventually(
             lambda: k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/boom-trainer"), what="trainer Job"
         )
@@ -340,7 +346,8 @@ async def test_job_failure_is_reported_from_trainer_pods() -> None:
 
 
 async def test_invalid_objects_and_missing_references_are_reported() -> None:
-    async with cluster_and_operator() as k:
+    # admit=None: what the CRD would reject, reaching the operator anyway (e.g. an older CRD).
+    async with emulated_cluster(admit=None) as k, running_operator(k):
         # What the CRD's CEL rule would reject, reaching the operator anyway (e.g. no webhook).
         bad = pool("bad", replicas=9, autoscaling={"minReplicas": 1, "maxReplicas": 4})
         await k.create(f"{API}/sandboxpools", bad)

@@ -438,7 +438,11 @@ async def test_admission_in_cluster_is_reached_through_a_service_over_tls(tmp_pa
         }
         assert "url" not in hook["clientConfig"]
         assert base64.b64decode(hook["clientConfig"]["caBundle"]) == (tmp_path / "ca.crt").read_bytes()
-        mutating = await k.get(path.replace("validating", "mutating"))
+        async def mutating_configured() -> Any:  # kopf writes the two configurations one after the other
+            cfg = await k.get(path.replace("validating", "mutating"))
+            return cfg if cfg and cfg.get("webhooks") else None
+
+        mutating = await eventually(mutating_configured, timeout=15, what="MutatingWebhookConfiguration")
         assert any(
             h["clientConfig"]["service"]["path"] == "/mutate-sandboxpools" for h in mutating["webhooks"]
         )

@@ -70,6 +70,12 @@ operator_cluster_rules(admission) by tests/test_chart.py.
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
   verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: ['']
+  resources: [persistentvolumeclaims]
+  verbs: [get, list, watch, create, patch]
 {{- end -}}
 
 {{- define "kuberl.clusterRules" -}}

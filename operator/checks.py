@@ -1,0 +1,151 @@
+"""Checks of a manifest that need its rendered children: what `kuberl validate` and the operator's
+pre-flight run before anything is created.
+
+``rendered_problems`` renders a resource exactly as the operator would (``builders.build_for``)
+and runs the API server's own rules (``apirules``) over every child, recursing into the
+RolloutFleet/SandboxPool a job declares inline (their Deployments and Services are children of
+children). A manifest whose name is fine by itself can still give a Job whose pods' hostnames pass
+63 characters, or a resources block the pod's API validation refuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kuberl import API_VERSION
+from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
+from kuberl.api.common import quantity_value
+from kuberl.api.rollout_fleet import RolloutFleetSpec
+from kuberl.api.sandbox_pool import SandboxPoolSpec
+
+from .admission import context_length_problems
+from .apirules import children_problems, restricted_problems
+from .builders import build_for, uses_fleet
+
+
+def rendered_problems(
+    resource: Resource, namespace: str = "default", fleet: RolloutFleetSpec | None = None
+) -> list[str]:
+    """What the API server would refuse among the objects ``resource`` creates (empty: nothing)."""
+    objs = build_for(resource, namespace, fleet=fleet)
+    problems = children_problems(o for o in objs if o["apiVersion"] != API_VERSION)
+    if isinstance(resource, SandboxPool):
+        # Model-written code runs there: the pods stay within Pod Security "restricted".
+        for obj in objs:
+            if obj["kind"] == "Deployment":
+                broken = restricted_problems(obj["spec"]["template"]["spec"])
+                if broken:
+                    problems.append(
+                        f"Deployment/{obj['metadata']['name']}: sandbox pods must meet Pod Security "
+                        f"\"restricted\" (spec.podTemplate breaks it): {'; '.join(broken)}"
+                    )
+    for obj in objs:
+        if obj["apiVersion"] != API_VERSION:
+            continue
+        try:
+            child = parse_resource(obj, source="rendered")
+        except ManifestError as err:
+            problems.append(str(err).removeprefix("rendered: "))
+            continue
+        problems += rendered_problems(child, namespace)
+    return problems
+
+
+
+@dataclass
+class Verdict:
+    """What `kuberl validate` says about one resource of a file."""
+
+    resource: Resource
+    problems: list[str] = field(default_factory=list)  # the API server or the operator would refuse
+    notes: list[str] = field(default_factory=list)  # not checked here, or likely to fail at run time
+
+
+def _pool_notes(spec: SandboxPoolSpec, where: str) -> list[str]:
+    """Concurrent tool calls that together may pass the pod's memory limit get the whole pod
+    OOM-killed (every call in flight fails, not just the greedy one)."""
+    limit = spec.resources.limits.get("memory")
+    if limit is None:
+        return []
+    need = spec.workers_per_pod * spec.limits.memory_mb * 2**20
+    have = quantity_value(limit)
+    if need <= have:
+        return []
+    return [
+        f"warning: {where}workersPerPod ({spec.workers_per_pod}) x limits.memoryMB "
+        f"({spec.limits.memory_mb}) = {need / 2**30:.1f} GiB exceeds the pod's memory limit ({limit}): "
+        "calls running together can get the pod OOM-killed; lower memoryMB or workersPerPod, or raise "
+        "resources.limits.memory"
+    ]
+
+
+def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
+    """Checkpoints that would not survive the trainer's pod, or could not be written."""
+    uri = job.spec.checkpoint.uri
+    tpl = job.spec.trainer.pod_template
+    spec = tpl.spec if tpl is not None else {}
+    mounts = [
+        m.get("mountPath", "")
+        for c in spec.get("containers") or []
+        if c.get("name") == "trainer"
+        for m in c.get("volumeMounts") or []
+    ]
+    if uri.startswith("/") and not any(uri == m or uri.startswith(m.rstrip("/") + "/") for m in mounts):
+        return [
+            f"warning: checkpoint.uri {uri} is not on a volume the trainer mounts: its checkpoints go with the "
+            "pod; mount one there with trainer.podTemplate, or use a relative uri (the job's own volume)"
+        ]
+    if uri.startswith("s3://"):
+        env = [
+            e.get("name", "")
+            for c in spec.get("containers") or []
+            if c.get("name") == "trainer"
+            for e in c.get("env") or []
+        ]
+        has_from = any(c.get("envFrom") for c in spec.get("containers") or [] if c.get("name") == "trainer")
+        if not has_from and not any(n.startswith("AWS_") for n in env):
+            return [
+                f"not checked: checkpoint.uri {uri} needs S3 credentials in the trainer (AWS_* from a Secret "
+                "through trainer.podTemplate env/envFrom, or a node or workload identity)"
+            ]
+    return []
+
+
+def check_file(resources: list[Resource], namespace: str = "default") -> list[Verdict]:
+    """Per resource: refusals (rendered children, references this file can resolve) and notes
+    (references it cannot, resource sizes likely to fail at run time)."""
+    fleets = {r.metadata.name: r for r in resources if isinstance(r, RolloutFleet)}
+    pools = {r.metadata.name for r in resources if isinstance(r, SandboxPool)}
+    out = []
+    for r in resources:
+        v = Verdict(r)
+        fleet_spec = None
+        if isinstance(r, AgenticRLJob):
+            ref = r.spec.rollout.fleet_ref
+            if ref and uses_fleet(r):
+                if ref in fleets:
+                    fleet_spec = fleets[ref].spec
+                    v.problems += [
+                        f"spec.rollout.fleetRef: RolloutFleet {ref} (in this file) {p}"
+                        for p in context_length_problems(r, fleets[ref].wire())
+                    ]
+                else:
+                    v.notes.append(
+                        f"not checked: spec.rollout.fleetRef names RolloutFleet {ref!r}, which is not in this "
+                        "file; the operator holds the trainer back until it exists (and checks its "
+                        "engine.contextLength then)"
+                    )
+            pref = r.spec.sandbox.pool_ref
+            if pref and pref not in pools:
+                v.notes.append(
+                    f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file; "
+                    "the operator holds the trainer back until it exists"
+                )
+            if r.spec.sandbox.pool is not None:
+                v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
+            v.notes += _checkpoint_notes(r)
+        elif isinstance(r, SandboxPool):
+            v.notes += _pool_notes(r.spec, "spec.")
+        v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)
+        out.append(v)
+    return out

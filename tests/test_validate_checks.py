@@ -1,0 +1,96 @@
+"""Issue 14 item 14: `kuberl validate` says what it could not check, checks a fleet referenced in
+the same file like an inline one, and warns when concurrent tool calls can outgrow their pod."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from kuberl.cli import main
+
+
+def _job(**rollout: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "AgenticRLJob",
+        "metadata": {"name": "train"},
+        "spec": {
+            "model": {"base": "m"},
+            "data": {"train": "d"},
+            "rollout": rollout,
+            "sandbox": {"poolRef": "tools"},
+            "stages": [{"name": "rl", "type": "rl", "steps": 1, "maxResponseTokens": 8192}],
+        },
+    }
+
+
+def _fleet(context: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": "gen"},
+        "spec": {"model": {"uri": "m"}, "engine": {"contextLength": context}},
+    }
+
+
+def _validate(tmp_path: Any, capsys: Any, *docs: dict[str, Any]) -> tuple[int, str, str]:
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    rc = main(["validate", str(path)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_dangling_references_are_reported_as_not_checked(tmp_path: Any, capsys: Any) -> None:
+    rc, out, _ = _validate(tmp_path, capsys, _job(fleetRef="gen"))
+    assert rc == 0
+    assert "not checked: spec.rollout.fleetRef names RolloutFleet 'gen'" in out
+    assert "not checked: spec.sandbox.poolRef names SandboxPool 'tools'" in out
+
+
+def test_a_fleet_in_the_same_file_gets_the_context_length_check(tmp_path: Any, capsys: Any) -> None:
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"}}
+    rc, out, err = _validate(tmp_path, capsys, _fleet(4096), pool, _job(fleetRef="gen"))
+    assert rc == 1
+    assert "RolloutFleet gen (in this file) has engine.contextLength 4096" in err
+    assert "not checked" not in out
+    rc, _, _ = _validate(tmp_path, capsys, _fleet(16384), pool, _job(fleetRef="gen"))
+    assert rc == 0
+
+
+def test_per_call_memory_times_workers_above_the_pod_limit_warns(tmp_path: Any, capsys: Any) -> None:
+    pool = {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "SandboxPool",
+        "metadata": {"name": "tools"},
+        "spec": {
+            "workersPerPod": 16,
+            "limits": {"memoryMB": 2048},
+            "resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "8Gi"}},
+        },
+    }
+    rc, out, _ = _validate(tmp_path, capsys, pool)
+    assert rc == 0
+    assert "warning: spec.workersPerPod (16) x limits.memoryMB (2048) = 32.0 GiB exceeds" in out
+
+
+def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, capsys: Any) -> None:
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {}
+    job["spec"]["checkpoint"] = {"uri": "/ckpt/run"}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0 and "warning: checkpoint.uri /ckpt/run is not on a volume the trainer mounts" in out
+    job["spec"]["trainer"] = {
+        "podTemplate": {
+            "spec": {
+                "volumes": [{"name": "ckpt", "persistentVolumeClaim": {"claimName": "ckpt"}}],
+                "containers": [{"name": "trainer", "volumeMounts": [{"name": "ckpt", "mountPath": "/ckpt"}]}],
+            }
+        }
+    }
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0 and "checkpoint.uri" not in out
+    job["spec"]["checkpoint"] = {"uri": "s3://b/run"}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert "needs S3 credentials" in out
