@@ -13,8 +13,9 @@ import signal
 import time
 
 
-def _children_of(pid: int) -> list[int]:
-    kids = []
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every process in /proc under its parent's pid (one pass)."""
+    children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
@@ -22,10 +23,13 @@ def _children_of(pid: int) -> list[int]:
                     stat = fh.read()
             except OSError:
                 continue
-            fields = stat[stat.rindex(b")") + 2 :].split()  # comm may contain spaces and ")"
-            if int(fields[1]) == pid:
-                kids.append(int(name))
-    return kids
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # comm may contain spaces and ")"
+            children.setdefault(ppid, []).append(int(name))
+    return children
+
+
+def _children_of(pid: int) -> list[int]:
+    return _children_by_parent().get(pid, [])
 
 
 def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
@@ -133,16 +137,7 @@ def reap_zombies(patience: float = 1.0) -> None:
 
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (one pass over /proc)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # comm may contain spaces and ")"
-            children.setdefault(ppid, []).append(int(name))
+    children = _children_by_parent()
     found, frontier = [], [pid]
     while frontier:
         frontier = [kid for p in frontier for kid in children.get(p, ())]
