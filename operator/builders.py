@@ -41,6 +41,11 @@ from kuberl.operator.engines import (
     engine_env,
     engine_probes,
 )
+from kuberl.operator.rbac import (  # noqa: F401 - re-exported: the operator's RBAC lived here
+    operator_cluster_rules,
+    operator_namespaced_rules,
+    operator_rbac_rules,
+)
 
 Manifest = dict[str, Any]
 
@@ -340,6 +345,7 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
 
 
 # --- RolloutFleet -------------------------------------------------------------------------
+
 
 def _engine_pod_spec(
     spec: RolloutFleetSpec, served_name: str, *, multi_node: bool, leader: bool
@@ -902,73 +908,6 @@ def build_for(
 # --- the operator itself ------------------------------------------------------------------
 
 OPERATOR_IMAGE = "ghcr.io/kuberl/kuberl:0.1.0"
-_CRUD = ["get", "list", "watch", "create", "patch", "update", "delete"]
-
-
-def operator_namespaced_rules() -> list[dict[str, Any]]:
-    """What the operator needs inside each watched namespace: its kinds, their children, events.
-
-    With a fixed list of namespaces these go into one Role per namespace (charts/kuberl)."""
-    return [
-        {
-            "apiGroups": ["kuberl.io"],
-            "resources": ["agenticrljobs", "rolloutfleets", "sandboxpools"],
-            "verbs": _CRUD,
-        },
-        {
-            "apiGroups": ["kuberl.io"],
-            "resources": [
-                f"{p}/{s}"
-                for p in ("agenticrljobs", "rolloutfleets", "sandboxpools")
-                for s in ("status", "scale")
-            ],
-            "verbs": ["get", "patch", "update"],
-        },
-        {"apiGroups": [""], "resources": ["services", "configmaps", "serviceaccounts"], "verbs": _CRUD},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": _CRUD},
-        # Held so that it can be granted to trainers (RBAC forbids granting what one lacks).
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        },
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": _CRUD},
-        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
-        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
-        {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
-    ]
-
-
-def operator_cluster_rules(admission: bool = False) -> list[dict[str, Any]]:
-    """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs, and -- only when
-    the admission webhooks are enabled -- the webhook configurations kopf keeps up to date."""
-    rules: list[dict[str, Any]] = [
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-        {
-            "apiGroups": ["apiextensions.k8s.io"],
-            "resources": ["customresourcedefinitions"],
-            "verbs": ["get", "list", "watch"],
-        },
-    ]
-    if admission:
-        rules.append(
-            {
-                "apiGroups": ["admissionregistration.k8s.io"],
-                "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
-                "verbs": ["get", "list", "watch", "create", "patch", "update"],
-            }
-        )
-    return rules
-
-
-def operator_rbac_rules(admission: bool = False) -> list[dict[str, Any]]:
-    """The least the operator needs when it watches every namespace (one ClusterRole)."""
-    return operator_namespaced_rules() + operator_cluster_rules(admission)
-
-
 OPERATOR_METRICS_PORT = 8080
 
 

@@ -103,6 +103,7 @@ class OperatorContext:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     phases: dict[str, str] = field(default_factory=dict)  # uid -> last phase reported (events)
     known: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # uid -> (ns, kind, name)
+    heartbeats: dict[str, float] = field(default_factory=dict)  # loop -> monotonic end of its last pass
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
     _client: KubeClient | None = field(default=None, repr=False)
 
@@ -665,7 +666,9 @@ async def _each_object(ctx: OperatorContext, kinds: tuple[str, ...], one: Object
     return seen
 
 
-async def _every(interval: float, ctx: OperatorContext, body: Callable[[], Awaitable[None]]) -> None:
+async def _every(
+    interval: float, ctx: OperatorContext, body: Callable[[], Awaitable[None]], name: str = ""
+) -> None:
     while ctx.connection is None:
         await asyncio.sleep(0.05)
     while True:
@@ -674,7 +677,19 @@ async def _every(interval: float, ctx: OperatorContext, body: Callable[[], Await
             await body()
         except Exception:  # noqa: BLE001 - one bad pass must not stop drift repair for good
             log.exception("periodic pass failed; retrying in %.1f s", interval)
+        ctx.heartbeats[name or body.__qualname__] = time.monotonic()
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+
+def stale_loops(ctx: OperatorContext, now: float, grace: float = 120.0) -> list[str]:
+    """Periodic loops whose last pass ended longer ago than ``grace`` plus three periods (a
+    wedged loop: kopf's liveness endpoint then answers 500 and the kubelet restarts the pod)."""
+    periods = {"resync": ctx.config.reconcile_interval, "autoscale": ctx.config.autoscale_interval}
+    return [
+        f"{name} loop: last pass {now - beat:.0f} s ago"
+        for name, beat in sorted(ctx.heartbeats.items())
+        if now - beat > grace + 3 * periods.get(name, 0.0)
+    ]
 
 
 async def resync_loop(ctx: OperatorContext) -> None:
@@ -693,7 +708,7 @@ async def resync_loop(ctx: OperatorContext) -> None:
             for uid in before - seen:
                 ctx.forget(uid)
 
-    await _every(ctx.config.reconcile_interval, ctx, one_pass)
+    await _every(ctx.config.reconcile_interval, ctx, one_pass, "resync")
 
 
 async def autoscale_loop(ctx: OperatorContext) -> None:
@@ -702,7 +717,7 @@ async def autoscale_loop(ctx: OperatorContext) -> None:
     async def one_pass() -> None:
         await _each_object(ctx, SCALED, autoscale_object)
 
-    await _every(ctx.config.autoscale_interval, ctx, one_pass)
+    await _every(ctx.config.autoscale_interval, ctx, one_pass, "autoscale")
 
 
 # --- registry ------------------------------------------------------------------------------
@@ -736,6 +751,15 @@ def build_registry(
         ctx.tasks.clear()
         await ctx.close()
 
+    @kopf.on.probe(id="loops", registry=reg)
+    def _probe(**_: Any) -> dict[str, float]:
+        """kopf's liveness endpoint runs this: a wedged periodic loop fails the probe."""
+        now = time.monotonic()
+        stale = stale_loops(ctx, now)
+        if stale:
+            raise kopf.PermanentError("; ".join(stale))
+        return {name: round(now - beat, 1) for name, beat in ctx.heartbeats.items()}
+
     @kopf.on.startup(registry=reg)
     async def _startup(**_: Any) -> None:
         ctx.tasks = [asyncio.create_task(resync_loop(ctx)), asyncio.create_task(autoscale_loop(ctx))]
@@ -766,8 +790,9 @@ def build_registry(
 
         if cfg.admission:
 
-            async def on_validate(body: kopf.Body, **_: Any) -> None:
-                errors = await admission.validation_errors(dict(body), _lookup(ctx))
+            async def on_validate(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
+                before = dict(old) if old is not None else None
+                errors = await admission.validation_errors(dict(body), _lookup(ctx), before)
                 if errors:
                     raise kopf.AdmissionError("; ".join(errors), code=422)
 

@@ -6,16 +6,19 @@ Environment (all optional):
   (defaults 30 and 15; the two loops are independent).
 * ``KUBERL_OPERATOR_METRICS_PORT`` -- where the operator serves its own /metrics (default
   8080; ``--metrics-port`` wins; 0 picks a free port).
-* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port and
-  let kopf manage the webhook configurations named ``kuberl.io``. TLS from
+* ``KUBERL_HEALTH_PORT`` -- kopf's liveness endpoint ``http://0.0.0.0:PORT/healthz`` (default
+  8081; empty or 0: none), the pod's liveness and readiness probes (charts/kuberl).
+* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port. The
+  webhook configurations are the chart's objects (so they go with ``helm uninstall``), never
+  written by the operator. TLS from
   ``KUBERL_WEBHOOK_CERT``/``KUBERL_WEBHOOK_KEY`` (+ ``KUBERL_WEBHOOK_CA``, the bundle the API
   server verifies with; the chart mounts a Secret), else kopf's self-signed certificate
   (needs the ``certbuilder`` package). How the API server reaches the webhooks:
 
   - in a cluster, ``KUBERL_WEBHOOK_SERVICE`` + ``KUBERL_WEBHOOK_NAMESPACE`` (+
-    ``KUBERL_WEBHOOK_SERVICE_PORT``, default 443): the configurations name that Service
-    (``clientConfig.service``), which the API server resolves without cluster DNS;
-  - elsewhere ``KUBERL_WEBHOOK_HOST``: ``clientConfig.url`` is ``https://HOST:PORT/...``.
+    ``KUBERL_WEBHOOK_SERVICE_PORT``, default 443): the chart's configurations name that
+    Service (``clientConfig.service``), which the API server resolves without cluster DNS;
+  - elsewhere ``KUBERL_WEBHOOK_HOST``: the host kopf's server certificate is made for.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import kopf
 from . import metrics
 from .handlers import OperatorConfig, build_registry, configure_settings
 
-WEBHOOK_CONFIGURATION = "kuberl.io"
 DEFAULT_METRICS_PORT = 8080
+DEFAULT_HEALTH_PORT = 8081
 
 
 def service_client_config(
@@ -42,6 +45,8 @@ def service_client_config(
     """kopf's URL-based client config turned into a Service reference (caBundle kept).
 
     kopf appends each handler's id to ``service.path`` itself, so the root path is empty.
+    (kopf only uses it for configurations it manages, which kuberl no longer asks for; kept
+    so ``kopf.build_webhooks`` output can be compared with the chart's.)
     """
     out: dict[str, Any] = {"service": {"name": service, "namespace": namespace, "port": port, "path": ""}}
     if config.get("caBundle"):
@@ -118,9 +123,15 @@ def _settings(
     settings = kopf.OperatorSettings()
     configure_settings(settings, fast=fast)
     if webhook is not None:
+        # Serve only: settings.admission.managed stays None, so kopf writes no webhook
+        # configuration (charts/kuberl/templates/webhook.yaml owns them).
         settings.admission.server = webhook
-        settings.admission.managed = WEBHOOK_CONFIGURATION
     return settings
+
+
+def liveness_endpoint(port: int | None, host: str = "0.0.0.0") -> str | None:  # noqa: S104 - a pod's probe port
+    """kopf's liveness endpoint URL for ``port`` (None or 0: none)."""
+    return f"http://{host}:{port}/healthz" if port else None
 
 
 async def operate(
@@ -133,11 +144,12 @@ async def operate(
     fast: bool = False,
     verbose: bool = False,
     webhook: kopf.WebhookServer | None = None,
+    health_port: int | None = None,
 ) -> None:
     """Run the operator in the current event loop until ``stop_flag`` is set (tests use this).
 
-    ``webhook`` serves the admission handlers (``config.admission`` must be true) and makes
-    kopf manage the ``kuberl.io`` webhook configurations.
+    ``webhook`` serves the admission handlers (``config.admission`` must be true);
+    ``health_port`` serves kopf's liveness endpoint (``/healthz``) on localhost.
     """
     watched = None if clusterwide else (namespaces or ["default"])
     registry, ctx = build_registry(config, namespaces=watched)
@@ -150,6 +162,7 @@ async def operate(
         standalone=True,
         stop_flag=stop_flag,
         ready_flag=ready_flag,
+        liveness_endpoint=liveness_endpoint(health_port, "127.0.0.1"),
         **kwargs,
     )
 
@@ -176,5 +189,12 @@ def run_operator(
     registry, _ctx = build_registry(config, namespaces=None if all_namespaces else namespaces)
     metrics.serve(config.metrics_port if config.metrics_port is not None else DEFAULT_METRICS_PORT)
     kwargs: dict[str, Any] = {"clusterwide": True} if all_namespaces else {"namespaces": namespaces}
-    kopf.run(registry=registry, settings=_settings(verbose, webhook=webhook), standalone=True, **kwargs)
+    health = _int_env(os.environ, "KUBERL_HEALTH_PORT", DEFAULT_HEALTH_PORT)
+    kopf.run(
+        registry=registry,
+        settings=_settings(verbose, webhook=webhook),
+        standalone=True,
+        liveness_endpoint=liveness_endpoint(health),
+        **kwargs,
+    )
     return 0
