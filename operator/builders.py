@@ -41,6 +41,12 @@ from kuberl.operator.engines import (
     engine_env,
     engine_probes,
 )
+from kuberl.operator.isolation import (
+    fleet_policy,
+    sandbox_policy,
+    token_env,
+    token_secret,
+)
 from kuberl.operator.rbac import (  # noqa: F401 - re-exported: the operator's RBAC lived here
     operator_cluster_rules,
     operator_namespaced_rules,
@@ -89,11 +95,17 @@ def object_labels(instance: str, component: str, owner_kind: str) -> dict[str, s
 # Every kind a builder may emit per owner kind (apiVersion, kind); KEDA ScaledObjects are only
 # rendered (``kuberl render``), never applied, so they are not children to clean up.
 CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
-    "SandboxPool": (("apps/v1", "Deployment"), ("v1", "Service"), ("networking.k8s.io/v1", "NetworkPolicy")),
+    "SandboxPool": (
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
+        ("v1", "Secret"),
+    ),
     "RolloutFleet": (
         ("apps/v1", "Deployment"),
         ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
         ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
     ),
     "AgenticRLJob": (
         ("v1", "ServiceAccount"),
@@ -107,6 +119,17 @@ CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 LABEL_ROLE = "kuberl.io/role"
+
+
+def trainer_peers(resource: Resource) -> dict[str, str]:
+    """The trainer pods that may reach a pool's sandboxes or a fleet's engines: one job's when
+    ``resource`` is that job's inline child (its labels name the job), else every kuberl
+    trainer of the namespace (any job there may reference it)."""
+    sel = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "trainer"}
+    labels = resource.metadata.labels
+    if labels.get(LABEL_OWNER_KIND) == "AgenticRLJob" and labels.get(LABEL_INSTANCE):
+        sel[LABEL_INSTANCE] = labels[LABEL_INSTANCE]
+    return sel
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -257,6 +280,7 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
         "env": [
             {"name": "KUBERL_SANDBOX_LIMITS", "value": limits_json},
             {"name": "KUBERL_SANDBOX_POOL", "value": name},
+            token_env(name),
             {"name": "HOME", "value": "/tmp"},
             {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         ],
@@ -328,20 +352,14 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
             "ports": [{"name": "http", "port": SANDBOX_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    netpol = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(f"{name}-deny-egress", namespace, labels),
-        "spec": {
-            # Egress listed with no rules = no egress at all (DNS included): model code is offline.
-            # Ingress only on the API port (trainers, Prometheus).
-            "podSelector": {"matchLabels": sel},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"ports": [{"port": SANDBOX_PORT, "protocol": "TCP"}]}],
-            "egress": [],
-        },
-    }
-    return [deployment, service, netpol]
+    netpol = sandbox_policy(
+        _meta(f"{name}-deny-egress", namespace, labels),
+        sel,
+        SANDBOX_PORT,
+        trainers=trainer_peers(pool),
+        annotations=pool.metadata.annotations,
+    )
+    return [deployment, service, netpol, token_secret(name, namespace, labels)]
 
 
 # --- RolloutFleet -------------------------------------------------------------------------
@@ -475,7 +493,14 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [workload, service]
+    netpol = fleet_policy(
+        _meta(f"{name}-ingress", namespace, labels),
+        sel,
+        spec.engine.port,
+        trainers=trainer_peers(fleet),
+        annotations=fleet.metadata.annotations,
+    )
+    return [workload, service, netpol]
 
 
 # --- AgenticRLJob -------------------------------------------------------------------------
@@ -586,6 +611,7 @@ def endpoints_env(
     if pool:
         env.append({"name": "KUBERL_SANDBOX_POOL", "value": pool})
         env.append({"name": "KUBERL_SANDBOX_URL", "value": f"http://{pool}.{namespace}.svc:{SANDBOX_PORT}"})
+        env.append(token_env(pool))
     return env
 
 

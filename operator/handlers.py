@@ -53,7 +53,7 @@ from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 
-from . import admission, autoscale, builders, children, metrics, status
+from . import admission, autoscale, builders, children, isolation, metrics, status
 from .kube import ApiError, KubeClient, is_subset, kind_of
 
 log = logging.getLogger("kuberl.operator")
@@ -233,8 +233,11 @@ async def _prune(
     return events
 
 
-def _keep_autoscaled_replicas(obj: dict[str, Any]) -> Adjust | None:
-    """For a job's inline fleet/pool: leave spec.replicas to the child's autoscaler."""
+def _adjust(obj: dict[str, Any]) -> Adjust | None:
+    """What apply must settle against the live child: a pool's token Secret keeps its token
+    (or gets a fresh one); a job's inline fleet/pool leaves spec.replicas to its autoscaler."""
+    if obj["kind"] == "Secret":
+        return isolation.fill_token
     if obj["kind"] not in SCALED:
         return None
 
@@ -365,7 +368,7 @@ async def _reconcile_scaled(
     objs = builders.build_for(res, namespace)
     objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
     component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
-    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust)
     events += await _prune(ctx, body, objs)
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
@@ -447,9 +450,7 @@ async def _reconcile_job(
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
-    live, events = await _apply_all(
-        ctx, body, objs, first_time and not previous.get("phase"), adjust=_keep_autoscaled_replicas
-    )
+    live, events = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust)
     events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
     labels = builders.selector_labels(name, "trainer")

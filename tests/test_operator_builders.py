@@ -410,7 +410,7 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["Deployment", "Service", "NetworkPolicy", "Deployment", "Service"]
+        ["Deployment", "Service", "NetworkPolicy", "Secret", "Deployment", "Service", "NetworkPolicy"]
         + ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"]
     )
     assert {d["metadata"]["namespace"] for d in docs} == {"rl"}
