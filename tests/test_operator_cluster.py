@@ -277,3 +277,56 @@ async def test_operator_generates_the_token_once_and_keeps_it() -> None:
 async def _with_other_token(k: Any, path: str, old: str) -> Any:
     got = await k.get(path)
     return got if got and got.get("data", {}).get("token") not in (None, old) else None
+
+
+# --- item 2: SGLang's /health is slow on purpose ------------------------------------------------------
+
+
+def test_sglang_probes_outlast_a_health_check_as_slow_as_sglangs(tmp_path: Any) -> None:
+    """The stand-in answers /health the way SGLang >= 0.4.10 does (a one-token generation, then a
+    once-a-second poll for output): never under a second. The rendered probes wait long enough
+    and the server's own health timeout (503) comes before the probe's; a probe with
+    Kubernetes' default timeoutSeconds (1) would never pass."""
+    import time
+
+    from kuberl.api import parse_resource
+    from kuberl.operator.builders import build_for
+    from tests.hf_fixtures import make_tiny_hf_model
+    from tests.test_cluster_path import Servers
+
+    fleet = parse_resource(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "f", "namespace": "ns"},
+            "spec": {"model": {"uri": "m"}},
+        }
+    )
+    c = next(o for o in build_for(fleet) if o["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    probe_timeouts = {p: c[p]["timeoutSeconds"] for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert all(c[p]["httpGet"]["path"] == "/health" for p in probe_timeouts)
+    assert float(env["SGLANG_HEALTH_CHECK_TIMEOUT"]) < min(probe_timeouts.values())
+
+    servers = Servers(make_tiny_hf_model(tmp_path / "tiny"), 1, tmp_path)
+    try:
+        url = servers.urls[0] + "/health"
+
+        async def probe(timeout: float) -> tuple[int | None, float]:
+            start = time.perf_counter()
+            try:
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as rsp,
+                ):
+                    return rsp.status, time.perf_counter() - start
+            except TimeoutError:
+                return None, time.perf_counter() - start
+
+        status, took = asyncio.run(probe(min(probe_timeouts.values())))
+        assert status == 200 and 1.0 <= took < min(probe_timeouts.values()), (status, took)
+        assert asyncio.run(probe(1.0))[0] is None  # Kubernetes' default timeoutSeconds
+    finally:
+        servers.close()
