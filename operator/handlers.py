@@ -54,7 +54,7 @@ from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, Sand
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 
 from . import admission, autoscale, builders, children, isolation, metrics, status
-from .kube import ApiError, KubeClient, is_subset, kind_of
+from .kube import ApiError, KubeClient, is_subset, kind_of, operator_cache
 
 log = logging.getLogger("kuberl.operator")
 
@@ -129,7 +129,7 @@ class OperatorContext:
         if self._client is None:
             if self.connection is None:
                 raise RuntimeError("not logged in to the Kubernetes API yet")
-            self._client = KubeClient(self.connection)
+            self._client = KubeClient(self.connection, cache=operator_cache())
         return self._client
 
     async def close(self) -> None:
@@ -703,6 +703,7 @@ async def resync_loop(ctx: OperatorContext) -> None:
     """
 
     async def one_pass() -> None:
+        ctx.client().invalidate()  # one LIST per kind and namespace this pass (operator/cache.py)
         before = set(ctx.known)  # objects first seen during the pass are not candidates
         seen = await _each_object(ctx, tuple(PLURALS), resync_object)
         if seen is not None:
@@ -716,6 +717,8 @@ async def autoscale_loop(ctx: OperatorContext) -> None:
     """Autoscaling at its own pace (``autoscale_interval``), however long the resync period is."""
 
     async def one_pass() -> None:
+        # fresh pods (who is ready to be scraped) and replica counts; children stay cached
+        ctx.client().invalidate([kind_of("v1", "Pod")] + [kind_of(f"{GROUP}/{VERSION}", k) for k in PLURALS])
         await _each_object(ctx, SCALED, autoscale_object)
 
     await _every(ctx.config.autoscale_interval, ctx, one_pass, "autoscale")
@@ -814,7 +817,7 @@ def build_registry(
 
 def _lookup(ctx: OperatorContext) -> admission.Lookup:
     async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name)
+        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
 
     return get
 

@@ -18,6 +18,7 @@ import pytest
 from kuberl.operator import admission
 from kuberl.operator.handlers import OperatorConfig, OperatorContext, stale_loops
 from kuberl.operator.main import operate
+from kuberl.operator.testing import ClusterEmulator
 from tests.test_operator_e2e import NS, emulated_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -330,3 +331,83 @@ def test_sglang_probes_outlast_a_health_check_as_slow_as_sglangs(tmp_path: Any) 
         assert asyncio.run(probe(1.0))[0] is None  # Kubernetes' default timeoutSeconds
     finally:
         servers.close()
+
+
+# --- item 12: API load per resync pass ------------------------------------------------------------
+
+
+class CountingEmulator(ClusterEmulator):
+    """The emulator, recording the path of every read (GET that is not a watch)."""
+
+    async def __call__(self, raw_request: Any) -> Any:
+        if raw_request.method == "GET" and raw_request.query.get("watch") != "true":
+            self.__dict__.setdefault("reads", []).append(raw_request.path)
+        return await super().__call__(raw_request)
+
+
+def _meta(kind: str, name: str) -> dict[str, Any]:
+    return {"apiVersion": "kuberl.io/v1alpha1", "kind": kind, "metadata": {"name": name, "namespace": NS}}
+
+
+async def _reads_per_pass(groups: int) -> float:
+    """Reads per resync pass once ``groups`` x (pool, fleet, job using both) have settled."""
+    import kmock
+
+    from tests.test_operator_e2e import API, Cluster, eventually, running_operator
+
+    async with (
+        CountingEmulator(namespaces={NS}) as emu,
+        kmock.Server(emu) as srv,
+        aiohttp.ClientSession() as session,
+    ):
+        k = Cluster(emu, str(srv.url).rstrip("/"), session)
+        async with running_operator(k, reconcile_interval=0.4, autoscale_interval=1000):
+            for i in range(groups):
+                await k.create(
+                    f"{API}/sandboxpools", {**_meta("SandboxPool", f"p{i}"), "spec": {"replicas": 1}}
+                )
+                await k.create(
+                    f"{API}/rolloutfleets",
+                    {
+                        **_meta("RolloutFleet", f"f{i}"),
+                        "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}},
+                    },
+                )
+                await k.create(
+                    f"{API}/agenticrljobs",
+                    {
+                        **_meta("AgenticRLJob", f"j{i}"),
+                        "spec": {
+                            "model": {"base": "m"},
+                            "data": {"train": "s3://d/t.jsonl"},
+                            "rollout": {"fleetRef": f"f{i}"},
+                            "sandbox": {"poolRef": f"p{i}"},
+                        },
+                    },
+                )
+
+            async def settled() -> bool:
+                for plural in ("sandboxpools", "rolloutfleets", "agenticrljobs"):
+                    items = (await k.get(f"{API}/{plural}"))["items"]
+                    if len(items) != groups or not all((o.get("status") or {}).get("phase") for o in items):
+                        return False
+                return True
+
+            await eventually(settled, timeout=30, what="every object reconciled")
+            await asyncio.sleep(1.0)  # the passes that first saw the objects are over
+            emu.__dict__["reads"] = []
+            await asyncio.sleep(4.0)
+            reads = list(emu.__dict__["reads"])
+    marker = f"{API}/agenticrljobs"  # one LIST of jobs per pass
+    passes = reads.count(marker)
+    assert passes >= 3, reads
+    return len(reads) / passes
+
+
+async def test_resync_reads_do_not_grow_with_the_number_of_objects() -> None:
+    """Issue 14 counted 32 GET/LIST per pass for 3 objects (a GET per child, a LIST per child
+    kind per object). With the list cache a pass LISTs each kind once per namespace."""
+    three = await _reads_per_pass(1)
+    nine = await _reads_per_pass(3)
+    assert three <= 16, three
+    assert nine <= three + 3, (three, nine)  # was 35 and 104 (one pass may catch a straggler)
