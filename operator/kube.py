@@ -78,6 +78,7 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+        Kind("coordination.k8s.io/v1", "Lease", "leases"),
         Kind(API_VERSION, "AgenticRLJob", "agenticrljobs"),
         Kind(API_VERSION, "RolloutFleet", "rolloutfleets"),
         Kind(API_VERSION, "SandboxPool", "sandboxpools"),
@@ -90,7 +91,7 @@ def operator_cache() -> ListCache:
     app.kubernetes.io/name label, every child kind and pods. Events and KEDA objects are never read."""
     selectors: dict[tuple[str, str], dict[str, str]] = {}
     for api_version, kind in KNOWN_KINDS:
-        if kind in ("Event", "ScaledObject"):
+        if kind in ("Event", "ScaledObject", "Lease"):
             continue
         selectors[api_version, kind] = {} if api_version == API_VERSION else dict(KUBERL_SELECTOR)
     return ListCache(selectors)
@@ -420,6 +421,14 @@ class KubeClient:
             else:
                 self._remember(kind, namespace, out)
         return out
+
+    async def json_patch(
+        self, kind: Kind, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """An RFC 6902 JSON patch (its ``test`` ops make it conditional); not cached."""
+        return await self._call(
+            "PATCH", kind.path(namespace, name), body=ops, content_type="application/json-patch+json"
+        )
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         """Delete (children go with it: background propagation). False if it was already gone."""

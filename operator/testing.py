@@ -62,6 +62,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ("status",)),
+    "coordination.k8s.io/v1/leases": ("Lease", True, ()),
     "admissionregistration.k8s.io/v1/validatingwebhookconfigurations": (
         "ValidatingWebhookConfiguration",
         False,
@@ -80,7 +81,15 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
 
 # Groups served from Go types (their objects are re-encoded on write); everything else here is a CRD.
 BUILTIN_GROUPS = frozenset(
-    {"", "apps", "batch", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
+    {
+        "",
+        "apps",
+        "batch",
+        "networking.k8s.io",
+        "rbac.authorization.k8s.io",
+        "admissionregistration.k8s.io",
+        "coordination.k8s.io",
+    }
 )
 
 

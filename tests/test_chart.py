@@ -148,6 +148,8 @@ def test_every_rendered_object_is_valid(objects):
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Role",  # the leader-election Lease
+            "RoleBinding",
             "Deployment",
             "ServiceMonitor",
             "PrometheusRule",
@@ -331,8 +333,9 @@ def test_watching_some_namespaces_grants_roles_there_only():
     for obj in objs:
         _validate(obj)
     sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
-    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
-    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    leader = lambda o: o["metadata"]["name"].endswith("-leader")  # noqa: E731 - the Lease's Role
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role" and not leader(o)}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding" and not leader(o)}
     assert set(roles) == set(bindings) == {"rl-a", "rl-b"}
     for ns, role in roles.items():
         assert role["rules"] == operator_namespaced_rules()
@@ -353,13 +356,16 @@ def test_watching_some_namespaces_grants_roles_there_only():
     }
     # No namespaces listed: the release namespace is watched, with its Role.
     objs = render({"operator": {"watchAllNamespaces": False}})
-    assert [o["metadata"]["namespace"] for o in objs if o["kind"] == "Role"] == ["kuberl-system"]
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Role"] == [
+        "kuberl-kuberl-operator",
+        "kuberl-kuberl-operator-leader",
+    ]
     dep = next(o for o in objs if o["kind"] == "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=kuberl-system"]
 
 
 def _env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def test_operator_metrics_are_exposed_and_scraped(objects):
@@ -444,7 +450,8 @@ def test_admission_enabled_is_deployable():
     "values",
     [
         {"monitoring": {"interval": "often"}},
-        {"operator": {"replicas": 2}},
+        {"operator": {"replicas": 9}},
+        {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
         {"monitoring": {"prometheusRule": {"kvCacheSaturation": 1.5}}},
         {"monitoring": {"operatorMonitor": {"enabled": "yes"}}},
         {"operator": {"imagee": {}}},
@@ -830,16 +837,48 @@ def test_chart_owns_the_webhook_configurations():
     assert cfg["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "kuberl-system/own"
 
 
-def test_operator_pod_has_kopf_liveness_probes(objects):
-    """Readiness and liveness probe kopf's liveness endpoint, which the operator serves where
-    the chart says (KUBERL_HEALTH_PORT) on the container port the probes name."""
-    from kuberl.operator.main import DEFAULT_HEALTH_PORT, liveness_endpoint
+def test_operator_pod_probes_and_leader_election(objects):
+    """Ready = kopf's liveness endpoint (leader only: webhook traffic reaches the leader);
+    alive = /livez in every replica; the operator serves both where the chart says, and with
+    leader election its environment names a Lease it may read and write (a Role, no more)."""
+    from kuberl.operator.main import (
+        DEFAULT_HEALTH_PORT,
+        DEFAULT_LIVENESS_PORT,
+        election_from_env,
+        liveness_endpoint,
+    )
+    from kuberl.operator.rbac import leader_election_rules
 
     dep = next(o for o in objects if o["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
-    port = int(_env(c)["KUBERL_HEALTH_PORT"])
-    assert port == DEFAULT_HEALTH_PORT
-    assert {"name": "health", "containerPort": port, "protocol": "TCP"} in c["ports"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-        assert liveness_endpoint(port).endswith(f":{port}{c[probe]['httpGet']['path']}")
+    env = _env(c)
+    health, live = int(env["KUBERL_HEALTH_PORT"]), int(env["KUBERL_LIVENESS_PORT"])
+    assert (health, live) == (DEFAULT_HEALTH_PORT, DEFAULT_LIVENESS_PORT)
+    assert {"name": "health", "containerPort": health, "protocol": "TCP"} in c["ports"]
+    assert {"name": "live", "containerPort": live, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert liveness_endpoint(health).endswith(f":{health}/healthz")
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "live"}
+    election = election_from_env(
+        {**env, "KUBERL_LEASE_NAMESPACE": "kuberl-system", "KUBERL_POD_NAME": "op-1"}
+    )
+    assert election is not None and (election.name, election.identity) == (dep["metadata"]["name"], "op-1")
+    downward = {e["name"]: e.get("valueFrom") for e in c["env"]}
+    assert downward["KUBERL_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert downward["KUBERL_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    role = next(o for o in objects if o["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "kuberl-system" and role["rules"] == leader_election_rules()
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    # standbys: more replicas are allowed; without election only one, replaced by Recreate
+    assert (
+        next(o for o in render({"operator": {"replicas": 2}}) if o["kind"] == "Deployment")["spec"][
+            "replicas"
+        ]
+        == 2
+    )
+    off = render({"operator": {"leaderElection": {"enabled": False}}})
+    dep = next(o for o in off if o["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate" and not any(o["kind"] == "Role" for o in off)
+    assert election_from_env(_env(dep["spec"]["template"]["spec"]["containers"][0])) is None

@@ -411,3 +411,125 @@ async def test_resync_reads_do_not_grow_with_the_number_of_objects() -> None:
     nine = await _reads_per_pass(3)
     assert three <= 16, three
     assert nine <= three + 3, (three, nine)  # was 35 and 104 (one pass may catch a straggler)
+
+
+# --- item 11: leader election on a Lease ---------------------------------------------------------------
+
+
+def test_lease_rules() -> None:
+    import datetime
+
+    from kuberl.operator.leader import decide, micro_time
+
+    now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+
+    def lease(holder: str | None, renewed_ago: float, duration: int = 15) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "leaseDurationSeconds": duration,
+            "renewTime": micro_time(now - datetime.timedelta(seconds=renewed_ago)),
+        }
+        if holder:
+            spec["holderIdentity"] = holder
+        return {"metadata": {"resourceVersion": "1"}, "spec": spec}
+
+    assert decide(None, "a", now) == "create"
+    assert decide(lease("a", 100), "a", now) == "renew"
+    assert decide(lease("b", 5), "a", now) == "wait"
+    assert decide(lease("b", 15), "a", now) == "take"  # expired
+    assert decide(lease(None, 1), "a", now) == "take"  # released
+
+
+async def test_only_the_lease_holder_runs_and_a_standby_takes_over() -> None:
+    """Two replicas (each in its own thread and event loop, as two pods would be): only the
+    leader reconciles; a standby is alive (/livez 200) but not ready (kopf does not run there);
+    when the leader stops it releases the Lease and the standby takes over at once, without
+    waiting for the 30 s lease to expire."""
+    import threading
+
+    from kuberl.operator.leader import ElectionConfig
+    from kuberl.operator.main import operate_elected
+    from tests.test_operator_e2e import API, eventually, pool
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    async with emulated_cluster() as k:
+        login = lambda **_: kopf.ConnectionInfo(server=k.url, default_namespace=NS)  # noqa: E731
+        runs: dict[str, dict[str, Any]] = {}
+        for who in ("a", "b"):
+            run: dict[str, Any] = {"stop": threading.Event(), "ready": threading.Event(), "live": free_port()}
+            election = ElectionConfig(NS, "kuberl-operator", who, duration=30, renew=0.3, retry=0.2)
+            cfg = OperatorConfig(reconcile_interval=0.3, autoscale_interval=0.3, login=login)
+
+            def main(
+                run: dict[str, Any] = run, cfg: OperatorConfig = cfg, election: ElectionConfig = election
+            ) -> None:
+                run["rc"] = asyncio.run(
+                    operate_elected(
+                        cfg,
+                        election,
+                        stop_flag=run["stop"],
+                        ready_flag=run["ready"],
+                        live_port=run["live"],
+                        namespaces=[NS],
+                        fast=True,
+                    )
+                )
+
+            run["thread"] = threading.Thread(target=main, daemon=True)
+            run["thread"].start()
+            runs[who] = run
+            if who == "a":
+                await asyncio.to_thread(run["ready"].wait, 15)
+        try:
+            lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/kuberl-operator"
+            assert (await k.get(lease_path))["spec"]["holderIdentity"] == "a"
+            await k.create(f"{API}/sandboxpools", pool("first", replicas=1))
+            await eventually(
+                lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/first"), what="a reconciles"
+            )
+            await asyncio.sleep(1.0)
+            assert not runs["b"]["ready"].is_set()  # b waits: kopf does not run there
+            async with (
+                aiohttp.ClientSession() as s,
+                s.get(f"http://127.0.0.1:{runs['b']['live']}/livez") as rsp,
+            ):
+                assert rsp.status == 200 and (await rsp.json())["role"] == "standby"
+            runs["a"]["stop"].set()
+            await asyncio.to_thread(runs["a"]["thread"].join, 20)
+            assert runs["a"].get("rc") == 0
+            assert await asyncio.to_thread(runs["b"]["ready"].wait, 10)
+            lease = await k.get(lease_path)
+            assert lease["spec"]["holderIdentity"] == "b" and lease["spec"]["leaseTransitions"] == 1
+            await k.create(f"{API}/sandboxpools", pool("second", replicas=1))
+            await eventually(
+                lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/second"), what="b reconciles"
+            )
+        finally:
+            for run in runs.values():
+                run["stop"].set()
+            for run in runs.values():
+                await asyncio.to_thread(run["thread"].join, 20)
+
+
+async def test_a_leader_that_loses_its_lease_stops() -> None:
+    """Someone else took the Lease (this leader could not renew in time, e.g. a partition):
+    it must stop leading rather than run beside the new leader."""
+    from kuberl.operator.kube import KubeClient
+    from kuberl.operator.leader import LEASE, ElectionConfig, LeaderElector
+
+    async with emulated_cluster() as k:
+        client = KubeClient(kopf.ConnectionInfo(server=k.url))
+        try:
+            a = LeaderElector(client, ElectionConfig(NS, "l", "a", duration=30, renew=0.1, retry=0.1))
+            await a.acquire()
+            assert a.leading
+            lease = await client.get(LEASE, NS, "l", fresh=True)
+            await client.patch(LEASE, NS, "l", {"spec": {"holderIdentity": "b"}})
+            await asyncio.wait_for(a.hold(), 5)
+            assert a.lost.is_set() and not a.leading
+            assert lease["spec"]["holderIdentity"] == "a"
+        finally:
+            await client.close()

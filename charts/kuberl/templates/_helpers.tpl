@@ -81,3 +81,10 @@ operator_cluster_rules() by tests/test_chart.py.
   resources: [customresourcedefinitions]
   verbs: [list, watch]
 {{- end -}}
+
+{{/* Kept equal to kuberl.operator.rbac.leader_election_rules() by tests/test_chart.py. */}}
+{{- define "kuberl.leaderRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, patch]
+{{- end -}}
