@@ -940,7 +940,7 @@ OPERATOR_METRICS_PORT = 8080
 def build_operator(namespace: str = "kuberl-system", image: str = OPERATOR_IMAGE) -> list[Manifest]:
     """ServiceAccount, ClusterRole(+Binding) and Deployment that run ``kuberl operator -A``.
 
-    One replica in kopf standalone mode (no peering objects): run exactly one. Its own
+    One replica without leader election (the chart adds the Lease election): run exactly one. Its own
     Prometheus metrics (``kuberl_autoscaler_*``) are served on the container port ``metrics``.
     """
     name = "kuberl-operator"
