@@ -3,15 +3,16 @@
 Every verb below is one the operator (its KubeClient or the kopf runtime) really sends:
 
 * kuberl kinds: kopf lists and watches them and patches them (annotations, status); the
-  operator GETs referenced fleets/pools, creates, patches and deletes a job's inline ones.
-  ``/status`` and (pools and fleets only: jobs have no scale subresource) ``/scale`` are
-  patched. ``/finalizers`` ``update`` is what the API server's OwnerReferencesPermission
+  operator creates, patches and deletes a job's inline fleet and pool (never a job), and GETs
+  fleets and pools only for admission's reference checks (everything else reads the list
+  cache). ``/status`` and (pools and fleets only: jobs have no scale subresource) ``/scale``
+  are patched. ``/finalizers`` ``update`` is what the API server's OwnerReferencesPermission
   admission asks of whoever sets ``blockOwnerDeletion: true`` on a child (kopf.adopt does):
   without it, child creation fails on clusters that enforce it (OpenShift, hardened ones).
 * children (Deployments, LeaderWorkerSets, Jobs, Services, ConfigMaps, Secrets, NetworkPolicies,
-  the trainer's ServiceAccount/Role/RoleBinding): get + create + patch (``KubeClient.apply``),
-  list (pruning by label) and delete. Never ``update`` (PUT) and never ``watch``: the operator
-  re-reads children on its resync, it keeps no watch on them.
+  the trainer's ServiceAccount/Role/RoleBinding): list (the read cache, ``cache.py``: one LIST
+  per kind and namespace per pass serves apply's reads and pruning), create + patch
+  (``KubeClient.apply``) and delete (pruning). Never ``get``, ``update`` (PUT) or ``watch``.
 * pods: list (readiness, scraping, trainer failures); events: create.
 * endpointslices get/list/watch: never called by the operator, held only because RBAC forbids
   granting a permission one lacks and the trainer's Role grants exactly these.
@@ -27,16 +28,17 @@ from typing import Any
 
 KUBERL_PLURALS = ("agenticrljobs", "rolloutfleets", "sandboxpools")
 SCALED_PLURALS = ("rolloutfleets", "sandboxpools")
-# apply = get + create + patch; prune = list + delete
-CHILD_VERBS = ["get", "list", "create", "patch", "delete"]
+# read = list (the cache); apply = create + patch; prune = delete
+CHILD_VERBS = ["list", "create", "patch", "delete"]
 
 
 def operator_namespaced_rules() -> list[dict[str, Any]]:
     """What the operator needs in each watched namespace (a Role per namespace, or the ClusterRole)."""
     return [
+        {"apiGroups": ["kuberl.io"], "resources": ["agenticrljobs"], "verbs": ["list", "watch", "patch"]},
         {
             "apiGroups": ["kuberl.io"],
-            "resources": list(KUBERL_PLURALS),
+            "resources": list(SCALED_PLURALS),
             "verbs": ["get", "list", "watch", "create", "patch", "delete"],
         },
         {
