@@ -16,7 +16,8 @@ import kopf
 import pytest
 
 from kuberl.operator import admission
-from kuberl.operator.handlers import OperatorConfig, OperatorContext, stale_loops
+from kuberl.operator.handlers import OperatorConfig, OperatorContext
+from kuberl.operator.loops import stale_loops
 from kuberl.operator.main import operate
 from kuberl.operator.testing import ClusterEmulator
 from tests.test_operator_e2e import NS, emulated_cluster
