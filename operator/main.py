@@ -211,7 +211,8 @@ async def operate_elected(
 ) -> int:
     """``operate`` once this candidate holds the Lease; 1 when it lost it (the pod restarts as
     a standby), 0 on a clean stop (the Lease is released for the next one)."""
-    info = config.login()
+    # kopf's login handlers take its settings and a logger (kopf passes them; so must we)
+    info = config.login(settings=kopf.OperatorSettings(), logger=logging.getLogger("kuberl.operator.leader"))
     if info is None:
         raise SystemExit("leader election needs Kubernetes credentials (service account or kubeconfig)")
     client = KubeClient(info)

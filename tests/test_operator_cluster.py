@@ -307,3 +307,78 @@ async def test_a_leader_that_loses_its_lease_stops() -> None:
             assert lease["spec"]["holderIdentity"] == "a"
         finally:
             await client.close()
+
+
+async def test_kuberl_operator_cli_elects_a_leader(tmp_path: Any) -> None:
+    """`kuberl operator` with the chart's leader-election environment: it logs in (kubeconfig
+    here, the service account in a pod), takes the Lease under its pod name, reconciles, answers
+    /livez and kopf's /healthz, and on SIGTERM stops cleanly and releases the Lease."""
+    import os
+    import signal
+    import sys
+
+    import kmock
+
+    from kuberl.operator.testing import write_kubeconfig
+    from tests.test_operator_e2e import API, Cluster, eventually, pool
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    async with (
+        ClusterEmulator(namespaces={NS}) as emu,
+        kmock.Server(emu) as srv,
+        aiohttp.ClientSession() as session,
+    ):
+        url = str(srv.url).rstrip("/")
+        kubeconfig = tmp_path / "kubeconfig"
+        write_kubeconfig(kubeconfig, url, NS)
+        health, live = free_port(), free_port()
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "KUBERL_RECONCILE_INTERVAL": "0.5",
+            "KUBERL_OPERATOR_METRICS_PORT": "0",
+            "KUBERL_HEALTH_PORT": str(health),
+            "KUBERL_LIVENESS_PORT": str(live),
+            "KUBERL_LEASE_NAME": "kuberl-operator",
+            "KUBERL_LEASE_NAMESPACE": NS,
+            "KUBERL_POD_NAME": "operator-7f9c-x2",
+        }
+        env.pop("KUBERL_WEBHOOK_PORT", None)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-P", "-m", "kuberl", "operator", "-n", NS,
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        k = Cluster(emu, url, session)
+        lease_path = f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/kuberl-operator"
+        try:
+            lease = await eventually(lambda: k.get(lease_path), timeout=30, what="the Lease")
+            assert lease["spec"]["holderIdentity"] == "operator-7f9c-x2"
+            await k.create(f"{API}/sandboxpools", pool("cli", replicas=1))
+            await eventually(
+                lambda: k.get(f"/apis/apps/v1/namespaces/{NS}/deployments/cli"), timeout=20, what="reconciled"
+            )
+
+            async def probe(port: int, path: str) -> Any:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}{path}") as rsp:
+                        return await rsp.json() if rsp.status == 200 else None
+                except aiohttp.ClientError:
+                    return None
+
+            assert (await eventually(lambda: probe(live, "/livez"), what="/livez"))["role"] == "leader"
+            assert await eventually(lambda: probe(health, "/healthz"), what="kopf's /healthz") is not None
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        out = (await proc.stdout.read()).decode()  # type: ignore[union-attr]
+        assert proc.returncode == 0, out[-3000:]
+        assert "holderIdentity" not in (await k.get(lease_path))["spec"], "the Lease was not released"
