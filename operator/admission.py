@@ -8,6 +8,11 @@ an existing RolloutFleet / SandboxPool in the job's namespace, the referenced fl
 HTTP 400 to a request whose prompt plus ``max_new_tokens`` reaches the context length), and
 a ``keda`` autoscaler annotation needs ``spec.autoscaling``.
 
+Updates (``old`` given) are judged on what they change: an update that leaves ``spec`` and the
+annotations alone (labels, kopf's bookkeeping, finalizers, a deletion) is always admitted, and
+a reference is only looked up when the update changes it. Otherwise a job whose fleet was
+deleted could no longer be suspended, edited or even cleaned up.
+
 Mutation: fills in what is derived rather than defaulted -- an inline fleet's model comes
 from the job's ``model.base`` -- and labels every kuberl resource ``app.kubernetes.io/name:
 kuberl`` so ``kubectl get -l`` finds them.
@@ -67,8 +72,35 @@ def _as_manifest(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def validation_errors(body: dict[str, Any], lookup: Lookup | None) -> list[str]:
-    """Everything wrong with ``body`` (empty list = admit). ``lookup=None`` skips the refs."""
+def _judged(body: dict[str, Any]) -> tuple[Any, Any]:
+    """What the rules read: the spec and the annotations (labels and bookkeeping are free)."""
+    return body.get("spec"), (body.get("metadata") or {}).get("annotations") or {}
+
+
+def _changed_refs(body: dict[str, Any], old: dict[str, Any] | None) -> set[str]:
+    """Which of spec.rollout.fleetRef / spec.sandbox.poolRef this write sets or changes."""
+
+    def refs(doc: dict[str, Any] | None) -> dict[str, Any]:
+        spec = (doc or {}).get("spec") or {}
+        return {
+            "fleetRef": (spec.get("rollout") or {}).get("fleetRef"),
+            "poolRef": (spec.get("sandbox") or {}).get("poolRef"),
+        }
+
+    new, before = refs(body), refs(old)
+    return {k for k in new if old is None or new[k] != before[k]}
+
+
+async def validation_errors(
+    body: dict[str, Any], lookup: Lookup | None, old: dict[str, Any] | None = None
+) -> list[str]:
+    """Everything wrong with ``body`` (empty list = admit). ``lookup=None`` skips the refs.
+
+    ``old``: the stored object on UPDATE (None on CREATE); see the module docstring.
+    """
+    if old is not None:
+        if (body.get("metadata") or {}).get("deletionTimestamp") or _judged(body) == _judged(old):
+            return []
     try:
         res = parse_resource(_as_manifest(body), source="admission")
     except ManifestError as err:
@@ -82,7 +114,8 @@ async def validation_errors(body: dict[str, Any], lookup: Lookup | None) -> list
             )
     if isinstance(res, AgenticRLJob) and lookup is not None:
         rollout, sandbox = res.spec.rollout, res.spec.sandbox
-        if rollout.fleet_ref and rollout.engine != "local":
+        changed = _changed_refs(body, old)
+        if rollout.fleet_ref and rollout.engine != "local" and "fleetRef" in changed:
             fleet = await lookup("RolloutFleet", ns, rollout.fleet_ref)
             if fleet is None:
                 errors.append(f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} does not exist")
@@ -91,7 +124,11 @@ async def validation_errors(body: dict[str, Any], lookup: Lookup | None) -> list
                     f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} {problem}"
                     for problem in context_length_problems(res, fleet)
                 ]
-        if sandbox.pool_ref and await lookup("SandboxPool", ns, sandbox.pool_ref) is None:
+        if (
+            sandbox.pool_ref
+            and "poolRef" in changed
+            and await lookup("SandboxPool", ns, sandbox.pool_ref) is None
+        ):
             errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
     return errors
 

@@ -42,6 +42,17 @@ from kuberl.operator.engines import (
     engine_env,
     engine_probes,
 )
+from kuberl.operator.isolation import (
+    fleet_policy,
+    sandbox_policy,
+    token_env,
+    token_secret,
+)
+from kuberl.operator.rbac import (  # noqa: F401 - re-exported: the operator's RBAC lived here
+    operator_cluster_rules,
+    operator_namespaced_rules,
+    operator_rbac_rules,
+)
 from kuberl.operator.tracking_env import tracking_env
 
 Manifest = dict[str, Any]
@@ -91,11 +102,13 @@ CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
         ("v1", "Service"),
         ("networking.k8s.io/v1", "NetworkPolicy"),
         ("policy/v1", "PodDisruptionBudget"),
+        ("v1", "Secret"),
     ),
     "RolloutFleet": (
         ("apps/v1", "Deployment"),
         ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
         ("v1", "Service"),
+        ("networking.k8s.io/v1", "NetworkPolicy"),
         ("policy/v1", "PodDisruptionBudget"),
     ),
     "AgenticRLJob": (
@@ -110,6 +123,17 @@ CHILD_KINDS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 LABEL_ROLE = "kuberl.io/role"
+
+
+def trainer_peers(resource: Resource) -> dict[str, str]:
+    """The trainer pods that may reach a pool's sandboxes or a fleet's engines: one job's when
+    ``resource`` is that job's inline child (its labels name the job), else every kuberl
+    trainer of the namespace (any job there may reference it)."""
+    sel = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "trainer"}
+    labels = resource.metadata.labels
+    if labels.get(LABEL_OWNER_KIND) == "AgenticRLJob" and labels.get(LABEL_INSTANCE):
+        sel[LABEL_INSTANCE] = labels[LABEL_INSTANCE]
+    return sel
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -253,6 +277,7 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
         "env": [
             {"name": "KUBERL_SANDBOX_LIMITS", "value": limits_json},
             {"name": "KUBERL_SANDBOX_POOL", "value": name},
+            token_env(name),
             {"name": "HOME", "value": "/tmp"},
             {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
         ],
@@ -325,26 +350,21 @@ def build_sandbox_pool(pool: SandboxPool, namespace: str = "default") -> list[Ma
             "ports": [{"name": "http", "port": SANDBOX_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    netpol = {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": _meta(f"{name}-deny-egress", namespace, labels),
-        "spec": {
-            # Egress listed with no rules = no egress at all (DNS included): model code is offline.
-            # Ingress only on the API port (trainers, Prometheus).
-            "podSelector": {"matchLabels": sel},
-            "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{"ports": [{"port": SANDBOX_PORT, "protocol": "TCP"}]}],
-            "egress": [],
-        },
-    }
+    netpol = sandbox_policy(
+        _meta(f"{name}-deny-egress", namespace, labels),
+        sel,
+        SANDBOX_PORT,
+        trainers=trainer_peers(pool),
+        annotations=pool.metadata.annotations,
+    )
     deployment["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
     deployment["spec"]["template"] = podtemplate.apply(deployment["spec"]["template"], spec.pod_template)
     pdb = disruption.budget(name, namespace, labels, sel, "25%")
-    return [deployment, service, netpol, pdb]
+    return [deployment, service, netpol, pdb, token_secret(name, namespace, labels)]
 
 
 # --- RolloutFleet -------------------------------------------------------------------------
+
 
 def _engine_pod_spec(
     spec: RolloutFleetSpec, served_name: str, *, multi_node: bool, leader: bool
@@ -494,9 +514,16 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             "ports": [{"name": "http", "port": spec.engine.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+    netpol = fleet_policy(
+        _meta(f"{name}-ingress", namespace, labels),
+        sel,
+        spec.engine.port,
+        trainers=trainer_peers(fleet),
+        annotations=fleet.metadata.annotations,
+    )
     # One engine at a time: a Deployment pod, or every pod of one LeaderWorkerSet group.
     pdb = disruption.budget(name, namespace, labels, sel, nodes)
-    return [workload, service, pdb]
+    return [workload, service, netpol, pdb]
 
 
 # --- AgenticRLJob -------------------------------------------------------------------------
@@ -607,6 +634,7 @@ def endpoints_env(
     if pool:
         env.append({"name": "KUBERL_SANDBOX_POOL", "value": pool})
         env.append({"name": "KUBERL_SANDBOX_URL", "value": f"http://{pool}.{namespace}.svc:{SANDBOX_PORT}"})
+        env.append(token_env(pool))
     return env
 
 
@@ -941,87 +969,13 @@ def build_for(
 # --- the operator itself ------------------------------------------------------------------
 
 OPERATOR_IMAGE = "ghcr.io/kuberl/kuberl:0.1.0"
-_CRUD = ["get", "list", "watch", "create", "patch", "update", "delete"]
-
-
-def operator_namespaced_rules() -> list[dict[str, Any]]:
-    """What the operator needs inside each watched namespace: its kinds, their children, events.
-
-    With a fixed list of namespaces these go into one Role per namespace (charts/kuberl)."""
-    return [
-        {
-            "apiGroups": ["kuberl.io"],
-            "resources": ["agenticrljobs", "rolloutfleets", "sandboxpools"],
-            "verbs": _CRUD,
-        },
-        {
-            "apiGroups": ["kuberl.io"],
-            "resources": [
-                f"{p}/{s}"
-                for p in ("agenticrljobs", "rolloutfleets", "sandboxpools")
-                for s in ("status", "scale")
-            ],
-            "verbs": ["get", "patch", "update"],
-        },
-        {"apiGroups": [""], "resources": ["services", "configmaps", "serviceaccounts"], "verbs": _CRUD},
-        {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["roles", "rolebindings"], "verbs": _CRUD},
-        # Held so that it can be granted to trainers (RBAC forbids granting what one lacks).
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        },
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-        {"apiGroups": ["apps"], "resources": ["deployments", "statefulsets"], "verbs": _CRUD},
-        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": _CRUD},
-        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": _CRUD},
-        {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": _CRUD},
-        {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": _CRUD},
-        # A job's checkpoint volume (operator/trainer_runs.py); never deleted by the operator.
-        {
-            "apiGroups": [""],
-            "resources": ["persistentvolumeclaims"],
-            "verbs": ["get", "list", "watch", "create", "patch"],
-        },
-    ]
-
-
-def operator_cluster_rules(admission: bool = False) -> list[dict[str, Any]]:
-    """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs, and -- only when
-    the admission webhooks are enabled -- the webhook configurations kopf keeps up to date."""
-    rules: list[dict[str, Any]] = [
-        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get", "list", "watch"]},
-        {
-            "apiGroups": ["apiextensions.k8s.io"],
-            "resources": ["customresourcedefinitions"],
-            "verbs": ["get", "list", "watch"],
-        },
-    ]
-    if admission:
-        rules.append(
-            {
-                "apiGroups": ["admissionregistration.k8s.io"],
-                "resources": ["validatingwebhookconfigurations", "mutatingwebhookconfigurations"],
-                "verbs": ["get", "list", "watch", "create", "patch", "update"],
-            }
-        )
-    return rules
-
-
-def operator_rbac_rules(admission: bool = False) -> list[dict[str, Any]]:
-    """The least the operator needs when it watches every namespace (one ClusterRole)."""
-    return operator_namespaced_rules() + operator_cluster_rules(admission)
-
-
 OPERATOR_METRICS_PORT = 8080
 
 
 def build_operator(namespace: str = "kuberl-system", image: str = OPERATOR_IMAGE) -> list[Manifest]:
     """ServiceAccount, ClusterRole(+Binding) and Deployment that run ``kuberl operator -A``.
 
-    One replica in kopf standalone mode (no peering objects): run exactly one. Its own
+    One replica without leader election (the chart adds the Lease election): run exactly one. Its own
     Prometheus metrics (``kuberl_autoscaler_*``) are served on the container port ``metrics``.
     """
     name = "kuberl-operator"

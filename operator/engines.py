@@ -22,6 +22,8 @@ from typing import Any
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 
 SGLANG_DIST_PORT = 20000
+SGLANG_HEALTH_CHECK_TIMEOUT = 8  # seconds; the probes allow SGLANG_PROBE_TIMEOUT
+SGLANG_PROBE_TIMEOUT = 10
 
 # (KV-cache usage gauge in [0, 1], queued-requests gauge) as the servers export them.
 ENGINE_METRICS: dict[str, tuple[str, str]] = {
@@ -106,6 +108,10 @@ def engine_env(spec: RolloutFleetSpec) -> list[dict[str, Any]]:
         # sgl-project/sglang python/sglang/srt/layers/sampler.py reads it with
         # get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB") ("1" or "true").
         env.append({"name": "SGLANG_RETURN_ORIGINAL_LOGPROB", "value": "1"})
+        # /health generates a token and waits up to this long for output before answering 503
+        # (SGLang's default is 20 s): below the probes' timeout, so a wedged engine gets a clear
+        # 503 rather than a probe timeout.
+        env.append({"name": "SGLANG_HEALTH_CHECK_TIMEOUT", "value": str(SGLANG_HEALTH_CHECK_TIMEOUT)})
     return env
 
 
@@ -114,9 +120,12 @@ def engine_probes(spec: RolloutFleetSpec) -> dict[str, dict[str, Any]]:
 
     Loading tens of GB of weights takes minutes: the startup probe holds liveness off for up to
     30 minutes until the first success, then readiness gates traffic per engine. SGLang's
-    /health generates a token, so its timeout is 10 s (Kubernetes' default of 1 s would fail it).
+    /health generates a token and polls for its output once a second (so it never answers in
+    under a second), so its timeout is 10 s (Kubernetes' default of 1 s would fail every probe),
+    above the server's own SGLANG_HEALTH_CHECK_TIMEOUT (``engine_env``). vLLM's /health reads
+    a flag in the API process.
     """
-    timeout = 10 if spec.engine.type == "sglang" else 5
+    timeout = SGLANG_PROBE_TIMEOUT if spec.engine.type == "sglang" else 5
     probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": timeout}
     return {
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},

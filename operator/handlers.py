@@ -13,12 +13,12 @@ Per custom resource:
   (phase, conditions, observedGeneration; replicas and selector for the scale subresource).
   An invalid spec is not retried: it gets phase ``Invalid``, a Ready=False condition with
   the field-level message and a Warning event. Every phase transition is an Event.
-* ``resync_loop`` (every ``reconcile_interval``) runs the same reconcile over every object:
+* ``resync_loop`` (every ``reconcile_interval``; ``loops.py``) runs the same reconcile over every object:
   drift repair (a deleted child is recreated, a hand-edited one patched back) and status
   refresh from the children (readiness, trainer completion/failure). Objects without
   ``status.observedGeneration`` have not been handled yet (kopf's create handler may still be
   queued): their children are created without "was missing" warnings.
-* ``autoscale_loop`` (every ``autoscale_interval``, independent of the resync) scales pools
+* ``autoscale_loop`` (every ``autoscale_interval``, independent of the resync; ``loops.py``) scales pools
   and fleets with ``spec.autoscaling``: scrape each ready pod's /metrics, decide with
   ``autoscale.decide``, write the scale subresource (as an HPA would); skipped for
   ``kuberl.io/autoscaler: keda``. The stabilization window lives in
@@ -53,9 +53,18 @@ from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 
-from . import admission, autoscale, builders, checks, children, conditions, metrics, status, trainer_runs
-from .kube import ApiError, KubeClient, is_subset, kind_of
-from .summary import summary_line
+from . import (
+    admission,
+    builders,
+    checks,
+    children,
+    conditions,
+    isolation,
+    metrics,
+    status,
+    trainer_runs,
+)
+from .kube import ApiError, KubeClient, kind_of, operator_cache
 
 log = logging.getLogger("kuberl.operator")
 SUMMARY_EVERY = 600.0
@@ -109,6 +118,7 @@ class OperatorContext:
     refusals: dict[str, set[str]] = field(default_factory=dict)  # uid -> child refusals reported
     restarts: dict[str, int] = field(default_factory=dict)  # uid -> trainer restarts (until status has it)
     finished: dict[str, int | None] = field(default_factory=dict)  # uid -> generation found terminal
+    heartbeats: dict[str, float] = field(default_factory=dict)  # loop -> monotonic end of its last pass
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
     _client: KubeClient | None = field(default=None, repr=False)
 
@@ -137,7 +147,7 @@ class OperatorContext:
         if self._client is None:
             if self.connection is None:
                 raise RuntimeError("not logged in to the Kubernetes API yet")
-            self._client = KubeClient(self.connection)
+            self._client = KubeClient(self.connection, cache=operator_cache())
         return self._client
 
     async def close(self) -> None:
@@ -258,8 +268,11 @@ async def _prune(
     return events
 
 
-def _keep_autoscaled_replicas(obj: dict[str, Any]) -> Adjust | None:
-    """For a job's inline fleet/pool: leave spec.replicas to the child's autoscaler."""
+def _adjust(obj: dict[str, Any]) -> Adjust | None:
+    """What apply must settle against the live child: a pool's token Secret keeps its token
+    (or gets a fresh one); a job's inline fleet/pool leaves spec.replicas to its autoscaler."""
+    if obj["kind"] == "Secret":
+        return isolation.fill_token
     if obj["kind"] not in SCALED:
         return None
 
@@ -400,7 +413,9 @@ async def _reconcile_scaled(
     objs = builders.build_for(res, namespace)
     objs = [o for o in objs if o["kind"] != "ScaledObject"]  # KEDA objects are rendered, not applied
     component = "sandbox" if isinstance(res, SandboxPool) else "rollout"
-    live, events, failures = await _apply_all(ctx, body, objs, first_time and not previous.get("phase"))
+    live, events, failures = await _apply_all(
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust
+    )
     events += await _prune(ctx, body, objs)
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
@@ -491,7 +506,7 @@ async def _reconcile_job(
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
     live, events, failures = await _apply_all(
-        ctx, body, objs, first_time and not previous.get("phase"), adjust=_keep_autoscaled_replicas
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust
     )
     events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
@@ -541,77 +556,7 @@ async def _reconcile_job(
     return conditions.with_child_failures(new, failures, generation, previous), events
 
 
-# --- autoscaling ---------------------------------------------------------------------------
-
-
-@dataclass
-class ScaleResult:
-    decision: autoscale.Decision
-    status: dict[str, Any]
-    events: list[status.Event]
-
-    @property
-    def replicas(self) -> int:
-        return self.decision.desired
-
-
-async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> ScaleResult | None:
-    """Scrape the pods' /metrics and decide the replica count (None: not autoscaled here)."""
-    try:
-        res = _parse(body)
-    except ManifestError:
-        return None
-    if (
-        not isinstance(res, SandboxPool | RolloutFleet)
-        or res.spec.autoscaling is None
-        or builders.wants_keda(res)
-    ):
-        return None
-    auto = res.spec.autoscaling
-    namespace = body["metadata"]["namespace"]
-    pods = await _ready_pods(ctx.client(), namespace, _pod_selector(res))
-    texts = await _scrape_pods(ctx, pods, ("http",))
-    current = res.spec.replicas
-    rec: int | None = None
-    st: dict[str, Any] = {}
-    if isinstance(res, SandboxPool):
-        load = autoscale.pool_load(texts)
-        if load is not None:
-            rec = autoscale.recommend_pool(current, load, res.spec.workers_per_pod, auto)
-            st.update(queueDepth=load.queue_depth, workersBusy=load.workers_busy)
-    else:
-        fload = autoscale.fleet_load(texts)
-        if fload is not None:
-            rec = autoscale.recommend_fleet(current, fload, auto)
-            st.update(
-                kvCacheUtilization=round(fload.mean_token_usage, 4),
-                queuedRequests=round(fload.queued_per_engine, 3),
-            )
-    previous = body.get("status") or {}
-    decision = autoscale.decide(
-        current,
-        rec,
-        autoscale.history_from_status(previous.get("recommendations")),
-        min_replicas=auto.min_replicas,
-        max_replicas=auto.max_replicas,
-        stabilization_s=auto.scale_down_stabilization_seconds,
-        now=ctx.config.clock(),
-    )
-    st["desiredReplicas"] = decision.desired
-    st["recommendations"] = autoscale.history_to_status(decision.history)
-    events = []
-    if decision.desired != current:
-        events.append(
-            status.Event(
-                "Normal",
-                "ScaledUp" if decision.desired > current else "ScaledDown",
-                f"replicas {current} -> {decision.desired} ({decision.reason}; load asks for {decision.recommendation})",
-            )
-        )
-    return ScaleResult(decision, st, events)
-
-
-# --- events and the resync loop --------------------------------------------------------------
+# --- events ------------------------------------------------------------------------------------
 
 
 async def post_events(ctx: OperatorContext, body: Mapping[str, Any], events: list[status.Event]) -> None:
@@ -652,139 +597,6 @@ async def post_events(ctx: OperatorContext, body: Mapping[str, Any], events: lis
             )
 
 
-def _status_changed(current: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    def strip(d: Any) -> Any:
-        if isinstance(d, dict):
-            return {k: strip(v) for k, v in d.items() if k != "lastTransitionTime"}
-        if isinstance(d, list):
-            return [strip(x) for x in d]
-        return d
-
-    return not is_subset(strip(dict(new)), strip(dict(current or {})))
-
-
-async def resync_object(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
-    """One periodic pass over one object: drift repair and status refresh."""
-    kind = kind_of(body["apiVersion"], body["kind"])
-    meta = body["metadata"]
-    # Not handled yet (kopf's create handler may be queued behind this pass): whatever is
-    # missing was never created, so no "was missing" warnings.
-    first_time = (body.get("status") or {}).get("observedGeneration") is None
-    new, events = await reconcile(ctx, body, first_time=first_time)
-    if new and _status_changed(body.get("status") or {}, new):
-        await ctx.client().patch(kind, meta["namespace"], meta["name"], {"status": new}, sub="status")
-    await post_events(ctx, body, events)
-
-
-async def autoscale_object(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
-    """One autoscaling decision for one pool/fleet, written as an HPA would."""
-    scaled = await autoscale_once(ctx, body)
-    if scaled is None:
-        return
-    client = ctx.client()
-    kind = kind_of(body["apiVersion"], body["kind"])
-    meta = body["metadata"]
-    ctx.remember(body)
-    if scaled.replicas != body["spec"].get("replicas"):
-        # Through the scale subresource, so the change is a spec change (kopf's update handler
-        # then resizes the workload at once).
-        await client.patch(
-            kind, meta["namespace"], meta["name"], {"spec": {"replicas": scaled.replicas}}, sub="scale"
-        )
-    if _status_changed(body.get("status") or {}, scaled.status):
-        await client.patch(kind, meta["namespace"], meta["name"], {"status": scaled.status}, sub="status")
-    metrics.record(meta["namespace"], body["kind"], meta["name"], desired=scaled.replicas)
-    await post_events(ctx, body, scaled.events)
-
-
-ObjectPass = Callable[[OperatorContext, Mapping[str, Any]], Awaitable[None]]
-
-
-async def _each_object(ctx: OperatorContext, kinds: tuple[str, ...], one: ObjectPass) -> set[str] | None:
-    """Run ``one`` over every live object of ``kinds`` in the watched namespaces.
-
-    Returns the uids seen, or None when some list failed (then nobody may be forgotten).
-    """
-    seen: set[str] | None = set()
-    for kind_name in kinds:
-        kind = kind_of(f"{GROUP}/{VERSION}", kind_name)
-        for ns in ctx.namespaces or [None]:
-            try:
-                items = await ctx.client().list(kind, ns)  # type: ignore[arg-type]
-            except (ApiError, aiohttp.ClientError, TimeoutError) as err:
-                log.warning("cannot list %s: %s", kind.plural, err)
-                seen = None
-                continue
-            for body in items:
-                body.setdefault("apiVersion", kind.api_version)
-                body.setdefault("kind", kind.kind)
-                if seen is not None:
-                    seen.add(body["metadata"].get("uid", ""))
-                if body["metadata"].get("deletionTimestamp"):
-                    continue
-                try:
-                    await one(ctx, body)
-                except (ApiError, aiohttp.ClientError, TimeoutError, kopf.TemporaryError) as err:
-                    log.warning(
-                        "%s of %s/%s failed: %s", one.__name__, kind.kind, body["metadata"].get("name"), err
-                    )
-    return seen
-
-
-async def _every(interval: float, ctx: OperatorContext, body: Callable[[], Awaitable[None]]) -> None:
-    while ctx.connection is None:
-        await asyncio.sleep(0.05)
-    while True:
-        started = time.monotonic()
-        try:
-            await body()
-        except Exception:  # noqa: BLE001 - one bad pass must not stop drift repair for good
-            log.exception("periodic pass failed; retrying in %.1f s", interval)
-        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
-
-
-async def resync_loop(ctx: OperatorContext) -> None:
-    """Controller-style periodic resync over every kuberl object (no finalizers needed).
-
-    kopf timers would do this per object but require a finalizer on each one (so a deleted
-    object hangs while the operator is down); a plain loop over LIST results needs none,
-    and the children are cleaned up by ownerReferences. An object that a complete pass no
-    longer lists was deleted while its DELETED event went unseen: it is forgotten here.
-    """
-
-    said = ["", 0.0]  # the last summary line and when it was logged
-    bodies: list[dict[str, Any]] = []  # this pass's objects, for the summary line
-
-    async def resync_object_noted(ctx: OperatorContext, body: Mapping[str, Any]) -> None:
-        bodies.append(dict(body))
-        await resync_object(ctx, body)
-
-    resync_object_noted.__name__ = "resync_object"  # _each_object's warnings name it
-
-    async def one_pass() -> None:
-        before = set(ctx.known)  # objects first seen during the pass are not candidates
-        bodies.clear()
-        seen = await _each_object(ctx, tuple(PLURALS), resync_object_noted)
-        if seen is not None:
-            for uid in before - seen:
-                ctx.forget(uid)
-        line = summary_line(bodies)  # on a change, else every SUMMARY_EVERY seconds
-        if line != said[0] or time.monotonic() - float(said[1]) >= SUMMARY_EVERY:
-            log.info("%s", line)
-            said[:] = [line, time.monotonic()]
-
-    await _every(ctx.config.reconcile_interval, ctx, one_pass)
-
-
-async def autoscale_loop(ctx: OperatorContext) -> None:
-    """Autoscaling at its own pace (``autoscale_interval``), however long the resync period is."""
-
-    async def one_pass() -> None:
-        await _each_object(ctx, SCALED, autoscale_object)
-
-    await _every(ctx.config.autoscale_interval, ctx, one_pass)
-
-
 # --- registry ------------------------------------------------------------------------------
 
 
@@ -816,6 +628,17 @@ def build_registry(
         ctx.tasks.clear()
         await ctx.close()
 
+    from .loops import autoscale_loop, resync_loop, stale_loops  # they import this module
+
+    @kopf.on.probe(id="loops", registry=reg)
+    def _probe(**_: Any) -> dict[str, float]:
+        """kopf's liveness endpoint runs this: a wedged periodic loop fails the probe."""
+        now = time.monotonic()
+        stale = stale_loops(ctx, now)
+        if stale:
+            raise kopf.PermanentError("; ".join(stale))
+        return {name: round(now - beat, 1) for name, beat in ctx.heartbeats.items()}
+
     @kopf.on.startup(registry=reg)
     async def _startup(**_: Any) -> None:
         ctx.tasks = [asyncio.create_task(resync_loop(ctx)), asyncio.create_task(autoscale_loop(ctx))]
@@ -846,8 +669,9 @@ def build_registry(
 
         if cfg.admission:
 
-            async def on_validate(body: kopf.Body, **_: Any) -> None:
-                errors = await admission.validation_errors(dict(body), _lookup(ctx))
+            async def on_validate(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
+                before = dict(old) if old is not None else None
+                errors = await admission.validation_errors(dict(body), _lookup(ctx), before)
                 if errors:
                     raise kopf.AdmissionError("; ".join(errors), code=422)
 
@@ -868,7 +692,7 @@ def build_registry(
 
 def _lookup(ctx: OperatorContext) -> admission.Lookup:
     async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name)
+        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
 
     return get
 

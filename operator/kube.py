@@ -35,6 +35,7 @@ import kopf
 
 from kuberl import API_VERSION
 
+from .cache import KUBERL_SELECTOR, ListCache
 from .canonical import server_form
 
 log = logging.getLogger("kuberl.operator")
@@ -64,6 +65,7 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
     (k.api_version, k.kind): k
     for k in (
         Kind("v1", "ConfigMap", "configmaps"),
+        Kind("v1", "Secret", "secrets"),
         Kind("v1", "Service", "services"),
         Kind("v1", "Pod", "pods"),
         Kind("v1", "Event", "events"),
@@ -78,11 +80,23 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
         Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+        Kind("coordination.k8s.io/v1", "Lease", "leases"),
         Kind(API_VERSION, "AgenticRLJob", "agenticrljobs"),
         Kind(API_VERSION, "RolloutFleet", "rolloutfleets"),
         Kind(API_VERSION, "SandboxPool", "sandboxpools"),
     )
 }
+
+
+def operator_cache() -> ListCache:
+    """The read cache the operator uses: its own kinds (all objects) and, by kuberl's
+    app.kubernetes.io/name label, every child kind and pods. Events and KEDA objects are never read."""
+    selectors: dict[tuple[str, str], dict[str, str]] = {}
+    for api_version, kind in KNOWN_KINDS:
+        if kind in ("Event", "ScaledObject", "Lease"):
+            continue
+        selectors[api_version, kind] = {} if api_version == API_VERSION else dict(KUBERL_SELECTOR)
+    return ListCache(selectors)
 
 
 def kind_of(api_version: str, kind: str) -> Kind:
@@ -268,10 +282,18 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
 
 
 class KubeClient:
-    """REST calls for child objects, authenticated like kopf (token, basic, or client cert)."""
+    """REST calls for child objects, authenticated like kopf (token, basic, or client cert).
 
-    def __init__(self, info: kopf.ConnectionInfo, *, timeout: float = 30.0) -> None:
+    With a ``cache`` (``operator/cache.py``), GETs and label-selected LISTs of cached kinds in a
+    namespace are served from one LIST of that kind until ``invalidate``; ``fresh=True`` reads
+    bypass it. Writes keep the cache current.
+    """
+
+    def __init__(
+        self, info: kopf.ConnectionInfo, *, timeout: float = 30.0, cache: ListCache | None = None
+    ) -> None:
         self.server = info.server.rstrip("/")
+        self.cache = cache
         headers = {"User-Agent": "kuberl-operator"}
         if info.token:
             headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
@@ -310,9 +332,48 @@ class KubeClient:
                 )
             return payload
 
+    def invalidate(self, kinds: list[Kind] | None = None) -> None:
+        """Make the next read of ``kinds`` (default: all) LIST again."""
+        if self.cache is not None:
+            self.cache.invalidate(None if kinds is None else [(k.api_version, k.kind) for k in kinds])
+
+    def _cache_key(self, kind: Kind, namespace: str | None) -> tuple[str, str, str] | None:
+        if self.cache is None or not namespace or not self.cache.cacheable(kind.api_version, kind.kind):
+            return None
+        return (kind.api_version, kind.kind, namespace)
+
+    async def _loaded(self, kind: Kind, namespace: str) -> tuple[str, str, str] | None:
+        """The cache key of (kind, namespace), LISTing it first if needed (None: not cached)."""
+        key = self._cache_key(kind, namespace)
+        if key is None or self.cache is None:
+            return None
+        if key[:2] in self.cache.missing_kinds:  # a 404 this pass already: not served
+            raise ApiError(404, "NotFound", f"the server does not serve {kind.plural}.{kind.api_version}")
+        if not self.cache.loaded(key):
+            try:
+                items = await self._list(kind, namespace, self.cache.selectors[key[:2]])
+            except ApiError as err:
+                if err.status == 404:
+                    self.cache.missing_kinds.add(key[:2])
+                raise
+            for item in items:  # list items may omit them; a live object compared with a
+                item.setdefault("apiVersion", kind.api_version)  # desired one must not
+                item.setdefault("kind", kind.kind)
+            self.cache.load(key, items)
+        return key
+
     async def get(
-        self, kind: Kind, namespace: str, name: str, sub: str | None = None
+        self, kind: Kind, namespace: str, name: str, sub: str | None = None, *, fresh: bool = False
     ) -> dict[str, Any] | None:
+        if not fresh and sub is None and self._cache_key(kind, namespace) is not None:
+            try:
+                key = await self._loaded(kind, namespace)
+            except ApiError as err:
+                if err.status == 404:  # the kind is not served (no such CRD)
+                    return None
+                raise
+            if key is not None and self.cache is not None:
+                return self.cache.get(key, name)
         try:
             return await self._call("GET", kind.path(namespace, name, sub))
         except ApiError as err:
@@ -320,11 +381,11 @@ class KubeClient:
                 return None
             raise
 
-    async def list(
+    async def _list(
         self,
         kind: Kind,
-        namespace: str,
-        labels: dict[str, str] | None = None,
+        namespace: str | None,
+        labels: dict[str, str] | None,
         fields: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
         params: dict[str, str] = {}
@@ -335,19 +396,60 @@ class KubeClient:
         rsp = await self._call("GET", kind.path(namespace), params=params or None)
         return list(rsp.get("items") or [])
 
+    async def list(
+        self,
+        kind: Kind,
+        namespace: str | None,
+        labels: dict[str, str] | None = None,
+        fields: dict[str, str] | None = None,
+        *,
+        fresh: bool = False,
+    ) -> list[dict[str, Any]]:
+        # the cache holds whole lists by label; a field selector (e.g. a Job's events) reads fresh
+        if not fresh and not fields:
+            key = await self._loaded(kind, namespace) if namespace else None
+            if key is not None and self.cache is not None:
+                return self.cache.list(key, labels)
+        return await self._list(kind, namespace, labels, fields)
+
+    def _remember(self, kind: Kind, namespace: str, obj: dict[str, Any]) -> None:
+        key = self._cache_key(kind, namespace)
+        if key is not None and self.cache is not None and obj.get("metadata", {}).get("name"):
+            self.cache.put(key, {"apiVersion": kind.api_version, "kind": kind.kind, **obj})
+
     async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind = kind_of(obj["apiVersion"], obj["kind"])
-        return await self._call("POST", kind.path(obj["metadata"]["namespace"]), body=obj)
+        created = await self._call("POST", kind.path(obj["metadata"]["namespace"]), body=obj)
+        self._remember(kind, obj["metadata"]["namespace"], created)
+        return created
 
     async def patch(
         self, kind: Kind, namespace: str, name: str, patch: Any, *, sub: str | None = None
     ) -> dict[str, Any]:
-        return await self._call(
+        out = await self._call(
             "PATCH", kind.path(namespace, name, sub), body=patch, content_type="application/merge-patch+json"
+        )
+        key = self._cache_key(kind, namespace)
+        if key is not None and self.cache is not None:
+            if sub == "scale":  # the answer is a Scale, not the object: read it again next time
+                self.cache.drop(key, name)
+            else:
+                self._remember(kind, namespace, out)
+        return out
+
+    async def json_patch(
+        self, kind: Kind, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """An RFC 6902 JSON patch (its ``test`` ops make it conditional); not cached."""
+        return await self._call(
+            "PATCH", kind.path(namespace, name), body=ops, content_type="application/json-patch+json"
         )
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         """Delete (children go with it: background propagation). False if it was already gone."""
+        key = self._cache_key(kind, namespace)
+        if key is not None and self.cache is not None:
+            self.cache.drop(key, name)
         try:
             await self._call(
                 "DELETE",

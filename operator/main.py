@@ -6,24 +6,36 @@ Environment (all optional):
   (defaults 30 and 15; the two loops are independent).
 * ``KUBERL_OPERATOR_METRICS_PORT`` -- where the operator serves its own /metrics (default
   8080; ``--metrics-port`` wins; 0 picks a free port).
-* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port and
-  let kopf manage the webhook configurations named ``kuberl.io``. TLS from
+* ``KUBERL_HEALTH_PORT`` -- kopf's liveness endpoint ``http://0.0.0.0:PORT/healthz`` (default
+  8081; empty or 0: none): the pod's readiness probe (charts/kuberl). Only the leader serves it.
+* ``KUBERL_LIVENESS_PORT`` -- ``/livez`` (default 8082; 0: none), the liveness probe, in every
+  replica (``liveness.py``): 200 for a standby, kopf's answer for the leader.
+* ``KUBERL_LEASE_NAME`` + ``KUBERL_LEASE_NAMESPACE`` (+ ``KUBERL_POD_NAME``, the identity) --
+  leader election on that Lease (``leader.py``): only the holder runs kopf; the others wait.
+  Unset: no election (run exactly one replica).
+* ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port. The
+  webhook configurations are the chart's objects (so they go with ``helm uninstall``), never
+  written by the operator. TLS from
   ``KUBERL_WEBHOOK_CERT``/``KUBERL_WEBHOOK_KEY`` (+ ``KUBERL_WEBHOOK_CA``, the bundle the API
   server verifies with; the chart mounts a Secret), else kopf's self-signed certificate
   (needs the ``certbuilder`` package). How the API server reaches the webhooks:
 
   - in a cluster, ``KUBERL_WEBHOOK_SERVICE`` + ``KUBERL_WEBHOOK_NAMESPACE`` (+
-    ``KUBERL_WEBHOOK_SERVICE_PORT``, default 443): the configurations name that Service
-    (``clientConfig.service``), which the API server resolves without cluster DNS;
-  - elsewhere ``KUBERL_WEBHOOK_HOST``: ``clientConfig.url`` is ``https://HOST:PORT/...``.
+    ``KUBERL_WEBHOOK_SERVICE_PORT``, default 443): the chart's configurations name that
+    Service (``clientConfig.service``), which the API server resolves without cluster DNS;
+  - elsewhere ``KUBERL_WEBHOOK_HOST``: the host kopf's server certificate is made for.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import socket
 import threading
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -31,9 +43,13 @@ import kopf
 
 from . import metrics
 from .handlers import OperatorConfig, build_registry, configure_settings
+from .kube import KubeClient
+from .leader import ElectionConfig, LeaderElector
+from .liveness import serve_livez
 
-WEBHOOK_CONFIGURATION = "kuberl.io"
 DEFAULT_METRICS_PORT = 8080
+DEFAULT_HEALTH_PORT = 8081
+DEFAULT_LIVENESS_PORT = 8082
 
 
 def service_client_config(
@@ -42,6 +58,8 @@ def service_client_config(
     """kopf's URL-based client config turned into a Service reference (caBundle kept).
 
     kopf appends each handler's id to ``service.path`` itself, so the root path is empty.
+    (kopf only uses it for configurations it manages, which kuberl no longer asks for; kept
+    so ``kopf.build_webhooks`` output can be compared with the chart's.)
     """
     out: dict[str, Any] = {"service": {"name": service, "namespace": namespace, "port": port, "path": ""}}
     if config.get("caBundle"):
@@ -118,9 +136,15 @@ def _settings(
     settings = kopf.OperatorSettings()
     configure_settings(settings, fast=fast)
     if webhook is not None:
+        # Serve only: settings.admission.managed stays None, so kopf writes no webhook
+        # configuration (charts/kuberl/templates/webhook.yaml owns them).
         settings.admission.server = webhook
-        settings.admission.managed = WEBHOOK_CONFIGURATION
     return settings
+
+
+def liveness_endpoint(port: int | None, host: str = "0.0.0.0") -> str | None:  # noqa: S104 - a pod's probe port
+    """kopf's liveness endpoint URL for ``port`` (None or 0: none)."""
+    return f"http://{host}:{port}/healthz" if port else None
 
 
 async def operate(
@@ -133,11 +157,13 @@ async def operate(
     fast: bool = False,
     verbose: bool = False,
     webhook: kopf.WebhookServer | None = None,
+    health_port: int | None = None,
+    public_health: bool = False,
 ) -> None:
     """Run the operator in the current event loop until ``stop_flag`` is set (tests use this).
 
-    ``webhook`` serves the admission handlers (``config.admission`` must be true) and makes
-    kopf manage the ``kuberl.io`` webhook configurations.
+    ``webhook`` serves the admission handlers (``config.admission`` must be true);
+    ``health_port`` serves kopf's liveness endpoint (``/healthz``) on localhost.
     """
     watched = None if clusterwide else (namespaces or ["default"])
     registry, ctx = build_registry(config, namespaces=watched)
@@ -150,8 +176,77 @@ async def operate(
         standalone=True,
         stop_flag=stop_flag,
         ready_flag=ready_flag,
+        liveness_endpoint=liveness_endpoint(health_port, "0.0.0.0" if public_health else "127.0.0.1"),  # noqa: S104
         **kwargs,
     )
+
+
+def election_from_env(env: Mapping[str, str]) -> ElectionConfig | None:
+    """The leader election the environment asks for (None: none, run a single replica)."""
+    name, namespace = env.get("KUBERL_LEASE_NAME"), env.get("KUBERL_LEASE_NAMESPACE")
+    if not name and not namespace:
+        return None
+    if not (name and namespace):
+        raise SystemExit("KUBERL_LEASE_NAME and KUBERL_LEASE_NAMESPACE must be set together")
+    identity = env.get("KUBERL_POD_NAME") or f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+    return ElectionConfig(namespace=namespace, name=name, identity=identity)
+
+
+async def _first(*flags: asyncio.Event | threading.Event) -> None:
+    while True:
+        for flag in flags:
+            if flag.is_set():
+                return
+        await asyncio.sleep(0.1)
+
+
+async def operate_elected(
+    config: OperatorConfig,
+    election: ElectionConfig,
+    *,
+    stop_flag: asyncio.Event | threading.Event,
+    ready_flag: asyncio.Event | threading.Event | None = None,
+    live_port: int | None = None,
+    **operate_kwargs: Any,
+) -> int:
+    """``operate`` once this candidate holds the Lease; 1 when it lost it (the pod restarts as
+    a standby), 0 on a clean stop (the Lease is released for the next one)."""
+    # kopf's login handlers take its settings and a logger (kopf passes them; so must we)
+    info = config.login(settings=kopf.OperatorSettings(), logger=logging.getLogger("kuberl.operator.leader"))
+    if info is None:
+        raise SystemExit("leader election needs Kubernetes credentials (service account or kubeconfig)")
+    client = KubeClient(info)
+    elector = LeaderElector(client, election)
+    health_port = operate_kwargs.get("health_port")
+    kopf_url = liveness_endpoint(health_port, "127.0.0.1")
+    runner = await serve_livez(live_port, kopf_url, elector) if live_port else None
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        acquire = asyncio.create_task(elector.acquire())
+        stopped = asyncio.create_task(_first(stop_flag))
+        await asyncio.wait({acquire, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not acquire.done():  # told to stop while waiting as a standby
+            acquire.cancel()
+            return 0
+        stopped.cancel()
+        acquire.result()  # an unexpected error while campaigning: raise it, never lead on it
+        inner_stop = asyncio.Event()
+
+        async def relay() -> None:
+            await _first(stop_flag, elector.lost)
+            inner_stop.set()
+
+        tasks = [asyncio.create_task(elector.hold()), asyncio.create_task(relay())]
+        await operate(config, stop_flag=inner_stop, ready_flag=ready_flag, **operate_kwargs)
+        return 1 if elector.lost.is_set() else 0
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await elector.release()
+        await client.close()
+        if runner is not None:
+            await runner.cleanup()
 
 
 def run_operator(
@@ -173,8 +268,55 @@ def run_operator(
         admission=webhook is not None,
         metrics_port=metrics_port,
     )
+    health = _int_env(os.environ, "KUBERL_HEALTH_PORT", DEFAULT_HEALTH_PORT)
+    live = _int_env(os.environ, "KUBERL_LIVENESS_PORT", DEFAULT_LIVENESS_PORT)
+    election = election_from_env(os.environ)
+    if election is not None:
+        return _run_elected(config, election, namespaces, all_namespaces, verbose, webhook, health, live)
     registry, _ctx = build_registry(config, namespaces=None if all_namespaces else namespaces)
     metrics.serve(config.metrics_port if config.metrics_port is not None else DEFAULT_METRICS_PORT)
     kwargs: dict[str, Any] = {"clusterwide": True} if all_namespaces else {"namespaces": namespaces}
-    kopf.run(registry=registry, settings=_settings(verbose, webhook=webhook), standalone=True, **kwargs)
+    kopf.run(
+        registry=registry,
+        settings=_settings(verbose, webhook=webhook),
+        standalone=True,
+        liveness_endpoint=liveness_endpoint(health),
+        **kwargs,
+    )
     return 0
+
+
+def _run_elected(
+    config: OperatorConfig,
+    election: ElectionConfig,
+    namespaces: list[str],
+    all_namespaces: bool,
+    verbose: bool,
+    webhook: kopf.WebhookServer | None,
+    health: int | None,
+    live: int | None,
+) -> int:
+    """``kuberl operator`` with leader election: a standby until it holds the Lease."""
+
+    # standbys serve /metrics too (the operator's PodMonitor scrapes every replica)
+    metrics.serve(config.metrics_port if config.metrics_port is not None else DEFAULT_METRICS_PORT)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # kopf installs its own once it runs
+            loop.add_signal_handler(sig, stop.set)
+        return await operate_elected(
+            config,
+            election,
+            stop_flag=stop,
+            live_port=live,
+            namespaces=None if all_namespaces else namespaces,
+            clusterwide=all_namespaces,
+            verbose=verbose,
+            webhook=webhook,
+            health_port=health,
+            public_health=True,
+        )
+
+    return asyncio.run(main())

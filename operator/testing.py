@@ -53,6 +53,7 @@ from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
 
+from . import rbac_emulation
 from .apirules import object_problems, restricted_problems
 from .canonical import parse_quantity, server_form
 
@@ -61,6 +62,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "v1/pods": ("Pod", True, ("status",)),
     "v1/services": ("Service", True, ("status",)),
     "v1/configmaps": ("ConfigMap", True, ()),
+    "v1/secrets": ("Secret", True, ()),
     "v1/events": ("Event", True, ()),
     "v1/serviceaccounts": ("ServiceAccount", True, ()),
     "rbac.authorization.k8s.io/v1/roles": ("Role", True, ()),
@@ -75,6 +77,7 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, ()),
     "leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, ("status", "scale")),
     "keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, ("status",)),
+    "coordination.k8s.io/v1/leases": ("Lease", True, ()),
     "admissionregistration.k8s.io/v1/validatingwebhookconfigurations": (
         "ValidatingWebhookConfiguration",
         False,
@@ -93,7 +96,16 @@ CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
 
 # Groups served from Go types (their objects are re-encoded on write); everything else here is a CRD.
 BUILTIN_GROUPS = frozenset(
-    {"", "apps", "batch", "policy", "networking.k8s.io", "rbac.authorization.k8s.io", "admissionregistration.k8s.io"}
+    {
+        "",
+        "apps",
+        "batch",
+        "policy",
+        "networking.k8s.io",
+        "rbac.authorization.k8s.io",
+        "admissionregistration.k8s.io",
+        "coordination.k8s.io",
+    }
 )
 
 
@@ -613,3 +625,50 @@ def write_kubeconfig(path: Any, server: str, namespace: str, token: str = "test-
     }
     with open(path, "w") as fh:
         yaml.safe_dump(config, fh)
+
+
+@attrs.define(kw_only=True)
+class RbacEmulator(ClusterEmulator):
+    """The emulator with RBAC for the operator: requests from kopf or the operator's client
+    (by User-Agent) are authorized against ``rules`` and answered 403 when denied, writes that
+    set a blocking ownerReference need ``update`` on the owner's finalizers (see
+    ``rbac_emulation``). ``used`` and ``denied`` record what the operator asked for; requests
+    of the test itself (any other User-Agent) are not checked."""
+
+    rules: list[dict[str, Any]] = attrs.field(factory=list)
+    used: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
+    denied: list[str] = attrs.field(factory=list, init=False)
+
+    def _plurals(self) -> dict[tuple[str, str], str]:
+        out = {}
+        for key, (kind, _, _) in CORE_RESOURCES.items():
+            parts = key.split("/")
+            group = "" if len(parts) == 2 else parts[0]
+            out[group, kind] = parts[-1]
+        return out
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        agent = raw_request.headers.get("User-Agent", "")
+        if agent.startswith(("kopf/", "kuberl-operator")):
+            attrs_ = rbac_emulation.request_attributes(
+                raw_request.method, raw_request.path, raw_request.query
+            )
+            needed = [attrs_.permission] if attrs_ is not None else []
+            if raw_request.method in ("POST", "PATCH", "PUT") and raw_request.can_read_body:
+                try:
+                    body = json.loads(await raw_request.read() or b"null")
+                except ValueError:
+                    body = None
+                needed += rbac_emulation.owner_permissions(body, self._plurals())
+            for perm in needed:
+                self.used.add(perm)
+                if not rbac_emulation.allowed(self.rules, perm):
+                    verb, group, resource = perm
+                    what = f'User "system:serviceaccount:kuberl:operator" cannot {verb} resource "{resource}" in API group "{group}"'
+                    self.denied.append(f"{raw_request.method} {raw_request.path}: {what}")
+                    return aiohttp.web.json_response(
+                        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden",
+                         "message": f"{what}", "code": 403},
+                        status=403,
+                    )  # fmt: skip
+        return await super().__call__(raw_request)

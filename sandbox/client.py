@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 
+from kuberl.sandbox.auth import auth_headers, token_from_env
 from kuberl.sandbox.types import ExecResult
 
 _RETRY_STATUS = {429, 502, 503, 504}
@@ -34,8 +35,18 @@ class SandboxClient:
     a bug of the caller and raised, not retried.
     """
 
-    def __init__(self, base_url: str, *, retries: int = 5, request_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        retries: int = 5,
+        request_timeout: float = 60.0,
+        token: str | None = None,
+    ) -> None:
+        """``token``: the pool's bearer token; by default ``$KUBERL_SANDBOX_TOKEN`` (what the
+        operator gives trainer pods), none when unset."""
         self.base_url = base_url.rstrip("/")
+        self.token = token if token is not None else token_from_env()
         self.retries = retries
         self.request_timeout = request_timeout
         self._session: aiohttp.ClientSession | None = None
@@ -48,7 +59,9 @@ class SandboxClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=64), headers=auth_headers(self.token)
+            )
         return self._session
 
     async def close(self) -> None:

@@ -35,6 +35,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 from kuberl.api.sandbox_pool import SandboxLimits
+from kuberl.sandbox.auth import require_token, token_from_env
 from kuberl.sandbox.cgroups import remove_cgroup_dirs
 from kuberl.sandbox.fsview import worker_env
 from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
@@ -91,6 +92,8 @@ class ServiceConfig:
     isolation: str = "full"
     # per-service block of slot uids (RLIMIT_NPROC and kill(-1) are per uid host-wide)
     uid_base: int = field(default_factory=lambda: 100_000 + secrets.randbelow(1_000_000) * 256)
+    # bearer token required on /v1/* (``kuberl.sandbox.auth``); None: no check (loopback use)
+    token: str | None = field(default=None, repr=False)
 
     @property
     def lim(self) -> SandboxLimits:
@@ -690,7 +693,7 @@ def make_app(svc: SandboxService) -> web.Application:
         WORKERS_BUSY.labels(svc.cfg.pool).set(svc.busy)
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(client_max_size=256 * 2**20)
+    app = web.Application(client_max_size=256 * 2**20, middlewares=[require_token(svc.cfg.token)])
     app.router.add_post("/v1/execute", execute)
     app.router.add_post("/v1/execute_batch", execute_batch)
     app.router.add_post("/v1/verify", verify)
@@ -784,6 +787,7 @@ def serve(
         verify_timeout_seconds=verify_timeout_seconds,
         isolation=isolation,
         sweep_orphans=True,
+        token=token_from_env(),
     )
     loop = asyncio.new_event_loop()
     _guard_this_process(loop)

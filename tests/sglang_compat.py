@@ -14,7 +14,12 @@ shapes ``kuberl.rollout.sglang_engine`` documents:
 * ``GET /metrics``: sglang:token_usage, sglang:num_running_reqs, sglang:num_queue_reqs.
 * ``POST /update_weights_from_disk`` {model_path}: reloads the weights from that HF folder;
   {success: false} with HTTP 400 when it cannot.
-* ``GET /health``.
+* ``GET /health`` and ``GET /health_generate``: as SGLang >= 0.4.10 answers them
+  (python/sglang/srt/entrypoints/http_server.py ``health_generate``): a one-token greedy
+  generation of ``input_ids=[0]`` is started, then the handler polls once a second until it
+  (or any other request) has produced output since the probe began, so an answer takes at
+  least one second; 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` seconds (default 20) without
+  output. A Kubernetes probe with the default ``timeoutSeconds: 1`` never sees it succeed.
 
 Run: ``python tests/sglang_compat.py --model DIR --port PORT [--max-total-tokens N]``.
 """
@@ -24,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +51,10 @@ class CompatServer:
         )
         self.loads: list[str] = []  # model paths loaded through update_weights_from_disk
         self.generated = 0
+        self.last_output = (
+            0.0  # time.perf_counter() of the last generated output (SGLang's last_receive_tstamp)
+        )
+        self.health_timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -74,6 +85,7 @@ class CompatServer:
             )
         )
         self.generated += len(out.output_ids)
+        self.last_output = time.perf_counter()
         finish = {"type": out.finish_reason}
         if out.finish_reason == "stop":
             finish["matched"] = out.output_ids[-1]
@@ -134,7 +146,27 @@ class CompatServer:
         return web.json_response({"success": True, "message": "Succeeded to update model weights."})
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if await self.engine.health() else 503)
+        """SGLang's health_generate: start a one-token generation, then check once a second
+        whether anything produced output since the probe began."""
+        if not await self.engine.health():
+            return web.Response(status=503)
+        tic = time.perf_counter()
+
+        async def one_token() -> None:
+            await self.engine.generate(
+                GenerateRequest(input_ids=[0], max_new_tokens=1, temperature=0.0, rid=f"HEALTH_CHECK_{tic}")
+            )
+            self.last_output = time.perf_counter()
+
+        task = asyncio.create_task(one_token())
+        try:
+            while time.perf_counter() < tic + self.health_timeout:
+                await asyncio.sleep(1)
+                if self.last_output > tic:
+                    return web.Response(status=200)
+            return web.Response(status=503)
+        finally:
+            task.cancel()
 
     async def loads_log(self, request: web.Request) -> web.Response:
         """Test-only introspection: which weight folders were loaded, how many tokens generated."""
@@ -148,6 +180,7 @@ class CompatServer:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/update_weights_from_disk", self.update_weights)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
         app.router.add_get("/test/loads", self.loads_log)
         return app
 

@@ -25,8 +25,8 @@ import yaml
 
 from kuberl.dashboards.cli import rendered as rendered_dashboards
 from kuberl.dashboards.metrics_catalog import check_expression
-from kuberl.operator.builders import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
 from kuberl.operator.main import ServiceWebhookServer, webhook_server_from_env
+from kuberl.operator.rbac import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kuberl"
@@ -102,9 +102,28 @@ def crd_schema(kind: str) -> dict:
 MONITORING_SCHEMAS = {kind: crd_schema(kind) for kind in CRD_SCHEMA_FILES}
 
 
-def render(values: dict | None = None) -> list[dict]:
+MONITORING_API = "monitoring.coreos.com/v1"
+
+
+def render(values: dict | None = None, api_versions: tuple[str, ...] = (MONITORING_API,)) -> list[dict]:
+    """The chart as `helm install` renders it on a cluster serving ``api_versions`` (besides the
+    built-in ones); by default one with prometheus-operator's CRDs installed.
+
+    helm-python's ``Chart.render`` has no ``--api-versions``; its native call takes them."""
+    from helm_python import _native
+
     chart = helm.Chart.load(str(CHART))
-    out = chart.render(values, name="kuberl", namespace="kuberl-system", is_install=True)
+    opts = {
+        "name": "kuberl",
+        "namespace": "kuberl-system",
+        "is_install": True,
+        "api_versions": list(api_versions),
+    }
+    out = json.loads(
+        _native.call_string(
+            "helm_render", chart._raw(), json.dumps(values) if values else None, json.dumps(opts)
+        )
+    )
     return [d for text in out.values() for d in yaml.safe_load_all(text) if d]
 
 
@@ -129,6 +148,8 @@ def test_every_rendered_object_is_valid(objects):
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Role",  # the leader-election Lease
+            "RoleBinding",
             "Deployment",
             "ServiceMonitor",
             "PrometheusRule",
@@ -260,7 +281,7 @@ def test_rbac_is_the_operators_least_privilege(objects):
         for v in rule["verbs"]
     ]
     assert all("*" not in x for t in flat for x in t)
-    for res in ("agenticrljobs/status", "sandboxpools/scale", "pods", "services", "deployments", "statefulsets",
+    for res in ("agenticrljobs/status", "sandboxpools/scale", "pods", "services", "deployments", "secrets",
                 "jobs", "configmaps", "networkpolicies", "events", "customresourcedefinitions", "namespaces"):  # fmt: skip
         assert any(r == res for _, r, _ in flat), res
     binding = next(o for o in objects if o["kind"] == "ClusterRoleBinding")
@@ -312,8 +333,9 @@ def test_watching_some_namespaces_grants_roles_there_only():
     for obj in objs:
         _validate(obj)
     sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
-    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
-    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    leader = lambda o: o["metadata"]["name"].endswith("-leader")  # noqa: E731 - the Lease's Role
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role" and not leader(o)}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding" and not leader(o)}
     assert set(roles) == set(bindings) == {"rl-a", "rl-b"}
     for ns, role in roles.items():
         assert role["rules"] == operator_namespaced_rules()
@@ -334,13 +356,16 @@ def test_watching_some_namespaces_grants_roles_there_only():
     }
     # No namespaces listed: the release namespace is watched, with its Role.
     objs = render({"operator": {"watchAllNamespaces": False}})
-    assert [o["metadata"]["namespace"] for o in objs if o["kind"] == "Role"] == ["kuberl-system"]
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Role"] == [
+        "kuberl-kuberl-operator",
+        "kuberl-kuberl-operator-leader",
+    ]
     dep = next(o for o in objs if o["kind"] == "Deployment")
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=kuberl-system"]
 
 
 def _env(container: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", [])}
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
 def test_operator_metrics_are_exposed_and_scraped(objects):
@@ -409,9 +434,10 @@ def test_admission_enabled_is_deployable():
     )
     assert f"{svc['metadata']['name']}.kuberl-system.svc" in sans
     cert.verify_directly_issued_by(ca)
-    # Webhook configurations are cluster-scoped and kopf keeps them current: granted only now.
+    # The chart owns the webhook configurations: the operator gets no access to any of them.
     role = by_kind["ClusterRole"]
-    assert role["rules"] == operator_rbac_rules(admission=True)
+    assert role["rules"] == operator_rbac_rules()
+    assert not any(g == "admissionregistration.k8s.io" for r in role["rules"] for g in r["apiGroups"])
     # A Secret of one's own (e.g. from cert-manager) replaces the generated one.
     objs = render({"admission": {"enabled": True, "certSecret": "webhook-cert"}})
     assert not any(o["kind"] == "Secret" for o in objs)
@@ -424,7 +450,8 @@ def test_admission_enabled_is_deployable():
     "values",
     [
         {"monitoring": {"interval": "often"}},
-        {"operator": {"replicas": 2}},
+        {"operator": {"replicas": 9}},
+        {"operator": {"replicas": 2, "leaderElection": {"enabled": False}}},
         {"monitoring": {"prometheusRule": {"kvCacheSaturation": 1.5}}},
         {"monitoring": {"operatorMonitor": {"enabled": "yes"}}},
         {"operator": {"imagee": {}}},
@@ -650,3 +677,208 @@ def test_alert_thresholds_and_for_come_from_values(objects, tmp_path):
             r.pop("annotations")
     res = run_rule_tests(tmp_path, defaults, [case])
     assert res.returncode != 0 and "KuberlKVCacheSaturated" in res.stdout + res.stderr, res.stdout
+
+
+# --- issue 14: what a real cluster does that offline rendering hid ------------------------------
+
+
+def _flat_rules(rules: list[dict]) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+
+
+def test_rbac_grants_owner_finalizers_and_nothing_unused(objects):
+    """kopf.adopt sets blockOwnerDeletion: true on every child; where the API server enforces
+    owner-reference permission (OpenShift) that needs `update` on the owner's finalizers. Nothing
+    the operator never calls is granted: no StatefulSets, no jobs' scale (the CRD has none), no PUT,
+    no watch on children."""
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    flat = _flat_rules(role["rules"])
+    for plural in ("agenticrljobs", "rolloutfleets", "sandboxpools"):
+        assert ("kuberl.io", f"{plural}/finalizers", "update") in flat
+    assert not any(r == "statefulsets" for _, r, _ in flat)
+    assert ("kuberl.io", "agenticrljobs/scale", "patch") not in flat
+    assert not any(v == "update" and not r.endswith("/finalizers") for _, r, v in flat)
+    for _, r, v in flat:
+        if r in (
+            "deployments",
+            "jobs",
+            "services",
+            "configmaps",
+            "secrets",
+            "leaderworkersets",
+            "networkpolicies",
+        ):
+            assert v != "watch", r
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """metav1.LabelSelector semantics (matchLabels and In/NotIn/Exists/DoesNotExist)."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        have = e["key"] in labels
+        value = labels.get(e["key"])
+        ok = {
+            "In": have and value in e.get("values", []),
+            "NotIn": not have or value not in e.get("values", []),
+            "Exists": have,
+            "DoesNotExist": not have,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_monitors_need_prometheus_operator_crds():
+    """A plain install on a cluster without prometheus-operator: no monitoring objects at all
+    (they would fail the install with "no matches for kind"), everything else still there."""
+    objs = render(api_versions=())
+    assert not any(o["apiVersion"] == MONITORING_API for o in objs)
+    assert {"Deployment", "ClusterRole", "ServiceAccount"} <= {o["kind"] for o in objs}
+    assert any(o["apiVersion"] == MONITORING_API for o in render())
+
+
+def test_pod_monitors_select_only_pods_that_serve_metrics(objects):
+    """Only trainer rank 0 serves /metrics (the other ranks would be TargetDown), and only the
+    leader of an engine spanning nodes serves HTTP (LeaderWorkerSet workers serve nothing)."""
+    from kuberl.api import parse_resource
+    from kuberl.operator.builders import build_for
+
+    mons = {o["metadata"]["name"].rsplit("-", 1)[-1]: o["spec"] for o in objects if o["kind"] == "PodMonitor"}
+    job = parse_resource(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "AgenticRLJob",
+            "metadata": {"name": "j", "namespace": "ns"},
+            "spec": {
+                "model": {"base": "m"},
+                "data": {"train": "s3://d/train.jsonl"},
+                "trainer": {"replicas": 3},
+                "rollout": {"engine": "local"},
+                "sandbox": {"poolRef": "p"},
+            },
+        }
+    )
+    trainer = next(o for o in build_for(job) if o["kind"] == "Job")
+    pod_labels = trainer["spec"]["template"]["metadata"]["labels"]
+    # the Job controller labels each pod of an Indexed Job with its completion index
+    ranks = [{**pod_labels, "batch.kubernetes.io/job-completion-index": str(i)} for i in range(3)]
+    assert [_selects(mons["trainer"]["selector"], r) for r in ranks] == [True, False, False]
+    fleet = parse_resource(
+        {
+            "apiVersion": "kuberl.io/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "big", "namespace": "ns"},
+            "spec": {"model": {"uri": "m"}, "engine": {"tensorParallel": 16}, "accelerator": {"count": 8}},
+        }
+    )
+    lws = next(o for o in build_for(fleet) if o["kind"] == "LeaderWorkerSet")
+    tmpl = lws["spec"]["leaderWorkerTemplate"]
+    assert _selects(mons["rollout"]["selector"], tmpl["leaderTemplate"]["metadata"]["labels"])
+    assert not _selects(mons["rollout"]["selector"], tmpl["workerTemplate"]["metadata"]["labels"])
+    single = parse_resource({**fleet.wire(), "spec": {"model": {"uri": "m"}}})
+    dep = next(o for o in build_for(single) if o["kind"] == "Deployment")
+    assert _selects(mons["rollout"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+
+
+def test_chart_owns_the_webhook_configurations():
+    """helm uninstall / admission.enabled=false removes them (kopf-written ones stayed behind and
+    blocked every write of kuberl objects). They point at exactly the operator's handlers, trust
+    the generated CA, fail closed only for validation, and bound the wait."""
+    from kuberl.operator.handlers import OperatorConfig, build_registry
+
+    objs = render({"admission": {"enabled": True}})
+    for obj in objs:
+        _validate(obj)
+    by_kind = {o["kind"]: o for o in objs}
+    secret, svc = by_kind["Secret"], by_kind["Service"]
+    registry, _ = build_registry(OperatorConfig(admission=True))
+    handler_ids = {h.id for h in registry._webhooks.get_all_handlers()}
+    paths = set()
+    for kind, policy in (
+        ("ValidatingWebhookConfiguration", "Fail"),
+        ("MutatingWebhookConfiguration", "Ignore"),
+    ):
+        cfg = by_kind[kind]
+        for hook in cfg["webhooks"]:
+            ref = hook["clientConfig"]["service"]
+            assert (ref["name"], ref["namespace"], ref["port"]) == (
+                svc["metadata"]["name"],
+                "kuberl-system",
+                443,
+            )
+            assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+            assert hook["failurePolicy"] == policy and hook["timeoutSeconds"] <= 15
+            assert hook["sideEffects"] == "None" and hook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
+            paths.add(ref["path"].lstrip("/"))
+    assert paths == handler_ids
+    # Off: neither configuration nor Service is rendered.
+    assert not any("Webhook" in o["kind"] for o in render())
+    # Watching some namespaces: the webhooks only look at those.
+    objs = render(
+        {"admission": {"enabled": True}, "operator": {"watchAllNamespaces": False, "namespaces": ["rl"]}}
+    )
+    cfg = next(o for o in objs if o["kind"] == "ValidatingWebhookConfiguration")
+    for hook in cfg["webhooks"]:
+        assert hook["namespaceSelector"]["matchExpressions"] == [
+            {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["rl"]}
+        ]
+    # Own certificate: the CA comes from values (or cert-manager's injector).
+    objs = render(
+        {"admission": {"enabled": True, "certSecret": "own", "certManagerInjectFrom": "kuberl-system/own"}}
+    )
+    cfg = next(o for o in objs if o["kind"] == "MutatingWebhookConfiguration")
+    assert cfg["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "kuberl-system/own"
+
+
+def test_operator_pod_probes_and_leader_election(objects):
+    """Ready = kopf's liveness endpoint (leader only: webhook traffic reaches the leader);
+    alive = /livez in every replica; the operator serves both where the chart says, and with
+    leader election its environment names a Lease it may read and write (a Role, no more)."""
+    from kuberl.operator.main import (
+        DEFAULT_HEALTH_PORT,
+        DEFAULT_LIVENESS_PORT,
+        election_from_env,
+        liveness_endpoint,
+    )
+    from kuberl.operator.rbac import leader_election_rules
+
+    dep = next(o for o in objects if o["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    env = _env(c)
+    health, live = int(env["KUBERL_HEALTH_PORT"]), int(env["KUBERL_LIVENESS_PORT"])
+    assert (health, live) == (DEFAULT_HEALTH_PORT, DEFAULT_LIVENESS_PORT)
+    assert {"name": "health", "containerPort": health, "protocol": "TCP"} in c["ports"]
+    assert {"name": "live", "containerPort": live, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert liveness_endpoint(health).endswith(f":{health}/healthz")
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "live"}
+    election = election_from_env(
+        {**env, "KUBERL_LEASE_NAMESPACE": "kuberl-system", "KUBERL_POD_NAME": "op-1"}
+    )
+    assert election is not None and (election.name, election.identity) == (dep["metadata"]["name"], "op-1")
+    downward = {e["name"]: e.get("valueFrom") for e in c["env"]}
+    assert downward["KUBERL_LEASE_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert downward["KUBERL_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    role = next(o for o in objects if o["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "kuberl-system" and role["rules"] == leader_election_rules()
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    # standbys: more replicas are allowed; without election only one, replaced by Recreate
+    assert (
+        next(o for o in render({"operator": {"replicas": 2}}) if o["kind"] == "Deployment")["spec"][
+            "replicas"
+        ]
+        == 2
+    )
+    off = render({"operator": {"leaderElection": {"enabled": False}}})
+    dep = next(o for o in off if o["kind"] == "Deployment")
+    assert dep["spec"]["strategy"]["type"] == "Recreate" and not any(o["kind"] == "Role" for o in off)
+    assert election_from_env(_env(dep["spec"]["template"]["spec"]["containers"][0])) is None

@@ -414,8 +414,8 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(
-        ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", "Deployment", "Service"]
-        + ["PodDisruptionBudget"]
+        ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget", "Secret"]
+        + ["Deployment", "Service", "NetworkPolicy", "PodDisruptionBudget"]
         + ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Service", "Job"]
     )
     assert {d["metadata"]["namespace"] for d in docs} == {"rl"}

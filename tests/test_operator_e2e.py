@@ -683,6 +683,8 @@ async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
             "KUBECONFIG": str(kubeconfig),
             "KUBERL_RECONCILE_INTERVAL": "0.5",
             "KUBERL_OPERATOR_METRICS_PORT": "0",  # any free port: the machine is shared
+            "KUBERL_HEALTH_PORT": "0",  # no probe endpoints (fixed ports would collide)
+            "KUBERL_LIVENESS_PORT": "0",
         }
         env.pop("KUBERL_WEBHOOK_PORT", None)
         proc = await asyncio.create_subprocess_exec(

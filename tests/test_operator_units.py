@@ -261,7 +261,7 @@ async def test_client_apply_is_idempotent_against_the_emulator() -> None:
             assert await client.delete(kind_of("v1", "ConfigMap"), "default", "c") is False
             assert await client.get(kind_of("v1", "ConfigMap"), "default", "c") is None
             with pytest.raises(ValueError, match="does not manage"):
-                kind_of("v1", "Secret")
+                kind_of("v1", "Node")
         finally:
             await client.close()
 

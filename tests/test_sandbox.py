@@ -923,7 +923,7 @@ def test_sandbox_pod_tmp_holds_every_workers_disk_quota():
     dep = next(o for o in build_for(pool) if o["kind"] == "Deployment")
     tmp = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")
     assert int(tmp["emptyDir"]["sizeLimit"].removesuffix("Mi")) >= 16 * 512 + 128
-    env = {e["name"]: e["value"] for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert json.loads(env["KUBERL_SANDBOX_LIMITS"])["diskMB"] == 512  # what the workers enforce
 
 

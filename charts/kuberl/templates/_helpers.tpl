@@ -30,64 +30,70 @@ release: {{ .Values.monitoring.release | quote }}
 {{- end -}}
 
 {{/*
-RBAC rules: kept equal to kuberl.operator.builders.operator_namespaced_rules() and
-operator_cluster_rules(admission) by tests/test_chart.py.
+RBAC rules: kept equal to kuberl.operator.rbac.operator_namespaced_rules() and
+operator_cluster_rules() by tests/test_chart.py.
 */}}
 {{- define "kuberl.namespacedRules" -}}
 - apiGroups: [kuberl.io]
-  resources: [agenticrljobs, rolloutfleets, sandboxpools]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [agenticrljobs]
+  verbs: [list, watch, patch]
 - apiGroups: [kuberl.io]
-  resources: [agenticrljobs/status, agenticrljobs/scale, rolloutfleets/status, rolloutfleets/scale, sandboxpools/status, sandboxpools/scale]
-  verbs: [get, patch, update]
+  resources: [rolloutfleets, sandboxpools]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [kuberl.io]
+  resources: [agenticrljobs/status, rolloutfleets/status, sandboxpools/status, rolloutfleets/scale, sandboxpools/scale]
+  verbs: [patch]
+- apiGroups: [kuberl.io]
+  resources: [agenticrljobs/finalizers, rolloutfleets/finalizers, sandboxpools/finalizers]
+  verbs: [update]
 - apiGroups: ['']
-  resources: [services, configmaps, serviceaccounts]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [services, configmaps, secrets, serviceaccounts]
+  verbs: [list, create, patch, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: [discovery.k8s.io]
   resources: [endpointslices]
   verbs: [get, list, watch]
 - apiGroups: ['']
   resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list]
 - apiGroups: ['']
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 - apiGroups: [apps]
-  resources: [deployments, statefulsets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [deployments]
+  verbs: [list, create, patch, delete]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: [leaderworkerset.x-k8s.io]
   resources: [leaderworkersets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [list, create, patch, delete]
 - apiGroups: ['']
   resources: [persistentvolumeclaims]
-  verbs: [get, list, watch, create, patch]
+  verbs: [list, create, patch]
 {{- end -}}
 
+{{/* No webhook configurations: the chart owns them (templates/webhook.yaml). */}}
 {{- define "kuberl.clusterRules" -}}
 - apiGroups: ['']
   resources: [namespaces]
-  verbs: [get, list, watch]
+  verbs: [list, watch]
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
-  verbs: [get, list, watch]
-{{- if .Values.admission.enabled }}
-- apiGroups: [admissionregistration.k8s.io]
-  resources: [validatingwebhookconfigurations, mutatingwebhookconfigurations]
-  verbs: [get, list, watch, create, patch, update]
-{{- end }}
+  verbs: [list, watch]
+{{- end -}}
+
+{{/* Kept equal to kuberl.operator.rbac.leader_election_rules() by tests/test_chart.py. */}}
+{{- define "kuberl.leaderRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [get, create, patch]
 {{- end -}}
