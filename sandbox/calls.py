@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kuberl.sandbox.child import Pipes, run_prepared
+from kuberl.sandbox.child import Pipes, run_prepared, set_name
 
 if TYPE_CHECKING:
     from kuberl.sandbox.worker import Slot, WorkerConfig
@@ -93,7 +93,11 @@ def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
     """Fork the next call's child now; it waits for :func:`run_call` to send it a request."""
     pipes = Pipes.open()
     request_r, request_w = os.pipe()
+    # the child is born named kuberl-ready (ps tells an idle child from a call without a window)
+    set_name(b"kuberl-ready")
     pid = os.fork()
+    if pid:
+        set_name(b"kuberl-worker")
     if pid == 0:  # pragma: no cover - child; coverage cannot follow the fork
         os.close(request_w)
         run_prepared(slot, cfg, pipes, request_r)
@@ -197,12 +201,26 @@ def run_call(slot: Slot, cfg: WorkerConfig, prepared: Prepared, req: dict[str, A
     return out
 
 
+_META_TYPES = {"repr": (str, type(None)), "traceback": str, "truncated": bool, "correct": bool}
+_STATUSES = ("ok", "error", "memory")
+
+
 def _parse_meta(cap: _Capture) -> dict[str, Any] | None:
-    """The child's result record, once complete (a JSON object with a status)."""
+    """The child's result record, once complete: a JSON object with a known status and fields
+    of the right types. The call's own code can write to that pipe too: whatever it wrote is
+    checked like any input (a forged record only misreports the call's own result)."""
     if cap.open or not cap.chunks or cap.total > META_LIMIT:
         return None
     try:
         meta = json.loads(cap.data())
-    except ValueError:
+    except Exception:  # noqa: BLE001 - ValueError, or RecursionError from '[[[[...'
         return None
-    return meta if isinstance(meta, dict) and "status" in meta else None
+    if not isinstance(meta, dict) or meta.get("status") not in _STATUSES:
+        return None
+    clean: dict[str, Any] = {"status": meta["status"]}
+    for key, kind in _META_TYPES.items():
+        if key in meta:
+            if not isinstance(meta[key], kind):
+                return None
+            clean[key] = meta[key]
+    return clean

@@ -176,10 +176,14 @@ class Pipes:
             os.close(w)
 
 
+def set_name(name: bytes) -> None:
+    """This process's name in ps (comm)."""
+    _LIBC.prctl(_PR_SET_NAME, name, 0, 0, 0)
+
+
 def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) -> NoReturn:
     """A child forked ahead: wait for the request, run it, exit (never returns)."""
     code = 0
-    _LIBC.prctl(_PR_SET_NAME, b"kuberl-ready", 0, 0, 0)  # tells an idle child from a call in ps
     try:
         chunks = []
         while chunk := os.read(request_r, 1 << 20):
@@ -188,7 +192,7 @@ def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) ->
         if not chunks:  # the worker discarded us
             os._exit(0)
         req = json.loads(b"".join(chunks))
-        _LIBC.prctl(_PR_SET_NAME, b"kuberl-call", 0, 0, 0)
+        set_name(b"kuberl-call")
         if req["op"] == "verify":
             child_verify(slot, cfg, req, pipes)
         else:

@@ -1,6 +1,8 @@
 """The seccomp filter every tool call runs under, compiled once per worker.
 
-What it refuses and why: every socket family but AF_UNIX (calls have no network, and vsock,
+What it refuses and why: programs (execve), calls aimed at another process by pid (prlimit,
+scheduling, priorities, page migration: only the caller's own), every socket family but AF_UNIX
+(and without a private root, sockets at all: host sockets would be reachable by path) (calls have no network, and vsock,
 netlink, packet or AF_ALG sockets reach the host or the kernel without one), the calls that reach the
 kernel's global state or other processes (ptrace, mounts, namespaces, modules, keyrings, BPF,
 perf, io_uring, userfaultfd, the kernel log, clocks), new namespaces of any kind (``unshare``,
@@ -38,7 +40,16 @@ DENY = (
     "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
     # kernel objects that outlive their creator: SysV IPC and POSIX message queues
     "shmget", "semget", "msgget", "mq_open",
+    # no programs: the interpreter is already running, and nothing else is needed
+    "execve", "execveat",
 )  # fmt: skip
+# calls that act on another process named by pid in argument 0 (0 = the caller): a call under
+# the service's uid could otherwise lower the server's open-file limit, pin or deprioritise it
+SELF_ONLY = (
+    "prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr",
+    "migrate_pages", "move_pages",
+)  # fmt: skip
+_PR_SET_DUMPABLE = 4  # the worker reads a basic-mode call's /proc/PID/fd (its unlinked files)
 # clone flags that create a namespace (uapi/linux/sched.h)
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 # syscalls that signal a pid given in argument N (tgkill checks that its tid belongs to tgid)
@@ -81,7 +92,7 @@ class SeccompProgram:
         self._prog = _SockFprog(len(bpf) // 8, bpf)
 
     @classmethod
-    def compile(cls, protected: frozenset[int] = frozenset()) -> SeccompProgram | None:
+    def compile(cls, protected: frozenset[int] = frozenset(), unix_sockets: bool = True) -> SeccompProgram | None:
         """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it)."""
         try:
             import pyseccomp as sc
@@ -95,6 +106,17 @@ class SeccompProgram:
         # without IP (netlink, packet, vsock to a VM's host, AF_ALG crypto, bluetooth, ...)
         for name in ("socket", "socketpair"):
             f.add_rule(deny, name, sc.Arg(0, sc.NE, socket.AF_UNIX))
+        if not unix_sockets:  # host sockets are reachable by path (no private root): pairs only
+            f.add_rule(deny, "socket")
+        for name in SELF_ONLY:
+            with contextlib.suppress(Exception):
+                f.add_rule(deny, name, sc.Arg(0, sc.NE, 0))
+        # (which, who): only the caller itself (PRIO_PROCESS = 0, IOPRIO_WHO_PROCESS = 1; who 0)
+        for name, own in (("setpriority", 0), ("ioprio_set", 1)):
+            with contextlib.suppress(Exception):
+                f.add_rule(deny, name, sc.Arg(0, sc.NE, own))
+                f.add_rule(deny, name, sc.Arg(1, sc.NE, 0))
+        f.add_rule(deny, "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE))
         for name in DENY:
             with contextlib.suppress(Exception):  # a syscall this arch does not have
                 f.add_rule(deny, name)

@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import glob
 import json
 import logging
 import os
@@ -37,11 +38,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.auth import require_token, token_from_env
 from kuberl.sandbox.cgroups import remove_cgroup_dirs
-from kuberl.sandbox.fsview import worker_env
+from kuberl.sandbox.fsview import clear_dir, worker_env
 from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
 from kuberl.sandbox.procs import kill_children
 from kuberl.sandbox.progress import Window, every_seconds, format_window
 from kuberl.sandbox.types import ExecResult, valid_text
+from kuberl.sandbox.worker import encode_frames
 
 log = logging.getLogger("kuberl.sandbox")
 
@@ -63,7 +65,9 @@ VERIFY_CALLS = Counter(
 # Every call forks the ~100 MB preloaded worker; fork and exit cost scales with the number of
 # anonymous pages mapped. glibc malloc on transparent huge pages (instead of pymalloc's 4 KiB
 # pages) halves that cost where THP is "madvise" or "always" (bench/sandbox_throughput.py).
-FORK_FRIENDLY_MALLOC = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+# perturb: freed memory is overwritten, so a call forked from the worker finds no trace of
+# earlier calls' code, stdin, output or gold answers in the heap it inherits
+FORK_FRIENDLY_MALLOC = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.perturb=165"}
 
 _INT_RE = re.compile(r"^[+-]?\d+$")
 
@@ -229,7 +233,7 @@ class WorkerProc:
         if proc is None or proc.returncode is not None or proc.stdin is None or proc.stdout is None:
             raise WorkerLost("sandbox worker is not running", blame=False)
         try:
-            proc.stdin.write(json.dumps({"calls": calls, "protect": protect}).encode() + b"\n")
+            proc.stdin.write(encode_frames(calls, protect))
             await proc.stdin.drain()
         except (ConnectionError, RuntimeError) as err:
             raise WorkerLost(f"sandbox worker is gone ({err})", blame=False) from err
@@ -269,7 +273,14 @@ def _remove_leftovers(leftovers: dict[str, Any]) -> None:
     remove_cgroup_dirs(list(leftovers.get("cgroups", [])))
     path = leftovers.get("dir")
     if isinstance(path, str) and os.path.basename(path).startswith("kuberl-sbx-"):
+        # what a call left may be locked or deeper than PATH_MAX: rmtree alone gives up on it
+        with contextlib.suppress(OSError):
+            clear_dir(path, budget_s=10.0)
         shutil.rmtree(path, ignore_errors=True)
+        for aside in glob.glob(glob.escape(path) + ".*"):  # replacements and trees moved aside
+            with contextlib.suppress(OSError):
+                clear_dir(aside, budget_s=10.0)
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 _NS_CACHE: list[list[str]] = []
@@ -282,7 +293,7 @@ def _namespace_prefix() -> list[str]:
     prefix: list[str] = []
     exe = shutil.which("unshare")
     if exe and os.geteuid() == 0:
-        cand = [exe, "--net", "--pid", "--ipc", "--fork", "--mount-proc", "--kill-child"]
+        cand = [exe, "--net", "--pid", "--ipc", "--uts", "--fork", "--mount-proc", "--kill-child"]
         import subprocess
 
         try:

@@ -34,6 +34,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kuberl.sandbox import landlock
 from kuberl.sandbox.calls import ChildGone, prepare, run_call
@@ -47,6 +48,7 @@ _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 # prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)
+UNREADABLE_BYTES = 1 << 50  # what a directory the worker cannot read counts as: over any quota
 CLEAN_BUDGET_SECONDS = 1.0  # removing what a call left (basic isolation); the rest is moved aside
 TRASH_SLICE_SECONDS = 0.05  # what each later call spends removing trees moved aside
 
@@ -173,7 +175,7 @@ class Slot:
         own = {1, os.getpid()} | {int(t) for t in os.listdir("/proc/self/task")}
         self.own_pids = frozenset(own | (set() if cfg.in_namespace else {os.getppid()}))
         self.protected = self.own_pids
-        self.seccomp = SeccompProgram.compile(self.protected)
+        self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=root is not None)
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
@@ -203,7 +205,13 @@ class Slot:
         }
 
     def _new_dir(self) -> str:
-        path = tempfile.mkdtemp(prefix=f"kuberl-sbx-{self.cfg.pool}-{self.cfg.slot}-")
+        """The slot directory; replacements (after a tree was moved aside) are named after the
+        first one, so whoever cleans up after this worker finds them all (``server._remove_leftovers``)."""
+        if not hasattr(self, "base_dir"):
+            path = self.base_dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{self.cfg.pool}-{self.cfg.slot}-")
+        else:
+            path = f"{self.base_dir}.{time.monotonic_ns()}"
+            os.mkdir(path, 0o700)
         if self.uid is not None:
             os.chown(path, self.uid, self.uid)
         os.chmod(path, 0o700)
@@ -232,7 +240,7 @@ class Slot:
             return
         wanted = self.own_pids | {p for p in pids if isinstance(p, int) and 0 < p < 2**31}
         if wanted != self.protected:
-            self.seccomp = SeccompProgram.compile(wanted) or self.seccomp
+            self.seccomp = SeccompProgram.compile(wanted, unix_sockets=self.root is not None) or self.seccomp
             self.protected = wanted
             self.generation += 1
 
@@ -316,7 +324,7 @@ class Slot:
             print(f"kuberl sandbox worker: cleaning {self.dir} failed ({err}); replacing it", file=sys.stderr)
             done = False
         if not done:
-            aside = f"{self.dir}.trash-{len(self.trash)}-{time.monotonic_ns()}"
+            aside = f"{self.base_dir}.trash-{time.monotonic_ns()}"
             os.rename(self.dir, aside)
             self.trash.append(aside)
             self.dir = self.call_dir = self._new_dir()
@@ -345,17 +353,35 @@ class Slot:
 
 
 def _dir_bytes(path: str) -> int:
-    """Allocated bytes of every file beneath ``path`` (sparse holes are free; links not followed)."""
+    """Allocated bytes of every file beneath ``path`` (sparse holes are free; links not followed).
+
+    Walks by file descriptor (no path grows past PATH_MAX, a directory swapped for a symlink is
+    not followed: O_NOFOLLOW) and opens up directories the call locked (we own them); a
+    directory that still cannot be read counts as over any quota."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     total = 0
-    stack = [path]
+    try:
+        stack = [os.open(path, flags)]
+    except OSError:
+        return 0
     while stack:
-        with contextlib.suppress(OSError), os.scandir(stack.pop()) as it:
-            for entry in it:
-                with contextlib.suppress(OSError):
-                    st = entry.stat(follow_symlinks=False)
-                    total += st.st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
+        fd = stack.pop()
+        try:
+            with os.scandir(fd) as it:
+                for entry in it:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        total += st.st_blocks * 512
+                        if entry.is_dir(follow_symlinks=False):
+                            with contextlib.suppress(OSError):
+                                os.chmod(entry.name, 0o700, dir_fd=fd)
+                            stack.append(os.open(entry.name, flags, dir_fd=fd))
+                    except OSError:
+                        total += UNREADABLE_BYTES
+        except OSError:
+            total += UNREADABLE_BYTES
+        finally:
+            os.close(fd)
     return total
 
 
@@ -404,11 +430,55 @@ def _fallback_view(cfg: WorkerConfig) -> bool:
     return _readable_by_others(os.path.join(sysconfig.get_paths()["stdlib"], "uuid.py"))
 
 
+def encode_frames(calls: list[dict[str, Any]], protect: list[int]) -> bytes:
+    """The server's side of the protocol (pure): one length-prefixed frame per call.
+
+    Frames, not one line per batch: the worker reads one call at a time, so the child forked
+    for a call never holds the calls queued behind it (nor, with the scrubbing allocator, the
+    ones before it)."""
+    out = bytearray()
+    for call in calls:
+        frame = json.dumps({"call": call, "protect": protect}).encode()
+        out += b"%d\n" % len(frame) + frame
+    return bytes(out)
+
+
+def _read_frame(fd: int) -> dict[str, Any] | None:
+    """The next call from the server (None at end of input), read unbuffered: no copy of it or
+    of the next one stays behind in a buffer a later child would inherit."""
+    header = b""
+    while not header.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return None
+        header += byte
+        if len(header) > 20:
+            raise ValueError(f"bad frame header {header!r}")
+    size = int(header)
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            return None
+        got += n
+    try:
+        return json.loads(buf)
+    finally:
+        buf[:] = bytes(size)  # scrubbed before the memory is reused
+        view.release()
+
+
+def _write_line(fd: int, doc: dict[str, Any]) -> None:
+    data = json.dumps(doc).encode() + b"\n"
+    while data:
+        data = data[os.write(fd, data) :]
+
+
 def main(argv: list[str]) -> int:
     cfg = WorkerConfig(**json.loads(argv[0]))
     # the protocol lives on private fds; 0/1 become /dev/null so children cannot touch it
-    proto_in = os.fdopen(os.dup(0), "rb")
-    proto_out = os.fdopen(os.dup(1), "wb")
+    proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
@@ -431,27 +501,26 @@ def main(argv: list[str]) -> int:
         # if we die uncleanly (a private root is an empty directory outside our mount namespace)
         "leftovers": {"dir": root.root if root else slot.dir, "cgroups": slot.cgroup.dirs()},
     }
-    proto_out.write(json.dumps(hello).encode() + b"\n")
-    proto_out.flush()
+    _write_line(proto_out, hello)
     prepared = prepare(slot, cfg)
     try:
-        for line in proto_in:
-            req = json.loads(line)
-            slot.protect(req.get("protect", []))
-            for call in req["calls"]:
-                if prepared.generation != slot.generation:  # forked with an older filter
-                    prepared.discard()
-                    prepared = prepare(slot, cfg)
-                try:
-                    result = run_call(slot, cfg, prepared, call)
-                except ChildGone as err:  # e.g. killed by another slot's call on an old kernel
-                    print(f"kuberl sandbox worker: {err}; forking another", file=sys.stderr)
-                    prepared = prepare(slot, cfg)
-                    result = run_call(slot, cfg, prepared, call)
-                proto_out.write(json.dumps({"result": result}).encode() + b"\n")
-                proto_out.flush()
-                slot.after_call()
+        while (frame := _read_frame(proto_in)) is not None:
+            slot.protect(frame.get("protect", []))
+            if prepared.generation != slot.generation:  # forked with an older filter
+                prepared.discard()
                 prepared = prepare(slot, cfg)
+            try:
+                result = run_call(slot, cfg, prepared, frame["call"])
+            except ChildGone as err:  # e.g. killed by another slot's call on an old kernel
+                print(f"kuberl sandbox worker: {err}; forking another", file=sys.stderr)
+                prepared = prepare(slot, cfg)
+                result = run_call(slot, cfg, prepared, frame["call"])
+            _write_line(proto_out, {"result": result})
+            # nothing of this call may reach the next child: drop it before forking that one
+            # (freed memory is scrubbed: glibc.malloc.perturb, server.FORK_FRIENDLY_MALLOC)
+            del frame, result
+            slot.after_call()
+            prepared = prepare(slot, cfg)
     finally:
         prepared.discard()
         slot.kill_all()

@@ -341,7 +341,40 @@ def test_only_unix_sockets(svc):
     r = _run(url, code)
     assert r.outcome == "stdout", r
     opened = {ln.split()[1] for ln in r.output.splitlines() if ln.startswith("open")}
-    assert opened == {"unix"} and r.output.endswith("b'x'\n"), r.output
+    # without a private root a unix socket could reach the host's by path: socket pairs only
+    assert opened == ({"unix"} if before["protections"]["private_root"] else set()), r.output
+    assert r.output.endswith("b'x'\n"), r.output
+    _healthy_after(url, before)
+
+
+def test_no_programs_and_no_reach_into_other_processes(svc):
+    """No exec; prlimit, scheduling and priority calls only on the caller itself (a call under the
+    service's uid could otherwise cut the server's open-file limit or pin it to one core)."""
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import ctypes, os, resource, subprocess, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "try:\n"
+        "    os.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n"
+        "except OSError as e:\n"
+        "    print('exec', e.errno)\n"
+        "other = os.getppid() or 1\n"
+        "class RL(ctypes.Structure):\n"
+        "    _fields_ = [('cur', ctypes.c_ulong), ('max', ctypes.c_ulong)]\n"
+        "print('prlimit', libc.prlimit(other, 7, ctypes.byref(RL(0, 0)), None))\n"
+        "print('affinity', libc.sched_setaffinity(other, 8, ctypes.byref(ctypes.c_ulong(1))))\n"
+        "print('nice', libc.setpriority(0, other, 19), libc.setpriority(2, 0, 19))\n"
+        "print('dumpable', libc.prctl(4, 0, 0, 0, 0))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (32, 32))\n"
+        "os.sched_setaffinity(0, os.sched_getaffinity(0))\n"
+        "print('own ok', libc.setpriority(0, 0, 5))\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "stdout", r
+    assert r.output.split("\n")[:6] == [
+        "exec 1", "prlimit -1", "affinity -1", "nice -1 -1", "dumpable -1", "own ok 0"
+    ], r.output  # fmt: skip
     _healthy_after(url, before)
 
 
@@ -640,3 +673,116 @@ def test_clear_dir_removes_any_tree_and_stops_at_its_budget(tmp_path):
         (top / f"f{i}").touch()
     assert clear_dir(str(top), budget_s=0.0) is False  # out of budget: the caller moves it aside
     assert clear_dir(str(top), budget_s=30.0) is True and os.listdir(top) == []
+
+
+FORGED_RECORDS = {
+    "deep_json": "b'[' * 100000",
+    "wrong_types": "b'{\"status\": \"ok\", \"repr\": 5}'",
+    "wrong_traceback": "b'{\"status\": \"error\", \"traceback\": [1]}'",
+    "garbage": "b'\\xff' * 70000",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGED_RECORDS))
+def test_a_forged_result_record_costs_only_its_own_call(svc, name):
+    """The pipe a call's result record travels on is also open to the call's code: whatever it
+    writes there, the worker stays up and the next call is answered."""
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os, stat\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        st = os.fstat(fd)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if stat.S_ISFIFO(st.st_mode):\n"
+        "        try:\n"
+        f"            os.write(fd, {FORGED_RECORDS[name]})\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "os._exit(0)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome in ("error", "stdout", "no_stdout"), r
+    _healthy_after(url, before)
+
+
+def test_a_call_finds_nothing_of_earlier_calls_in_its_memory(svc):
+    """Each call is a fork of the worker: the worker must not hold earlier calls (their code, a
+    verification's gold answer) when it forks, and freed memory is scrubbed."""
+    import asyncio
+
+    from kuberl.sandbox.client import SandboxClient
+
+    mode, url = svc
+    before = readyz(url)[1]
+    secret = f"kuberl-gold-{os.getpid()}-{mode}"
+
+    async def earlier() -> None:
+        async with SandboxClient(url) as c:
+            await c.execute(f"x = {secret!r}\nprint(x)")
+            await c.verify(secret, secret)
+
+    for _ in range(2):
+        asyncio.run(earlier())
+    probe = (
+        "import gc, re, sys\n"
+        f"needle = {secret[:8]!r} + {secret[8:]!r}\n"
+        "objs = sum(needle in repr(o)[:100000] for o in gc.get_objects() if isinstance(o, dict | list))\n"
+        "f, frames = sys._getframe().f_back, 0\n"
+        "while f is not None:\n"  # the frames below the call's own (its globals are in the runner's)
+        "    if f.f_code.co_name != '_run_user_code':\n"
+        "        frames += needle in repr(f.f_locals)[:100000]\n"
+        "    f = f.f_back\n"
+        "heap = -1\n"
+        "try:\n"
+        "    key, heap = needle.encode(), 0\n"
+        "    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
+        "        for line in maps:\n"
+        "            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "            if line.split()[1].startswith('rw') and hi - lo < 2**28:\n"
+        "                try:\n"
+        "                    mem.seek(lo)\n"
+        "                    heap += mem.read(hi - lo).count(key)\n"
+        "                except OSError:\n"
+        "                    pass\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(objs - 1, frames, heap)\n"
+    )
+    for _ in range(3):
+        r = _run(url, probe)
+        assert r.outcome == "stdout", r
+        objs, frames, heap = (int(x) for x in r.output.split())
+        assert (objs, frames) == (0, 0), r.output
+        assert heap <= 4, r.output  # the probe's own needle and its copies; -1: /proc unreadable
+    _healthy_after(url, before)
+
+
+QUOTA_DODGES = {
+    "write_only_directory": "os.mkdir('d', 0o300)\nos.chdir('d')\n",
+    "past_path_max": "for i in range(18):\n    os.mkdir('x' * 250)\n    os.chdir('x' * 250)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUOTA_DODGES))
+def test_files_the_worker_cannot_easily_see_count_against_the_quota(svc, name):
+    mode, url = svc
+    before = readyz(url)[1]
+    code = (
+        "import os\n"
+        + QUOTA_DODGES[name]
+        + "written = 0\n"
+        "try:\n"
+        "    for i in range(40):\n"
+        "        with open(f'f{i}', 'wb') as f:\n"
+        "            for _ in range(8):\n"
+        "                f.write(b'0' * 2**20)\n"
+        "                written += 1\n"
+        "finally:\n"
+        "    print('written MB', written)\n"
+    )
+    r = _run(url, code)
+    assert r.outcome == "error" and "quota" in r.output or "No space" in r.output, r
+    _healthy_after(url, before)
