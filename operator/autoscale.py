@@ -6,12 +6,7 @@ without a cluster. The algorithm follows the HorizontalPodAutoscaler's:
 
 * a *recommendation* per sample from the load signal (proportional, like HPA's
   ``ceil(current * metric / target)``), with a 10% tolerance band against flapping;
-* scale-up takes effect at once, straight to the recommendation (``scale_up="burst"``, the
-  default), or bounded to doubling, min +1, per decision (``"hpa"``, the HorizontalPodAutoscaler's
-  default policy). bench/cluster_sim.py showed why not doubling: an RL step's first tool calls
-  arrive as one burst within seconds of each other, and a pool at its minimum that may only
-  double every decision (15 s) plus pod start-up spends the step's first minute queueing;
-  the queue is a measure of demand, not a noisy utilisation, so one decision can size for it;
+* scale-up takes effect at once (bounded to doubling, min +1, per decision);
 * scale-down is *stabilized*: the applied value is the highest recommendation of the last
   ``scaleDownStabilizationSeconds``, so a short lull never drains a pool that is needed
   again seconds later; the window's recommendations are kept in the object's
@@ -32,7 +27,6 @@ from kuberl.api.sandbox_pool import SandboxAutoscaling
 from kuberl.operator.engines import ENGINE_METRICS
 
 TOLERANCE = 0.1
-SCALE_UP_POLICIES = ("burst", "hpa")
 
 SANDBOX_QUEUE = "kuberl_sandbox_queue_depth"
 SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
@@ -133,24 +127,19 @@ def decide(
     max_replicas: int,
     stabilization_s: float,
     now: float,
-    scale_up: str = "burst",
 ) -> Decision:
-    """Turn the latest recommendation into a replica count (stabilized, clamped; scale-up
-    rate-limited with ``scale_up="hpa"``, see the module docstring).
+    """Turn the latest recommendation into a replica count (stabilized, rate-limited, clamped).
 
     ``recommendation=None`` means the metrics could not be read: hold, and do not record it.
     """
-    if scale_up not in SCALE_UP_POLICIES:
-        raise ValueError(f"unknown scale_up policy {scale_up!r}; choose one of {', '.join(SCALE_UP_POLICIES)}")
     window = compact(h for h in history if now - h.time <= stabilization_s)
     if recommendation is None:
         clamped = min(max(current, min_replicas), max_replicas)
         return Decision(clamped, current, window, "hold" if clamped == current else "bounds")
     window = compact((*window, Recommendation(now, recommendation)))
     if recommendation > current:
-        desired = recommendation
-        if scale_up == "hpa":  # at most doubling (min +1) per decision, like the HPA's default policy
-            desired = min(recommendation, max(current * 2, current + 1))
+        # Scale up at once, at most doubling (min +1) per decision, like the HPA's default policy.
+        desired = min(recommendation, max(current * 2, current + 1))
     else:
         # Scale down only as far as the highest recommendation inside the window allows.
         desired = max(r.replicas for r in window)

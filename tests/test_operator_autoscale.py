@@ -53,43 +53,11 @@ def test_fleet_recommendation_kv_and_queue() -> None:
     assert recommend_fleet(4, FleetLoad((0.8,) * 4, (4,) * 4), FLEET) == 4
 
 
-def test_scale_up_goes_straight_to_the_recommendation() -> None:
-    # An RL step's tool calls arrive as one burst (bench/cluster_sim.py): one decision sizes for it.
+def test_scale_up_is_immediate_but_at_most_doubling() -> None:
     d = _decide(2, 10)
-    assert (d.desired, d.reason) == (10, "scale-up")
-    assert _decide(2, 50).desired == 20  # still clamped to maxReplicas
-    assert _decide(0, 3, lo=0).desired == 3
-
-
-def test_hpa_scale_up_is_at_most_doubling() -> None:
-    def hpa(current, rec, lo=1):
-        return decide(
-            current,
-            rec,
-            (),
-            min_replicas=lo,
-            max_replicas=20,
-            stabilization_s=300,
-            now=1000.0,
-            scale_up="hpa",
-        )
-
-    d = hpa(2, 10)
     assert (d.desired, d.reason) == (4, "scale-up")
-    assert hpa(4, 5).desired == 5
-    assert hpa(0, 3, lo=0).desired == 1  # min +1 from zero
-    # a burst from 1 pod to 16 takes four decisions (a minute at the operator's 15 s)
-    current, steps = 1, 0
-    while current < 16:
-        current, steps = hpa(current, 16).desired, steps + 1
-    assert steps == 4
-
-
-def test_unknown_scale_up_policy_is_refused() -> None:
-    import pytest
-
-    with pytest.raises(ValueError, match="scale_up policy 'fast'"):
-        decide(1, 2, (), min_replicas=1, max_replicas=4, stabilization_s=0, now=0.0, scale_up="fast")
+    assert _decide(4, 5).desired == 5
+    assert _decide(0, 3, lo=0).desired == 1  # min +1 from zero
 
 
 def test_scale_down_waits_for_the_stabilization_window() -> None:

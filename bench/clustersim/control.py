@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
@@ -44,14 +43,12 @@ class PoolController:
         replicas: int,
         autoscaling: SandboxAutoscaling | None,
         startup_s: float,
-        decide_options: dict[str, Any] | None = None,
     ) -> None:
         self.service = service
         self.cfg = cfg
         self.replicas = replicas
         self.autoscaling = autoscaling
         self.startup_s = startup_s
-        self.decide_options = decide_options or {}
         self.pods: list[SandboxPod] = []
         self.history: tuple[autoscale.Recommendation, ...] = ()
         self.log = ScaleLog()
@@ -119,7 +116,6 @@ class PoolController:
             max_replicas=auto.max_replicas,
             stabilization_s=auto.scale_down_stabilization_seconds,
             now=now,
-            **self.decide_options,
         )
         self.history = decision.history
         self.log.decisions.append(

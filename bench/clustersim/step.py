@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -53,7 +52,6 @@ class SimConfig:
     pod_startup_s: float = 15.0
     queue_limit: int = 4096
     batch_size: int = 4
-    decide_options: dict[str, Any] = field(default_factory=dict)
     trainer: TrainerModel = field(default_factory=TrainerModel)
     autoscale_interval_s: float = 15.0
     sample_s: float = 2.0
@@ -134,9 +132,7 @@ async def _run(cfg: SimConfig) -> SimResult:
         batch_size=cfg.batch_size,
         queue_limit=cfg.queue_limit,
     )
-    pool = PoolController(
-        service, svc_cfg, cfg.pool_replicas, cfg.pool_autoscaling, cfg.pod_startup_s, cfg.decide_options
-    )
+    pool = PoolController(service, svc_cfg, cfg.pool_replicas, cfg.pool_autoscaling, cfg.pod_startup_s)
     await pool.start()
     fleet = FleetController(
         sched, make_engine, cfg.engine, cfg.fleet_autoscaling, cfg.engine_startup_s, cfg.fleet_dry_run
