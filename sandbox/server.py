@@ -26,7 +26,6 @@ import re
 import secrets
 import shutil
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -328,6 +327,10 @@ def _failure(why: str) -> dict[str, Any]:
 class SandboxService:
     """Queue, dispatch, idempotency and metrics; HTTP handlers are thin shells over it."""
 
+    # The worker implementation; a simulation (bench/clustersim) swaps in one whose calls take
+    # modelled time, so the queue, batching and backpressure below run unchanged.
+    worker_class: type[WorkerProc] = WorkerProc
+
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.queue: collections.deque[_Call] = collections.deque()
@@ -343,7 +346,7 @@ class SandboxService:
         self.window = Window()  # for the periodic log line (sandbox/progress.py)
 
     async def start(self) -> None:
-        self.workers = [WorkerProc(i, self.cfg) for i in range(self.cfg.workers)]
+        self.workers = [self.worker_class(i, self.cfg) for i in range(self.cfg.workers)]
         await asyncio.gather(*(w.start(self._spawn_lock) for w in self.workers))
         self.tasks = [asyncio.create_task(self._worker_loop(w)) for w in self.workers]
         self.ready = True
@@ -402,7 +405,7 @@ class SandboxService:
         if state == "done":
             fut.set_result(found)
             return fut
-        call = _Call(key, found, payload, fut, time.monotonic())
+        call = _Call(key, found, payload, fut, loop.time())
         if payload["op"] == "verify":
             fast = _fast_verify(payload)
             if fast is not None:
@@ -419,7 +422,8 @@ class SandboxService:
             self.nonempty.clear()
             await self.nonempty.wait()
         batch = [self.queue.popleft()]
-        deadline = time.monotonic() + self.cfg.flush_ms / 1000
+        clock = asyncio.get_running_loop().time  # the loop's clock: virtual in a simulation
+        deadline = clock() + self.cfg.flush_ms / 1000
         limit = self.cfg.batch_size
         if self.cfg.flush_ms <= 0:
             # without a flush window, take a fair share: a worker that grabbed the only three
@@ -429,7 +433,7 @@ class SandboxService:
             if self.queue:
                 batch.append(self.queue.popleft())
                 continue
-            left = deadline - time.monotonic()
+            left = deadline - clock()
             if left <= 0:
                 break
             self.nonempty.clear()
@@ -547,9 +551,10 @@ class SandboxService:
         if call.payload["op"] == "exec":
             result = build_result(raw, float(call.payload["timeout"]))
             value: Any = result.to_json()
-            TOOL_LATENCY.labels(self.cfg.pool, result.outcome).observe(time.monotonic() - call.submitted)
+            elapsed = asyncio.get_running_loop().time() - call.submitted  # the loop's clock (simulations)
+            TOOL_LATENCY.labels(self.cfg.pool, result.outcome).observe(elapsed)
             TOOL_CALLS.labels(self.cfg.pool, result.outcome).inc()
-            self.window.add_exec(result.outcome, time.monotonic() - call.submitted)
+            self.window.add_exec(result.outcome, elapsed)
         else:
             meta = raw.get("meta") or {}
             timed_out = bool(raw.get("timed_out"))

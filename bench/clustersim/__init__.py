@@ -1,0 +1,14 @@
+"""Discrete-event simulation of whole RL steps at the paper's scale (bench/cluster_sim.py).
+
+The simulation runs kuberl's own decision code on a virtual-time asyncio loop
+(``kuberl.rollout.sim.VirtualTimeLoop``): the KV-aware ``Scheduler``, the ``SandboxClient``'s
+retries, the ``SandboxService``'s queue, batching and backpressure (through its real HTTP
+handlers, without sockets), and the operator's autoscaling decisions
+(``kuberl.operator.autoscale``). Only the things that cost GPU or CPU time are models:
+engines (``kuberl.rollout.sim.SimEngine``), the execution of a tool call (a sleep of its
+modelled duration), pod start-up, the update and the weight sync.
+
+Modules: ``workload`` (seeded rollout plans), ``pods`` (sandbox pods and the Service that
+routes to them), ``control`` (the autoscaler loop and pod/engine life cycle), ``step``
+(one run of several RL steps and what it records).
+"""

@@ -1,0 +1,299 @@
+"""Run RL steps end to end in virtual time and record where the time goes.
+
+A step: every rollout of the batch goes through the real KV-aware ``Scheduler`` onto a
+simulated engine, generates turn by turn (``SimEngine``), and between turns sends its tool
+call through the real ``SandboxClient`` (retries, backoff) to the pool's pods (the real
+``SandboxService`` queue and handlers). When the last rollout is done the trainer updates
+and pushes the weights (modelled durations), then the next step starts. The operator's
+autoscaler runs throughout, across steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from kuberl.api.rollout_fleet import FleetAutoscaling
+from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
+from kuberl.rollout.engine import GenerateRequest
+from kuberl.rollout.scheduler import Scheduler
+from kuberl.rollout.sim import EngineSpec, SimEngine, run_virtual
+from kuberl.sandbox.client import SandboxClient, SandboxError
+from kuberl.sandbox.server import ServiceConfig
+
+from .control import FleetController, PoolController, autoscaler_loop
+from .pods import Service
+from .workload import RolloutPlan, TrainerModel, WorkloadSpec, encode_call, make_plans, trained_tokens
+
+# One MI300X serving a 14B model (SGLang, bf16, memFractionStatic 0.85): ~135 GB of KV cache at
+# 160 KiB per token (40 layers x 8 KV heads x 128 x 2 x 2 bytes) is ~820K tokens; decode is
+# memory-bound at ~15 ms a step up to 128 sequences. Same engine model as bench/scheduler.py.
+MI300X_14B = EngineSpec(
+    "engine", capacity=820_000, t0=0.015, b_sat=128, prefill_per_token=0.015 / (128 * 5), max_running=1024
+)
+
+
+@dataclass
+class SimConfig:
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    steps: int = 2
+    seed: int = 0
+    engines: int = 64
+    engine: EngineSpec = MI300X_14B
+    fleet_autoscaling: FleetAutoscaling | None = None
+    fleet_dry_run: bool = False
+    engine_startup_s: float = 120.0
+    pool_replicas: int = 8
+    workers_per_pod: int = 32  # one worker per core (examples/rstar2-mi300x.yaml: 32 cpu, 32 workers)
+    pool_autoscaling: SandboxAutoscaling | None = None
+    pod_startup_s: float = 15.0
+    queue_limit: int = 4096
+    batch_size: int = 4
+    trainer: TrainerModel = field(default_factory=TrainerModel)
+    autoscale_interval_s: float = 15.0
+    sample_s: float = 2.0
+    rtt_s: float = 0.001
+    plans: list[list[RolloutPlan]] | None = None  # precomputed per step (same workload across runs)
+    # Replay instead of rollouts: each step's tool calls (dispatch offsets and costs) and its
+    # durations, recorded by a closed-loop run. Tool latency is ~1/100 of a turn, so the calls'
+    # arrival times barely depend on the pool; a replay prices other pools without the engines.
+    replay: list[StepRecord] | None = None
+
+
+@dataclass
+class StepRecord:
+    start: float
+    rollouts_done: float = 0.0
+    end: float = 0.0
+    update_s: float = 0.0
+    sync_s: float = 0.0
+    calls: int = 0
+    failed_calls: int = 0
+    latency: np.ndarray = field(default_factory=lambda: np.empty(0))
+    dispatch: np.ndarray = field(default_factory=lambda: np.empty(0))  # seconds after the step's start
+    costs: np.ndarray = field(default_factory=lambda: np.empty(0))  # each call's modelled duration
+    critical: dict[str, float] = field(default_factory=dict)  # the last rollout's own time split
+    mean_rollout: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rollout_s(self) -> float:
+        return self.rollouts_done - self.start
+
+
+@dataclass
+class SimResult:
+    steps: list[StepRecord]
+    timeline: list[dict[str, float]]
+    statuses: dict[str, int]
+    attempts: int
+    pool_decisions: list[tuple]
+    fleet_decisions: list[tuple]
+    fleet_observed: list[tuple[float, float, int]]
+
+
+def _pct(xs: np.ndarray, q: float) -> float:
+    return float(np.quantile(xs, q)) if xs.size else float("nan")
+
+
+def latency_summary(lat: np.ndarray) -> dict[str, float]:
+    return {
+        "mean": float(lat.mean()) if lat.size else float("nan"),
+        "p50": _pct(lat, 0.5),
+        "p99": _pct(lat, 0.99),
+    }
+
+
+async def _run(cfg: SimConfig) -> SimResult:
+    loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(cfg.seed)
+    lengths: dict[str, int] = {}
+
+    def oracle(req: GenerateRequest) -> int:
+        return lengths.pop(req.rid)
+
+    def make_engine(name: str) -> SimEngine:
+        return SimEngine(replace(cfg.engine, name=name), oracle)
+
+    spec = cfg.workload
+    sched = Scheduler(
+        [make_engine(f"engine-{i}") for i in range(cfg.engines)],
+        "kv-aware",
+        max_response_tokens_default=spec.max_response_tokens,
+        no_engine_timeout_s=None,
+    )
+    service = Service(rng, cfg.rtt_s)
+    svc_cfg = ServiceConfig(
+        workers=cfg.workers_per_pod,
+        pool="sim",
+        limits=SandboxLimits(timeout_seconds=spec.tool_timeout_s),
+        batch_size=cfg.batch_size,
+        queue_limit=cfg.queue_limit,
+    )
+    pool = PoolController(service, svc_cfg, cfg.pool_replicas, cfg.pool_autoscaling, cfg.pod_startup_s)
+    await pool.start()
+    fleet = FleetController(
+        sched, make_engine, cfg.engine, cfg.fleet_autoscaling, cfg.engine_startup_s, cfg.fleet_dry_run
+    )
+    client = SandboxClient("http://sandbox", retries=5, request_timeout=60.0)
+    client._session = service  # type: ignore[assignment]  # the Service replaces the aiohttp session
+    stop = asyncio.Event()
+    timeline: list[dict[str, float]] = []
+    inflight = {"calls": 0, "rollouts": 0}
+
+    async def sampler() -> None:
+        while not stop.is_set():
+            ready = pool.ready_pods
+            timeline.append(
+                {
+                    "t": loop.time(),
+                    "pods_desired": pool.replicas,
+                    "pods_ready": len(ready),
+                    "cores_ready": sum(p.cores for p in ready),
+                    "queue": sum(len(p.svc.queue) for p in ready),
+                    "busy": sum(p.svc.busy for p in ready),
+                    "calls_inflight": inflight["calls"],
+                    "rollouts_active": inflight["rollouts"],
+                    "engines": fleet.in_service,
+                    "engines_desired": fleet.replicas,
+                    "rollouts_waiting": sched.waiting,
+                }
+            )
+            try:
+                await asyncio.wait_for(stop.wait(), cfg.sample_s)
+            except TimeoutError:
+                pass
+
+    tasks = [
+        loop.create_task(sampler()),
+        loop.create_task(autoscaler_loop([pool, fleet], cfg.autoscale_interval_s, stop)),
+    ]
+    records = []
+
+    async def call(
+        code: str, rec: StepRecord, lat: list[float], disp: list[float], costs: list[float], cost: float
+    ) -> None:
+        c0 = loop.time()
+        inflight["calls"] += 1
+        try:
+            await client.execute(code)
+        except SandboxError:
+            rec.failed_calls += 1
+        finally:
+            inflight["calls"] -= 1
+        lat.append(loop.time() - c0)
+        disp.append(c0 - rec.start)
+        costs.append(cost)
+
+    async def replay(
+        rec: StepRecord, old: StepRecord, lat: list[float], disp: list[float], costs: list[float]
+    ) -> None:
+        pending = []
+        for offset, cost in sorted(zip(old.dispatch, old.costs, strict=True)):
+            await asyncio.sleep(max(0.0, rec.start + offset - loop.time()))
+            pending.append(
+                loop.create_task(call(encode_call(float(cost)), rec, lat, disp, costs, float(cost)))
+            )
+        await asyncio.sleep(max(0.0, rec.start + old.rollout_s - loop.time()))
+        await asyncio.gather(*pending)
+
+    steps = len(cfg.replay) if cfg.replay else cfg.steps
+    for step in range(steps):
+        rec = StepRecord(start=loop.time())
+        lat: list[float] = []
+        disp: list[float] = []
+        costs: list[float] = []
+        if cfg.replay:
+            old = cfg.replay[step]
+            await replay(rec, old, lat, disp, costs)
+            rec.rollouts_done = loop.time()
+            rec.calls = len(lat)
+            rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
+            rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
+            rec.update_s, rec.sync_s = old.update_s, old.sync_s
+            await asyncio.sleep(rec.update_s + rec.sync_s)
+            rec.end = loop.time()
+            records.append(rec)
+            continue
+        plans = cfg.plans[step] if cfg.plans else make_plans(spec, cfg.seed * 1000 + step)
+        per_rollout: list[tuple[float, float, float, float]] = []  # end, wait, gen, tools
+
+        async def rollout(
+            i: int,
+            plan: RolloutPlan,
+            step: int = step,
+            rec: StepRecord = rec,
+            lat: list = lat,
+            disp: list = disp,
+            costs: list = costs,
+            per_rollout: list = per_rollout,
+        ) -> None:
+            t0 = loop.time()
+            gen = tools = 0.0
+            async with sched.session(plan.prompt, spec.max_response_tokens) as engine:
+                inflight["rollouts"] += 1
+                wait = loop.time() - t0
+                context = plan.prompt
+                for t, tokens in enumerate(plan.turns):
+                    rid = f"s{step}r{i}/t{t}"
+                    lengths[rid] = tokens
+                    g0 = loop.time()
+                    out = await engine.generate(
+                        GenerateRequest(
+                            [0] * context, spec.max_response_tokens - (context - plan.prompt), rid=rid
+                        )
+                    )
+                    gen += loop.time() - g0
+                    context += len(out.output_ids)
+                    if t == len(plan.turns) - 1:
+                        break
+                    c0 = loop.time()
+                    cost = plan.tool_costs[t]
+                    await call(encode_call(cost), rec, lat, disp, costs, cost)
+                    tools += loop.time() - c0
+                    context += plan.tool_tokens[t]
+                inflight["rollouts"] -= 1
+            per_rollout.append((loop.time(), wait, gen, tools))
+
+        await asyncio.gather(*(rollout(i, p) for i, p in enumerate(plans)))
+        rec.rollouts_done = loop.time()
+        rec.calls = len(lat)
+        rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
+        arr = np.array(per_rollout)
+        last = arr[np.argmax(arr[:, 0])]
+        rec.critical = {"wait_for_engine": last[1], "generation": last[2], "tools": last[3]}
+        rec.mean_rollout = {
+            "wait_for_engine": arr[:, 1].mean(),
+            "generation": arr[:, 2].mean(),
+            "tools": arr[:, 3].mean(),
+        }
+        rec.update_s = cfg.trainer.update_seconds(trained_tokens(plans, spec, cfg.trainer.kept_per_prompt))
+        rec.sync_s = cfg.trainer.sync_seconds()
+        await asyncio.sleep(rec.update_s + rec.sync_s)
+        rec.end = loop.time()
+        records.append(rec)
+    stop.set()
+    await asyncio.gather(*tasks)
+    await pool.stop()
+    await fleet.stop()
+    await sched.close()
+    for st in sched.stats:
+        if st.engine is not None:
+            await st.engine.close()
+    return SimResult(
+        records,
+        timeline,
+        dict(service.statuses),
+        service.attempts,
+        pool.log.decisions,
+        fleet.log.decisions,
+        fleet.observed,
+    )
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run ``cfg.steps`` RL steps on a fresh virtual-time loop (deterministic for a seed)."""
+    logging.getLogger("kuberl.sandbox").setLevel(logging.ERROR)  # one "pool ready" line per pod
+    return run_virtual(lambda: _run(cfg))
