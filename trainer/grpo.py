@@ -380,6 +380,8 @@ def prepare_batch(
         "response_clip_ratio": sum(s.traj.truncated for s in all_scored) / n,
         "response_length": sum(len(s.traj.response_ids) for s in all_scored) / n,
         "tool_calls_mean": sum(s.traj.tool_calls for s in all_scored) / n,
+        # summed over rollouts: they wait for tools concurrently, so this overlaps the step's generation
+        "tool_seconds": sum(s.traj.tool_seconds for s in all_scored),
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),
         "groups_dropped_zero_adv": float(dropped),
