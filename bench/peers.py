@@ -395,6 +395,7 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
         ("samples_per_s", "samples/s"),
         ("trainer_tok_per_s", "trainer tok/s (trained tokens / update s)"),
         ("peak_rss_mb", "peak RSS MB (trainer process)"),
+        ("peak_rss_children_mb", "peak RSS MB (largest child: vLLM server)"),
         ("heldout", "held-out accuracy after N steps"),
         ("reward_first", "train reward step 1"),
         ("reward_last", "train reward step N"),
@@ -402,6 +403,7 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
     for runs in results.values():
         for r in runs:
             r["peak_rss_mb"] = r["summary"]["peak_rss_mb"]
+            r["peak_rss_children_mb"] = r["summary"].get("peak_rss_children_mb", math.nan)
             r["reward_first"] = r["steps"][0].get("reward_mean", math.nan) if r["steps"] else math.nan
             r["reward_last"] = r["steps"][-1].get("reward_mean", math.nan) if r["steps"] else math.nan
     names = list(results)
@@ -444,6 +446,12 @@ def heldout_file(out: Path, n: int) -> Path:
     return path
 
 
+def save(out: Path, results: dict, sft_acc: float, load: tuple) -> None:
+    """After every side: a run cut short still reports what finished (``--report``)."""
+    doc = {"results": results, "sft_acc": sft_acc, "load": load, "load_now": os.getloadavg()}
+    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
@@ -464,61 +472,54 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--heldout", type=int, default=128, help="held-out problems evaluated after RL")
     ap.add_argument("--out", default="/tmp/kuberl-peers")
+    ap.add_argument("--report", action="store_true", help="only print the table of --out's results.json")
     args = ap.parse_args(argv)
     import yaml
 
     out = Path(args.out)
+    if args.report:
+        doc = json.loads((out / "results.json").read_text())
+        report(doc["results"], doc["sft_acc"], tuple(doc["load"]), tuple(doc["load_now"]))
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     folder, sft_acc = prepare(out)
     held = str(heldout_file(out, args.heldout).resolve())
     results: dict[str, list[dict[str, Any]]] = {}
-    for seed in args.seeds:
-        for engine in args.kuberl_engines:
-            m = rl_manifest(
-                load_base(),
-                str(folder.resolve()),
-                steps=args.steps,
-                seed=seed,
-                engine=engine,
-                prompts=args.prompts,
-                group=args.group,
-                heldout=held,
-            )
-            path = out / f"kuberl-{engine}-s{seed}.yaml"
-            path.write_text(yaml.safe_dump(m, sort_keys=False))
-            r = run_side("kuberl", path, out / f"kuberl-{engine}-s{seed}")
-            results.setdefault(f"kuberl-{engine}", []).append(r)
-            print(
-                f"seed {seed} kuberl-{engine}: step {r['step_s']:.1f} s, held-out {r['heldout']:.3f}",
-                flush=True,
-            )
-        if args.no_trl:
-            continue
-        from kuberl.api.job import AgenticRLJob
-        from kuberl.api.loader import find_one, load_manifests
+    from kuberl.api.job import AgenticRLJob
+    from kuberl.api.loader import find_one, load_manifests
 
+    def manifest(seed: int, engine: str, name: str) -> Path:
         m = rl_manifest(
             load_base(),
             str(folder.resolve()),
             steps=args.steps,
             seed=seed,
-            engine="vllm",
+            engine=engine,
             prompts=args.prompts,
             group=args.group,
             heldout=held,
         )
-        path = out / f"trl-s{seed}.yaml"
+        path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(m, sort_keys=False))
-        job = find_one(load_manifests(str(path)), AgenticRLJob)
-        settings = out / f"trl-s{seed}.json"
-        settings.write_text(
-            json.dumps(trl_settings(job, str(folder.resolve()), "", job.spec.trainer.threads or 2))
-        )
-        r = run_side("trl", path, out / f"trl-s{seed}", settings)
-        results.setdefault("trl", []).append(r)
-        print(f"seed {seed} trl: step {r['step_s']:.1f} s, held-out {r['heldout']:.3f}", flush=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        return path
+
+    def done(name: str, label: str, r: dict[str, Any]) -> None:
+        results.setdefault(label, []).append(r)
+        save(out, results, sft_acc, load)
+        print(f"{name}: step {r['step_s']:.1f} s, held-out {r['heldout']:.3f}", flush=True)
+
+    for seed in args.seeds:
+        if not args.no_trl:  # first: the side whose failure would waste the others' time
+            path = manifest(seed, "vllm", f"trl-s{seed}")
+            job = find_one(load_manifests(str(path)), AgenticRLJob)
+            settings = out / f"trl-s{seed}.json"
+            threads = job.spec.trainer.threads or 2
+            settings.write_text(json.dumps(trl_settings(job, str(folder.resolve()), "", threads)))
+            done(f"trl-s{seed}", "trl", run_side("trl", path, out / f"trl-s{seed}", settings))
+        for engine in args.kuberl_engines:
+            name = f"kuberl-{engine}-s{seed}"
+            done(name, f"kuberl-{engine}", run_side("kuberl", manifest(seed, engine, name), out / name))
     report(results, sft_acc, load, os.getloadavg())
     return 0
 
