@@ -464,7 +464,7 @@ def recompute_old_logprobs(
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
-            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt, with_entropy=False)
             lp = lp.cpu()
             for row, i in enumerate(part):
                 n = len(batch.seqs[i]) - 1
@@ -545,7 +545,7 @@ def rl_update(
                 if tis_cap is not None:
                     weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
                 logits, _ = model(inp, attention_mask=att)
-                lp, ent = token_logprobs(logits, tgt)
+                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
                 loss, st = policy_loss(
                     lp,
                     old,
