@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -80,6 +81,7 @@ class Trajectory:
     error: str | None = None
     versions: list[int | None] = field(default_factory=list)  # policy version of each model turn
     engine: str | None = None  # the engine that generated it (a rollout keeps one engine)
+    tool_seconds: float = 0.0  # wall time this rollout waited for its tool calls (sandbox round trips)
 
     @property
     def min_version(self) -> int | None:
@@ -138,6 +140,7 @@ async def rollout_one(
     engine_name: str | None = None
     truncated = False
     finish = "max_turns"
+    tool_seconds = 0.0
     async with scheduler.session(len(prompt_ids), max_response_tokens) as engine:
         engine_name = engine.name
         while turns < max_turns:
@@ -188,7 +191,9 @@ async def rollout_one(
             if turns >= max_turns:
                 finish = "max_turns"  # the last turn's calls would have no turn to use them
                 break
+            t_tool = time.perf_counter()
             results, errors = await _run_calls(executor, calls)
+            tool_seconds += time.perf_counter() - t_tool
             tool_calls += len(calls)
             tool_errors += errors
             tool_text = template.render_tool_responses(results)
@@ -222,6 +227,7 @@ async def rollout_one(
         error=error,
         versions=versions,
         engine=engine_name,
+        tool_seconds=tool_seconds,
     )
 
 

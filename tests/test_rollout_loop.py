@@ -50,6 +50,7 @@ async def test_tool_turn_then_answer_keeps_exact_ids_and_masks_tool_tokens():
     assert traj.turns == 2 and traj.finish_reason == "answer" and traj.answer == "42"
     assert traj.tool_calls == 2 and traj.tool_errors == 1 and traj.format_errors == 0
     assert executor.max_concurrent == 2, "a turn's calls run concurrently"
+    assert traj.tool_seconds >= 0.01, "the turn waited for its 10 ms calls"
     assert not traj.truncated
     tool_text = template.render_tool_responses(
         ["len=10", "Traceback (most recent call last):\nValueError: boom"]
@@ -81,6 +82,11 @@ async def test_max_turns_stops_without_running_the_last_calls():
     assert traj.turns == 3 and traj.finish_reason == "max_turns"
     assert traj.tool_calls == 2 and len(executor.calls) == 2
     assert traj.response_ids[-1] == TOK.eos_id and traj.loss_mask[-1] == 1
+
+
+async def test_a_rollout_without_tool_calls_waited_for_none():
+    traj, _ = await _run([f"<answer>\\boxed{{42}}</answer>{END}"], FakeExecutor(delay=0.05))
+    assert traj.tool_calls == 0 and traj.tool_seconds == 0.0
 
 
 async def test_generation_hitting_the_budget_is_truncated():

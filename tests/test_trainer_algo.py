@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kuberl.trainer.advantage import filter_groups, group_advantages
-from kuberl.trainer.loss import LossConfig, aggregate, policy_loss
+from kuberl.trainer.loss import LossConfig, aggregate, policy_loss, token_logprobs
 from kuberl.trainer.roc import RocCandidate, p_err, p_format, p_total, quotas, select
 
 
@@ -255,3 +255,15 @@ def test_recompute_old_logprobs_uses_the_trainer_policy_and_reports_the_gap():
     # on-policy: the first (only) mini-batch sees ratio 1 everywhere, nothing is clipped
     st = rl_update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, LossConfig(), grad_clip=1.0)
     assert st["ratio_max"] == pytest.approx(1.0, abs=1e-5) and st["clip_low"] == st["clip_high"] == 0
+
+
+def test_token_logprobs_without_entropy_are_the_same_logprobs_and_gradient():
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 11, requires_grad=True)
+    tgt = torch.randint(0, 11, (2, 5))
+    full, ent = token_logprobs(x, tgt)
+    (g_full,) = torch.autograd.grad(full.sum(), x)
+    lean, none = token_logprobs(x, tgt, with_entropy=False)
+    (g_lean,) = torch.autograd.grad(lean.sum(), x)
+    assert none is None and ent is not None and ent.shape == (2, 5)
+    assert torch.allclose(full, lean, atol=1e-6) and torch.allclose(g_full, g_lean, atol=1e-6)

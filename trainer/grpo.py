@@ -418,6 +418,8 @@ def prepare_batch(
         "response_length": sum(len(s.traj.response_ids) for s in all_scored) / n,
         "response_tokens": float(sum(len(s.traj.response_ids) for s in all_scored)),  # tokens/s in logs
         "tool_calls_mean": sum(s.traj.tool_calls for s in all_scored) / n,
+        # summed over rollouts: they wait for tools concurrently, so this overlaps the step's generation
+        "tool_seconds": sum(s.traj.tool_seconds for s in all_scored),
         "turns_mean": sum(s.traj.turns for s in all_scored) / n,
         "groups": float(len(groups)),
         "groups_dropped_zero_adv": float(dropped),
@@ -500,7 +502,7 @@ def recompute_old_logprobs(
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
-            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt)
+            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt, with_entropy=False)
             lp = lp.cpu()
             for row, i in enumerate(part):
                 n = len(batch.seqs[i]) - 1
@@ -581,7 +583,7 @@ def rl_update(
                 if tis_cap is not None:
                     weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
                 logits, _ = model(inp, attention_mask=att)
-                lp, ent = token_logprobs(logits, tgt)
+                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
                 loss, st = policy_loss(
                     lp,
                     old,
