@@ -285,9 +285,9 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
     from kuberl.rollout.vllm_server import running_vllm
     from kuberl.sandbox.local import running_sandbox
     from kuberl.trainer import data as data_mod
-    from kuberl.trainer.grpo import RolloutWorker
     from kuberl.trainer.local import local_vllm_config
     from kuberl.trainer.policy import build_tokenizer
+    from kuberl.trainer.rollout_worker import RolloutWorker
     from kuberl.trainer.stages import EVAL_SIZE
 
     job = find_one(load_manifests(str(manifest)), AgenticRLJob)

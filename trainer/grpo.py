@@ -1,21 +1,16 @@
 """One GRPO-RoC step: rollouts (2G per prompt) -> reward -> RoC (2G -> G) -> advantages ->
 clipped loss -> optimizer step. The rollout side (engine + sandbox) lives in
-:class:`RolloutWorker`, which ``kuberl.trainer.local`` runs as a Ray actor (or in-process with
-``--no-ray``); the update side (:func:`rl_update`) runs where the trainable model is.
+:class:`kuberl.trainer.rollout_worker.RolloutWorker`, which ``kuberl.trainer.local`` runs as a
+Ray actor (or in-process with ``--no-ray``); the update side (:func:`rl_update`) runs where the
+trainable model is.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import itertools
 import math
-import os
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,18 +21,6 @@ from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
-from kuberl.trainer.tool_stats import ToolTally
-
-
-def pin_to_cpus(spec: str | None) -> None:
-    """Restrict this process to the cores of ``spec`` ("0", "0,2", "1-3"); None or "" leaves it."""
-    if not spec:
-        return
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -58,264 +41,6 @@ class Scored:
             turns=t.turns,
             format_errors=t.format_errors,
         )
-
-
-class RolloutWorker:
-    """Owns the engines, Scheduler and sandbox client; one persistent event loop.
-
-    Engines: a LocalEngine serving a private copy of the policy (``model_config``, the default),
-    ``engine_factory(model, tokenizer)``'s engine (tests script what the policy writes), or,
-    with ``fleet``, the SGLang engines of a RolloutFleet, kept current by a FleetWatcher; a
-    fleet takes new weights as a published folder (:meth:`load_weights`), the local engine as
-    a state dict (:meth:`set_weights`).
-
-    ``executor_factory`` returns an async context manager yielding a ToolExecutor with
-    ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
-    """
-
-    def __init__(
-        self,
-        model_config: dict | None,
-        tokenizer_json: str,
-        sandbox_url: str | None,
-        *,
-        device: str = "cpu",
-        threads: int | None = None,
-        max_total_tokens: int = 65536,
-        max_batch: int = 256,
-        executor_factory: Callable[[], Any] | None = None,
-        engine_factory: Callable[[nn.Module, Any], Any] | None = None,
-        fleet: Any = None,
-        scheduler_policy: str = "kv-aware",
-    ):
-        if threads:
-            torch.set_num_threads(threads)
-        pin_to_cpus(os.environ.get("KUBERL_ROLLOUT_CPUS"))  # benches: the engine on its own cores
-        from kuberl.rollout.local_engine import LocalEngine
-        from kuberl.rollout.scheduler import Scheduler
-        from kuberl.trainer.hf import policy_from_config
-        from kuberl.trainer.tokenizer import BPETokenizer
-
-        self.tokenizer = BPETokenizer.from_str(tokenizer_json)
-        self.device = device
-        if executor_factory is None:
-            if sandbox_url is None:
-                raise ValueError("RolloutWorker needs a sandbox_url or an executor_factory")
-            from kuberl.sandbox.client import SandboxClient
-
-            def executor_factory():
-                return SandboxClient(sandbox_url)
-
-        # A private event loop on its own thread: Ray actors (and Jupyter) already run a loop on
-        # the calling thread, so run_until_complete() there is not an option.
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="rollout-loop", daemon=True)
-        self._thread.start()
-        self._tickets = itertools.count()
-        self._inflight: dict[int, concurrent.futures.Future] = {}
-        self._active = 0  # rollout batches in flight, and the time any was: the engine side's busy time
-        self._busy_since = 0.0
-        self.busy_total = 0.0
-        self._kv_peak: float | None = None  # highest KV-cache use sampled since the last step_stats
-        self._sampler: asyncio.Task | None = None
-        self.engine: Any = None
-        self.fleet: Any = None
-        if fleet is not None:
-            from kuberl.rollout.fleet import FleetWatcher
-
-            self.fleet = FleetWatcher(fleet, policy=scheduler_policy)
-            self.scheduler = self._run(self.fleet.start())
-        else:
-            if model_config is None:
-                raise ValueError("RolloutWorker needs a model_config or a fleet")
-            self.model = policy_from_config(model_config)
-            if engine_factory is None:
-                self.engine = LocalEngine(
-                    self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
-                )
-            else:
-                self.engine = engine_factory(self.model, self.tokenizer)
-            self.scheduler = Scheduler([self.engine], policy=scheduler_policy)
-            # Learn the engines' capacities now rather than inside the first rollouts() call, so a
-            # worker started by a resume schedules its first batch exactly like a long-lived one.
-            self._run(self.scheduler.refresh_capacities())
-        self._cm = executor_factory()
-        self.executor = ToolTally(self._run(self._cm.__aenter__()))
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
-
-    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
-        if self.engine is None:
-            raise RuntimeError(
-                "this worker rolls out on a fleet of HTTP engines: new weights go through load_weights"
-            )
-        self.engine.set_weights({k: v.to(self.device) for k, v in state_dict.items()}, version=version)
-
-    def load_weights(self, path: str, version: int | None = None) -> None:
-        """Every fleet engine loads the HF folder ``path`` (engines that join later, too)."""
-        if self.fleet is None:
-            raise RuntimeError("this worker rolls out on a local engine: new weights go through set_weights")
-        self._run(self.fleet.load_weights(path, version))
-
-    def rollouts(self, *args: Any, **kwargs: Any) -> list[list[Scored]]:
-        """:meth:`submit_rollouts` and wait for them: the synchronous path."""
-        return self.collect_rollouts(self.submit_rollouts(*args, **kwargs))
-
-    def submit_rollouts(
-        self,
-        prompts: Sequence[str],
-        golds: Sequence[str],
-        n: int,
-        *,
-        max_turns: int,
-        max_response_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-    ) -> int:
-        """Start ``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)
-        in the background; returns a ticket for :meth:`collect_rollouts`.
-
-        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
-        sample index, turn), so the result does not depend on tool latency or batching.
-        Asynchronous RL generates the next batches this way while the trainer updates; the
-        worker's event loop keeps serving weight pushes and other calls meanwhile.
-        """
-        coro = self._rollouts(
-            list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
-        )
-        ticket = next(self._tickets)
-        self._inflight[ticket] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return ticket
-
-    def collect_rollouts(self, ticket: int) -> list[list[Scored]]:
-        """The groups of a :meth:`submit_rollouts` call (waits for them)."""
-        return self._inflight.pop(ticket).result()
-
-    def discard_rollouts(self, ticket: int) -> None:
-        """Cancel a submitted batch (a run stopping early does not wait for batches it won't train)."""
-        fut = self._inflight.pop(ticket, None)
-        if fut is not None:
-            fut.cancel()
-
-    def step_stats(self) -> dict[str, float]:
-        """Tool-call outcomes and latency, and the peak KV-cache use of the engines, since the
-        last call (taken on the loop thread, where they are recorded)."""
-
-        async def take() -> dict[str, float]:
-            out = self.executor.take()
-            if self._kv_peak is not None:
-                out["kv_cache_utilization"] = self._kv_peak
-            self._kv_peak = None
-            return out
-
-        return self._run(take())
-
-    async def _sample_kv(self, every: float = 0.05) -> None:
-        """While rollouts run, keep the highest KV-cache use of any engine (the engines' own
-        gauge is instantaneous: idle, 0, whenever a step ends)."""
-        try:
-            while self._active > 0:
-                use = max((st["utilization"] for st in self.scheduler.snapshot()), default=None)
-                if use is not None:
-                    self._kv_peak = max(use, self._kv_peak or 0.0)
-                await asyncio.sleep(every)
-        finally:
-            if self._sampler is asyncio.current_task():
-                self._sampler = None
-
-    def busy_seconds(self) -> float:
-        """Wall time during which at least one rollout batch was generating (up to now)."""
-        return self.busy_total + (time.monotonic() - self._busy_since if self._active else 0.0)
-
-    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
-        if self._active == 0:
-            self._busy_since = time.monotonic()
-        self._active += 1
-        if self._sampler is None:
-            self._sampler = asyncio.ensure_future(self._sample_kv())
-        try:
-            return await self._rollouts_inner(
-                prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-            )
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self.busy_total += time.monotonic() - self._busy_since
-                if self._sampler is not None:  # not left sleeping on a loop that may close next
-                    self._sampler.cancel()
-                    self._sampler = None
-
-    async def _rollouts_inner(
-        self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-    ):
-        from kuberl.rollout.loop import rollout_group
-
-        groups = await rollout_group(
-            self.scheduler,
-            self.tokenizer,
-            self.executor,
-            prompts,
-            n,
-            seed=seed,
-            max_turns=max_turns,
-            max_response_tokens=max_response_tokens,
-            temperature=temperature,
-            top_p=top_p,
-        )
-        pairs, where = [], []
-        for i, group in enumerate(groups):
-            for j, t in enumerate(group):
-                if t.answer is not None and not t.truncated:
-                    pairs.append((t.answer, golds[i]))
-                    where.append((i, j))
-        ok = await self.executor.verify_batch(pairs) if pairs else []
-        rewards = [[0.0] * len(g) for g in groups]
-        for (i, j), good in zip(where, ok, strict=True):
-            rewards[i][j] = 1.0 if good else 0.0
-        return [
-            [Scored(t, r) for t, r in zip(g, rw, strict=True)] for g, rw in zip(groups, rewards, strict=True)
-        ]
-
-    def rollout_metrics(self) -> list[dict[str, Any]]:
-        """Per-engine load and generated tokens, for a driver whose exporter this process is not.
-
-        Under Ray the Scheduler's gauges live in the actor's registry, which nothing serves;
-        the driver polls this and mirrors it (``kuberl.trainer.metrics.RolloutMirror``).
-        """
-
-        async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
-            engines = {e.name: e for e in self.scheduler.engines}
-            return [
-                {
-                    "engine": st["engine"],
-                    "kv_cache_utilization": st["utilization"],
-                    "requests_inflight": st["inflight"],
-                    "generated_tokens": getattr(engines.get(st["engine"]), "generated_tokens", None),
-                }
-                for st in self.scheduler.snapshot()
-            ]
-
-        return self._run(snap())
-
-    def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
-        from kuberl.trainer.data import build_sft_traces
-
-        return self._run(
-            build_sft_traces(problems, self.executor, seed=seed, error_fraction=error_fraction, style=style)
-        )
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        try:
-            self._run(self.engine.close() if self.fleet is None else self.fleet.close())
-            self._run(self._cm.__aexit__(None, None, None))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=10)
-            self.loop.close()
 
 
 @dataclass

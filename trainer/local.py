@@ -34,7 +34,6 @@ from kuberl.rollout.http_engine import EngineError
 from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
-from kuberl.trainer.grpo import RolloutWorker
 from kuberl.trainer.hf import meta_hf_policy
 from kuberl.trainer.metrics import MetricsSink, NullSink, RolloutMirror
 from kuberl.trainer.policy import (
@@ -47,6 +46,7 @@ from kuberl.trainer.policy import (
     same_architecture,
 )
 from kuberl.trainer.progress import LogProgress, use_plain
+from kuberl.trainer.rollout_worker import RolloutWorker
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.tracking import check_installed, open_trackers
