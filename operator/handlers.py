@@ -46,7 +46,6 @@ from typing import Any
 
 import aiohttp
 import kopf
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kuberl import GROUP, VERSION
@@ -65,6 +64,7 @@ from . import (
     trainer_runs,
 )
 from .kube import ApiError, KubeClient, kind_of, operator_cache
+from .pods import http_scrape, ready_pods, scrape_pods, train_progress
 
 log = logging.getLogger("kuberl.operator")
 SUMMARY_EVERY = 600.0
@@ -79,13 +79,6 @@ KINDS: dict[str, type[Resource]] = {
 PLURALS = {cls.KIND: cls.PLURAL for cls in KINDS.values()}
 SCALED = ("SandboxPool", "RolloutFleet")
 TERMINAL = ("Succeeded", "Failed")
-
-
-async def http_scrape(url: str, timeout: float = 2.0) -> str:
-    """GET a /metrics page (the default scraper)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s, s.get(url) as rsp:
-        rsp.raise_for_status()
-        return await rsp.text()
 
 
 def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -283,69 +276,6 @@ def _adjust(obj: dict[str, Any]) -> Adjust | None:
     return adjust
 
 
-async def _ready_pods(client: KubeClient, namespace: str, labels: dict[str, str]) -> list[dict[str, Any]]:
-    pods = await client.list(kind_of("v1", "Pod"), namespace, labels)
-    out = []
-    for pod in pods:
-        st = pod.get("status") or {}
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []
-        )
-        if (
-            st.get("phase") == "Running"
-            and ready
-            and st.get("podIP")
-            and not pod["metadata"].get("deletionTimestamp")
-        ):
-            out.append(pod)
-    return out
-
-
-def _pod_port(pod: dict[str, Any], names: tuple[str, ...] = ("metrics", "http")) -> int | None:
-    for c in pod.get("spec", {}).get("containers") or []:
-        for p in c.get("ports") or []:
-            if p.get("name") in names:
-                return int(p["containerPort"])
-    return None
-
-
-async def _scrape_pods(ctx: OperatorContext, pods: list[dict[str, Any]], names: tuple[str, ...]) -> list[str]:
-    async def one(pod: dict[str, Any]) -> str | None:
-        port = _pod_port(pod, names)
-        if port is None:
-            return None
-        try:
-            return await ctx.scrape(f"http://{pod['status']['podIP']}:{port}/metrics")
-        except (aiohttp.ClientError, TimeoutError, OSError) as err:
-            log.debug("scrape of %s failed: %s", pod["metadata"]["name"], err)
-            return None
-
-    results = await asyncio.gather(*(one(p) for p in pods))
-    return [r for r in results if r is not None]
-
-
-def train_progress(text: str, job: str) -> dict[str, Any]:
-    """status.stage/step/summary from a trainer's /metrics (kuberl_train_* of DESIGN.md)."""
-    out: dict[str, Any] = {}
-    summary: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.labels.get("job", job) != job:
-                continue
-            if s.name == "kuberl_train_step":
-                if s.value >= out.get("step", -1):
-                    out["step"] = int(s.value)
-                    if "stage" in s.labels:
-                        out["stage"] = s.labels["stage"]
-            elif s.name == "kuberl_train_reward_mean":
-                summary["rewardMean"] = s.value
-            elif s.name == "kuberl_train_tool_error_ratio_positive":
-                summary["toolErrorRatio"] = s.value
-    if summary:
-        out["summary"] = summary
-    return out
-
-
 async def reconcile(
     ctx: OperatorContext, body: Mapping[str, Any], *, first_time: bool
 ) -> tuple[dict[str, Any], list[status.Event]]:
@@ -429,7 +359,7 @@ async def _reconcile_scaled(
         noun="sandbox" if component == "sandbox" else "engine",
     )
     if isinstance(res, RolloutFleet):
-        pods = await _ready_pods(ctx.client(), namespace, sel)
+        pods = await ready_pods(ctx.client(), namespace, sel)
         new["engines"] = sorted(f"{p['status']['podIP']}:{res.spec.engine.port}" for p in pods)
     desired = res.spec.replicas
     if _autoscaled_here(res) and isinstance(previous.get("desiredReplicas"), int):
@@ -519,7 +449,7 @@ async def _reconcile_job(
         if (p.get("status") or {}).get("phase") == "Running" and (p.get("status") or {}).get("podIP")
     ]
     if running:
-        texts = await _scrape_pods(ctx, running[:1], ("metrics",))
+        texts = await scrape_pods(ctx.scrape, running[:1], ("metrics",))
         if texts:
             progress = train_progress(texts[0], name)
     if trainer is not None and conditions.trainer_short_of_pods(trainer):

@@ -34,12 +34,11 @@ from .handlers import (
     OperatorContext,
     _parse,
     _pod_selector,
-    _ready_pods,
-    _scrape_pods,
     post_events,
     reconcile,
 )
 from .kube import ApiError, is_subset, kind_of
+from .pods import ready_pods, scrape_pods
 from .summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
@@ -73,8 +72,8 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
         return None
     auto = res.spec.autoscaling
     namespace = body["metadata"]["namespace"]
-    pods = await _ready_pods(ctx.client(), namespace, _pod_selector(res))
-    texts = await _scrape_pods(ctx, pods, ("http",))
+    pods = await ready_pods(ctx.client(), namespace, _pod_selector(res))
+    texts = await scrape_pods(ctx.scrape, pods, ("http",))
     current = res.spec.replicas
     rec: int | None = None
     st: dict[str, Any] = {}

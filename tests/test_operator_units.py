@@ -8,8 +8,9 @@ import kopf
 import pytest
 
 from kuberl.operator import admission, children, main, status
-from kuberl.operator.handlers import OperatorConfig, build_registry, train_progress
+from kuberl.operator.handlers import OperatorConfig, build_registry
 from kuberl.operator.kube import KubeClient, is_subset, kind_of
+from kuberl.operator.pods import train_progress
 from kuberl.operator.testing import ClusterEmulator, matches_selector, merge_patch
 
 
