@@ -10,22 +10,18 @@ from __future__ import annotations
 import collections
 import os
 
+from kuberl.envvars import env_number
+
 EVERY_SECONDS_ENV = "KUBERL_PROGRESS_EVERY_SECONDS"
 DEFAULT_EVERY_SECONDS = 60.0
 
 
 def every_seconds(env: dict[str, str] | None = None) -> float:
     """The interval ($KUBERL_PROGRESS_EVERY_SECONDS, default 60; 0 turns the lines off)."""
-    raw = (env if env is not None else os.environ).get(EVERY_SECONDS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_EVERY_SECONDS
     try:
-        value = float(raw)
-    except ValueError:
-        raise SystemExit(f"{EVERY_SECONDS_ENV} must be a number of seconds (got {raw!r})") from None
-    if value < 0:
-        raise SystemExit(f"{EVERY_SECONDS_ENV} must be >= 0 (got {raw!r})")
-    return value
+        return env_number(EVERY_SECONDS_ENV, DEFAULT_EVERY_SECONDS, dict(env if env is not None else os.environ))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 class Window:

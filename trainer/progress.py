@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from kuberl.envvars import env_number
+
 PROGRESS_EVERY_STEPS_ENV = "KUBERL_PROGRESS_EVERY_STEPS"
 PROGRESS_EVERY_SECONDS_ENV = "KUBERL_PROGRESS_EVERY_SECONDS"
 PROGRESS_MODE_ENV = "KUBERL_PROGRESS"
@@ -122,19 +124,6 @@ def use_plain(stream: TextIO, env: dict[str, str] | None = None) -> bool:
     return not (isatty and isatty())
 
 
-def _env_number(name: str, default: float, env: dict[str, str]) -> float:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number (got {raw!r})") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 (got {raw!r})")
-    return value
-
-
 class LogProgress:
     """A sink listener that writes a line every ``every_steps`` steps or ``every_seconds`` seconds
     (whichever comes first; 0 turns that trigger off), and at each stage's first and last step."""
@@ -158,12 +147,12 @@ class LogProgress:
         self.every_steps = int(
             every_steps
             if every_steps is not None
-            else _env_number(PROGRESS_EVERY_STEPS_ENV, DEFAULT_EVERY_STEPS, env)
+            else env_number(PROGRESS_EVERY_STEPS_ENV, DEFAULT_EVERY_STEPS, env)
         )
         self.every_seconds = (
             every_seconds
             if every_seconds is not None
-            else _env_number(PROGRESS_EVERY_SECONDS_ENV, DEFAULT_EVERY_SECONDS, env)
+            else env_number(PROGRESS_EVERY_SECONDS_ENV, DEFAULT_EVERY_SECONDS, env)
         )
         self.clock = clock
         self._last_line = clock()
