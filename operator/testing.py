@@ -167,6 +167,33 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# How long a real engine's HTTP endpoints take to answer a probe: SGLang >= 0.4.10 runs a
+# one-token generation for /health (and /health_generate) and polls for it once a second.
+SGLANG_HEALTH_SECONDS = 1.2
+FAST_ENDPOINT_SECONDS = 0.05
+
+
+def endpoint_seconds(container: dict[str, Any], path: str) -> float:
+    """The default kubelet model: SGLang's health endpoints take over a second, others answer fast."""
+    command = " ".join(str(x) for x in [*(container.get("command") or []), *(container.get("args") or [])])
+    if "sglang.launch_server" in command and path in ("/health", "/health_generate"):
+        return SGLANG_HEALTH_SECONDS
+    return FAST_ENDPOINT_SECONDS
+
+
+def pod_template_containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every container of a workload's pod templates (Deployment, StatefulSet, LeaderWorkerSet)."""
+    spec = obj.get("spec") or {}
+    templates = [spec.get("template")]
+    lws = spec.get("leaderWorkerTemplate") or {}
+    templates += [lws.get("leaderTemplate"), lws.get("workerTemplate")]
+    out: list[dict[str, Any]] = []
+    for t in templates:
+        if isinstance(t, dict):
+            out += list(((t.get("spec") or {}).get("containers")) or [])
+    return out
+
+
 @attrs.define(kw_only=True)
 class ClusterEmulator(kmock.KubernetesEmulator):
     """kmock's Kubernetes emulator with the API-server semantics the operator depends on."""
@@ -182,6 +209,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     # OwnerReferencesPermissionEnforcement: the writer's RBAC rules (None: not enforced). An
     # ownerReference with blockOwnerDeletion needs "update" on the owner's <plural>/finalizers.
     owner_reference_rules: list[dict[str, Any]] | None = None
+    # The kubelet's probes: seconds a container's HTTP endpoint takes to answer (container,
+    # path) -> s. A workload is Ready only when every HTTP readiness/startup probe of its pod
+    # template would pass, i.e. the endpoint answers within the probe's timeoutSeconds
+    # (Kubernetes' default: 1 s). Default: endpoint_seconds() below (SGLang's /health >= 1 s).
+    endpoint_seconds: Callable[[dict[str, Any], str], float] | None = None
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _last_rv: int = attrs.field(default=0, init=False)
     _pending_events: list[tuple[dict[str, Any], str, str]] = attrs.field(factory=list, init=False)
@@ -269,8 +301,26 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         }
         await self._write(key, event, created=True)
 
+    def _probes_fail(self, obj: dict[str, Any]) -> str | None:
+        """Why the workload's pods would never become Ready (a probe that times out), or None."""
+        latency = self.endpoint_seconds or endpoint_seconds
+        for container in pod_template_containers(obj):
+            for kind in ("startupProbe", "readinessProbe"):
+                probe = container.get(kind) or {}
+                path = (probe.get("httpGet") or {}).get("path")
+                if path is None:
+                    continue
+                took, limit = latency(container, path), float(probe.get("timeoutSeconds", 1))
+                if took >= limit:
+                    return (
+                        f"{kind} of container {container.get('name')} failed: GET {path} took {took:g} s, "
+                        f"timeoutSeconds is {limit:g}"
+                    )
+        return None
+
     def _controller(self, obj: dict[str, Any]) -> None:
-        """Stand-in for kube-controller-manager/LWS controller status (all pods ready)."""
+        """Stand-in for kube-controller-manager/LWS controller status: pods Ready once their
+        probes would pass (see ``endpoint_seconds``), within the namespace's quota."""
         kind = obj.get("kind")
         spec = obj.get("spec") or {}
         gen = obj.get("metadata", {}).get("generation")
@@ -282,13 +332,21 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             fit, refusal = n, None
             if kind == "Deployment":
                 fit, refusal = self._quota_fit(obj, n)
+            unready = self._probes_fail(obj)
+            ready = 0 if unready else fit
             st.update(
-                replicas=fit, readyReplicas=fit, availableReplicas=fit, updatedReplicas=fit, observedGeneration=gen
+                replicas=fit, readyReplicas=ready, availableReplicas=ready, updatedReplicas=fit, observedGeneration=gen
             )
-            conds = [c for c in st.get("conditions") or [] if c.get("type") != "ReplicaFailure"]
+            conds = [c for c in st.get("conditions") or [] if c.get("type") not in ("ReplicaFailure", "Available")]
             if refusal:
                 conds.append(
                     {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": refusal}
+                )
+            if kind == "Deployment":
+                conds.append(
+                    {"type": "Available", "status": "False", "reason": "MinimumReplicasUnavailable", "message": unready}
+                    if unready and n
+                    else {"type": "Available", "status": "True", "reason": "MinimumReplicasAvailable"}
                 )
             st["conditions"] = conds
         elif kind == "Job" and not st.get("conditions"):
