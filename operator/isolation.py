@@ -73,6 +73,16 @@ def _from_monitoring(namespace: str) -> dict[str, Any]:
     return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}
 
 
+def _api_ingress(port: int, trainers: dict[str, str], annotations: dict[str, str]) -> list[dict[str, Any]]:
+    """Ingress on ``port`` (TCP) from the trainers selected by ``trainers`` and from the
+    monitoring namespace: what a pool's and a fleet's policies both admit."""
+    ports = [{"port": port, "protocol": "TCP"}]
+    return [
+        {"from": [{"podSelector": {"matchLabels": trainers}}], "ports": ports},
+        {"from": [_from_monitoring(monitoring_namespace(annotations))], "ports": ports},
+    ]
+
+
 def sandbox_policy(
     meta: dict[str, Any],
     pods: dict[str, str],
@@ -83,7 +93,6 @@ def sandbox_policy(
 ) -> dict[str, Any]:
     """No egress at all (DNS included: model code is offline); ingress on ``port`` only from
     the trainers that use the pool and from the monitoring namespace."""
-    ports = [{"port": port, "protocol": "TCP"}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -91,10 +100,7 @@ def sandbox_policy(
         "spec": {
             "podSelector": {"matchLabels": pods},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": trainers}}], "ports": ports},
-                {"from": [_from_monitoring(monitoring_namespace(annotations))], "ports": ports},
-            ],
+            "ingress": _api_ingress(port, trainers, annotations),
             "egress": [],
         },
     }
@@ -110,7 +116,6 @@ def fleet_policy(
 ) -> dict[str, Any]:
     """Engines: the HTTP port (generation, weight updates, metrics) for the job's trainers and
     the monitoring namespace; anything between the fleet's own pods (multi-node engines)."""
-    ports = [{"port": port, "protocol": "TCP"}]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -118,10 +123,6 @@ def fleet_policy(
         "spec": {
             "podSelector": {"matchLabels": pods},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": trainers}}], "ports": ports},
-                {"from": [_from_monitoring(monitoring_namespace(annotations))], "ports": ports},
-                {"from": [{"podSelector": {"matchLabels": pods}}]},
-            ],
+            "ingress": [*_api_ingress(port, trainers, annotations), {"from": [{"podSelector": {"matchLabels": pods}}]}],
         },
     }
