@@ -559,6 +559,11 @@ def test_fsdp_updates_equal_the_whole_batch_update():
     assert got["clip_low"] > 0 and got["opt_steps"] == want["opt_steps"] == 2
     for k in ("clip_low", "clip_high", "ratio_mean", "ratio_max", "loss", "grad_norm", "tokens"):
         assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    assert out["rl_on_policy"] < 1e-6, out
+    got, want = out["rl_on_policy_stats"]
+    assert want["rollout_logprob_gap"] > 0.1 and got["ratio_max"] == want["ratio_max"] == 1.0
+    for k in ("rollout_logprob_gap", "loss", "grad_norm", "tokens"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
 
 
 def test_published_weights_take_the_models_serving_dtype(tiny_model, tmp_path):

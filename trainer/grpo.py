@@ -253,6 +253,26 @@ def _shifted_rows(per_row: list[list[float]], part: Sequence[int], like: torch.T
     return out
 
 
+def _take_old_from_forward(
+    batch: StepBatch, part: Sequence[int], lp: torch.Tensor, engine: torch.Tensor, tm: torch.Tensor
+) -> torch.Tensor:
+    """pi_old for rows ``part`` from the update's own detached log-probs ``lp`` (on-policy).
+
+    Leaves ``batch`` as :func:`recompute_old_logprobs` would: ``old_logprobs`` replaced by the
+    trainer's numbers and ``gaps`` the per-row |engine - trainer| sum and count over trained
+    tokens (``engine``: the engine's numbers in ``lp``'s layout). Returns ``lp``.
+    """
+    kept = tm > 0
+    diff = ((engine - lp).abs() * kept).sum(dim=1).cpu().tolist()
+    counts = kept.sum(dim=1).cpu().tolist()
+    rows = lp.cpu()
+    for row, i in enumerate(part):
+        n = len(batch.seqs[i]) - 1
+        batch.gaps[i] = (float(diff[row]), int(counts[row]))
+        batch.old_logprobs[i] = [0.0, *rows[row, :n].tolist()]
+    return lp
+
+
 def rl_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -266,8 +286,18 @@ def rl_update(
     device: torch.device | str = "cpu",
     dist: DistContext | None = None,
     tis_cap: float | None = None,
+    on_policy: bool = False,
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
+
+    ``on_policy`` (one epoch, one mini-batch: a single optimizer step) takes pi_old from the
+    update's own forward instead of :func:`recompute_old_logprobs`: every micro-batch's forward
+    runs before the one optimizer step, at the weights pi_old stands for, so pi_old is its
+    detached log-probs, the ratio is 1 in value and the clipped objective's gradient is the
+    plain policy gradient A * grad log pi (what TRL does at ``num_iterations=1``). It saves the
+    recomputation's forward. ``batch.old_logprobs`` must still hold the engine's numbers: they
+    become pi_old here and ``batch.gaps`` and ``rollout_logprob_gap`` (in the returned stats)
+    carry the engine-vs-trainer gap exactly as the recomputation reports it.
 
     ``tis_cap`` weights each token by min(pi_old / mu, cap), mu being the engine's sampling
     log-probs (``batch.behavior_logprobs``): the off-policy correction of asynchronous runs
@@ -281,6 +311,11 @@ def rl_update(
     all ranks, so the update and its numbers are the full batch's.
     """
     dist = dist or DistContext()
+    if on_policy and (ppo_epochs != 1 or mini_batches != 1):
+        raise ValueError(
+            f"on_policy needs one optimizer step per batch (ppo_epochs 1, mini_batches 1), got "
+            f"{ppo_epochs} x {mini_batches}: later steps need pi_old from recompute_old_logprobs"
+        )
     if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
         zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
         return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
@@ -290,6 +325,8 @@ def rl_update(
     totals: dict[str, float] = {}
     ratio_max = -math.inf
     count = 0
+    if on_policy:
+        batch.gaps = [(0.0, 0)] * n
     for _ in range(ppo_epochs):
         for mb in range(mini_batches):
             idx = order[mb * n // mini_batches : (mb + 1) * n // mini_batches]
@@ -304,11 +341,17 @@ def rl_update(
                 )
                 old = _shifted_rows(batch.old_logprobs, part, tm)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
+                logits, _ = model(inp, attention_mask=att)
+                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
+                del logits
+                if on_policy:  # pi_old := this forward, detached; ``old`` held the engine's numbers
+                    old = _take_old_from_forward(batch, part, lp.detach(), old, tm)
+                    totals["rollout_logprob_gap"] = totals.get("rollout_logprob_gap", 0.0) + sum(
+                        batch.gaps[i][0] for i in part
+                    )
                 weights = None
                 if tis_cap is not None:
                     weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
-                logits, _ = model(inp, attention_mask=att)
-                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
                 loss, st = policy_loss(
                     lp,
                     old,
@@ -347,6 +390,7 @@ def rl_update(
     totals = dict(zip(keys, dist.all_reduce([totals[k] for k in keys]), strict=True))
     ratio_max = dist.all_reduce([ratio_max], op="max")[0]
     tok = max(1.0, totals.get("tokens", 0.0))
+    # rollout_logprob_gap: summed |engine - trainer| over the kept tokens, hence a token mean here
     out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
     out["ratio_max"] = ratio_max if ratio_max > -math.inf else 1.0
     out["loss"] = totals.get("loss", 0.0) / max(1, count)
