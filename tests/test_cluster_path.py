@@ -125,6 +125,14 @@ def test_hf_policy_follows_the_gpt_forward_contract(tiny_model):
         last, _ = policy(ids[:, -1:], past=past, attention_mask=mask)
     assert torch.allclose(full[1, 3:], ref, atol=1e-5)
     assert torch.allclose(last[:, -1], full[:, -1], atol=1e-5)
+    # training and scoring forwards (right padding, pad_batch) build no KV cache, same logits
+    right = torch.ones_like(ids)
+    right[0, 6:] = 0
+    with torch.no_grad():
+        cached, present = policy(ids, attention_mask=right)
+        plain, none = policy(ids, attention_mask=right, use_cache=False)
+    assert none is None and len(present) == 2
+    assert torch.allclose(plain[:, :6], cached[:, :6], atol=1e-6) and torch.allclose(plain[1], cached[1], atol=1e-6)
     with pytest.raises(ValueError, match="attention_mask must be"):
         policy(ids, attention_mask=mask[:, :-1])
 

@@ -227,7 +227,8 @@ def recompute_old_logprobs(
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
-            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt, with_entropy=False)
+            logits, _ = model(inp, attention_mask=att, use_cache=False)
+            lp, _ = token_logprobs(logits, tgt, with_entropy=False)
             lp = lp.cpu()
             for row, i in enumerate(part):
                 n = len(batch.seqs[i]) - 1
@@ -341,7 +342,7 @@ def rl_update(
                 )
                 old = _shifted_rows(batch.old_logprobs, part, tm)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
-                logits, _ = model(inp, attention_mask=att)
+                logits, _ = model(inp, attention_mask=att, use_cache=False)
                 lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
                 del logits
                 if on_policy:  # pi_old := this forward, detached; ``old`` held the engine's numbers

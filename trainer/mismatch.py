@@ -86,6 +86,6 @@ def trainer_token_logprobs(model, prompt_ids: Sequence[int], output_ids: Sequenc
 
     ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
     with torch.no_grad():
-        logits = model(ids)[0]
+        logits = model(ids, use_cache=False)[0]
         lp, _ = token_logprobs(logits, ids[:, 1:])
     return lp[0, len(prompt_ids) - 1 :].float().cpu().tolist()
