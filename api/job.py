@@ -291,6 +291,15 @@ class TrainerSpec(KubeModel):
         None, description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...)."
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "About how many tokens one forward/backward of the RL update takes (rollouts are not "
+            "split): bounds the update's activation memory, which grows with the tokens of a forward; "
+            "the gradient is the same. Default: up to 64 rollouts per forward."
+        ),
+    )
 
     @property
     def resolved_image(self) -> str:

@@ -202,9 +202,46 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
     return out
 
 
+def micro_batches(
+    idx: Sequence[int],
+    lengths: Sequence[int],
+    micro_batch: int,
+    max_tokens: int | None = None,
+    dist: DistContext | None = None,
+) -> list[list[int]]:
+    """Rows ``idx`` (token counts ``lengths[i]``) in the micro-batches of one forward/backward
+    each: at most ``micro_batch`` rows, and with ``max_tokens`` about that many tokens.
+
+    The token bound is what bounds the update's memory: activations grow with the tokens of a
+    forward (SmolLM2-135M keeps ~1.3 MB per token over its 30 layers, bench/update_memory.py),
+    whatever the row count. The loss does not change: every micro-batch divides by the whole
+    mini-batch's token count. Without ``max_tokens`` rows are taken in order, ``micro_batch`` at
+    a time (as always); with it the rows are balanced by tokens over as many micro-batches as
+    the largest rank needs (FSDP: every rank runs the same number of forwards; their row counts
+    are equal, :func:`shard_step_batch`, so no share is empty).
+    """
+    if micro_batch < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"micro_batch and max_tokens must be >= 1, got {micro_batch}, {max_tokens}")
+    if max_tokens is None:
+        return [list(idx[s : s + micro_batch]) for s in range(0, len(idx), micro_batch)]
+    if not idx:
+        return []
+    parts = max(-(-len(idx) // micro_batch), -(-sum(lengths[i] for i in idx) // max_tokens))
+    parts = min(parts, len(idx))
+    if dist is not None:
+        parts = int(dist.all_reduce([float(parts)], op="max")[0])
+    return split_evenly(list(idx), parts, weights=[lengths[i] for i in idx])
+
+
 @torch.no_grad()
 def recompute_old_logprobs(
-    model: nn.Module, batch: StepBatch, *, micro_batch: int = 64, device: torch.device | str = "cpu"
+    model: nn.Module,
+    batch: StepBatch,
+    *,
+    micro_batch: int = 64,
+    micro_batch_tokens: int | None = None,
+    device: torch.device | str = "cpu",
+    dist: DistContext | None = None,
 ) -> float:
     """Replace the engine's log-probs in ``batch`` by the trainer model's; return their mean gap.
 
@@ -216,14 +253,15 @@ def recompute_old_logprobs(
     over the trained tokens is the rollout/trainer mismatch, a check that weights were synced.
     With FSDP every rank calls this on its share (the same number of rows on every rank, see
     :func:`shard_step_batch`, so the forwards' collectives line up); the gap is then its own.
+    ``micro_batch``/``micro_batch_tokens``/``dist``: the forwards' sizes, :func:`micro_batches`.
     """
     was_training = model.training
     model.eval()
     gap, count = 0.0, 0
     batch.gaps = []
     try:
-        for start in range(0, len(batch.seqs), micro_batch):
-            part = range(start, min(start + micro_batch, len(batch.seqs)))
+        lengths = [len(q) for q in batch.seqs]
+        for part in micro_batches(range(len(batch.seqs)), lengths, micro_batch, micro_batch_tokens, dist):
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
@@ -288,6 +326,7 @@ def rl_update(
     dist: DistContext | None = None,
     tis_cap: float | None = None,
     on_policy: bool = False,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
 
@@ -303,6 +342,9 @@ def rl_update(
     ``tis_cap`` weights each token by min(pi_old / mu, cap), mu being the engine's sampling
     log-probs (``batch.behavior_logprobs``): the off-policy correction of asynchronous runs
     (``loss.tis_weights``); None leaves the loss exactly as without it.
+
+    ``micro_batch``/``micro_batch_tokens``: rows and about how many tokens one forward/backward
+    takes (:func:`micro_batches`); the gradient is the mini-batch's whatever the split.
 
     Returned stats cover every micro-batch of every epoch: fractions and means weighted by
     their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
@@ -323,6 +365,7 @@ def rl_update(
     model.train()
     n = len(batch.seqs)
     order = list(range(n))
+    lengths = [len(q) for q in batch.seqs]
     totals: dict[str, float] = {}
     ratio_max = -math.inf
     count = 0
@@ -335,8 +378,7 @@ def rl_update(
                 continue
             tokens = dist.all_reduce([float(sum(sum(batch.masks[i][1:]) for i in idx))])[0]
             optimizer.zero_grad(set_to_none=True)
-            for start in range(0, len(idx), micro_batch):
-                part = idx[start : start + micro_batch]
+            for part in micro_batches(idx, lengths, micro_batch, micro_batch_tokens, dist):
                 inp, att, tgt, tm = pad_batch(
                     [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
                 )

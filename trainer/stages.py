@@ -511,8 +511,9 @@ class Pipeline:
         # on_policy), no separate recomputation. Equal on every rank (equal row counts).
         on_policy = a.ppo_epochs == 1 and mini_batches == 1 and k == 0
         logprob_gap = 0.0
+        sizes = {"micro_batch_tokens": self.spec.trainer.micro_batch_tokens, "device": self.device}
         if not on_policy:
-            logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
+            logprob_gap = recompute_old_logprobs(self.model, sb, dist=self.ctx, **sizes) if sb.seqs else 0.0
             logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
@@ -520,7 +521,7 @@ class Pipeline:
         if spot and not self.ctx.enabled:  # before the update: the weights that sampled them
             probe = spot_rows(groups, gstep, n_check)
             if probe.seqs:
-                recompute_old_logprobs(self.model, probe, device=self.device)
+                recompute_old_logprobs(self.model, probe, **sizes)
                 gaps = engine_gaps(probe)
         upd = rl_update(
             self.model,
@@ -530,10 +531,10 @@ class Pipeline:
             grad_clip=a.grad_clip,
             mini_batches=mini_batches,
             ppo_epochs=a.ppo_epochs,
-            device=self.device,
             dist=self.ctx,
             tis_cap=a.effective_tis_cap,
             on_policy=on_policy,
+            **sizes,
         )
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
