@@ -81,10 +81,12 @@ def main() -> None:
         out["rl_stats"] = [got, want]
 
     # On-policy update (pi_old from its own forward): the gap is a token mean over all ranks.
+    # Micro-batches bounded by tokens: the ranks' shares differ in tokens, so in how many
+    # micro-batches they would need alone; both must run the larger count.
     rl = batch(5, 3)
     part = shard_step_batch(rl, ctx.world_size)[ctx.rank]
     opt_s, opt_p = torch.optim.SGD(sharded.parameters(), lr=0.5), torch.optim.SGD(plain.parameters(), lr=0.5)
-    got = rl_update(sharded, opt_s, part, cfg, grad_clip=0.05, micro_batch=2, dist=ctx, on_policy=True)
+    got = rl_update(sharded, opt_s, part, cfg, grad_clip=0.05, micro_batch_tokens=13, dist=ctx, on_policy=True)
     want = rl_update(plain, opt_p, rl, cfg, grad_clip=0.05, on_policy=True)
     full = full_state_dict(sharded, ctx)
     if ctx.is_main:
