@@ -115,7 +115,7 @@ RUNS = {
 def _counted_run(tmp_path, algo: dict) -> tuple[list[dict], list[dict]]:
     """An RL stage of 3 steps; per step the trainer model's forwards by role: ``update`` (inside
     rl_update), ``pi_old`` (recompute_old_logprobs on the trained batch), ``probe`` (the spot
-    check's recomputation of other rows)."""
+    check's rescoring of rollouts of engines without a fresh trained row)."""
     from kuberl.trainer import stages
 
     doc = copy.deepcopy(TINY)
@@ -175,8 +175,9 @@ def test_the_on_policy_step_skips_the_pi_old_forward_and_no_other_does(runs, nam
     for s in steps:
         assert s["update"] == epochs * minis  # one micro-batch per mini-batch at this size
         assert s["pi_old"] == (0 if name == "on-policy" else 1), (name, steps)
-        assert s["probe"] <= 1  # the spot check, on both paths (rollout.spotCheckRollouts 8)
-    assert any(s["probe"] == 1 for s in steps), steps
+        # the spot check (on: rollout.spotCheckRollouts 8) reads the one engine's gap from the
+        # trained rows when they are fresh, and has no fresh rollout to rescore when they are not
+        assert s["probe"] == 0, (name, steps)
 
 
 def test_both_paths_report_the_same_metrics(runs):
@@ -192,3 +193,28 @@ def test_both_paths_report_the_same_metrics(runs):
     assert all(h["ratio_max"] == pytest.approx(1.0) for h in on)
     # step 1: the same weights and rollouts on both paths, so the same measured gap
     assert on[0]["rollout_logprob_gap"] == pytest.approx(off[0]["rollout_logprob_gap"], rel=1e-3)
+
+
+def test_the_spot_check_rescores_only_engines_the_trained_rows_do_not_measure():
+    from kuberl.rollout.loop import Trajectory
+    from kuberl.trainer.grpo import Scored, engine_gaps, spot_rows, trained_engines
+
+    def traj(engine: str, version: int, mask: int = 1) -> Trajectory:
+        return Trajectory(
+            prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[mask, mask], logprobs=[-1.0, -1.0],
+            turns=1, tool_calls=0, tool_errors=0, format_errors=0, answer="1", truncated=False,
+            finish_reason="answer", engine=engine, versions=[version],
+        )  # fmt: skip
+
+    batch = StepBatch(
+        seqs=[[1, 2, 3]] * 4, masks=[[0, 1, 1], [0, 1, 1], [0, 0, 0], [0, 1, 1]],
+        old_logprobs=[[0.0, -1.0, -1.0]] * 4, advantages=[1.0, -1.0, 0.0, 1.0],
+        engines=["a", "b", "c", None], fresh=[True, False, True, True],
+    )  # fmt: skip
+    assert trained_engines(batch) == {"a"}  # b: stale, c: nothing trained, None: unnamed
+    groups = [[Scored(traj(e, 5), 0.0) for e in ("a", "b", "c", "a", "b")]]
+    probe = spot_rows(groups, 5, 8, skip=trained_engines(batch))
+    assert probe.engines == ["b", "c", "b"]
+    assert spot_rows(groups, 5, 8).engines == ["a", "b", "c", "a", "b"]
+    batch.gaps = [(0.2, 2), (0.0, 2), (0.0, 0), (0.0, 2)]
+    assert engine_gaps(batch) == {"a": pytest.approx(0.1)}

@@ -467,18 +467,30 @@ def engine_gaps(batch: StepBatch) -> dict[str, float]:
     return {name: g / c for name, (g, c) in sums.items() if c}
 
 
-def spot_rows(groups: Sequence[Sequence[Scored]], version: int | None, count: int) -> StepBatch:
+def trained_engines(batch: StepBatch) -> set[str]:
+    """The engines with a fresh trained row in ``batch``: :func:`engine_gaps` of the batch
+    measures them once pi_old is known, so the spot check need not rescore their rollouts."""
+    return {
+        e for e, fresh, m in zip(batch.engines, batch.fresh, batch.masks, strict=False)
+        if e is not None and fresh and any(m)
+    }  # fmt: skip
+
+
+def spot_rows(
+    groups: Sequence[Sequence[Scored]], version: int | None, count: int, skip: set[str] | frozenset = frozenset()
+) -> StepBatch:
     """Up to ``count`` of the step's rollouts for the engine spot check, trained on or not:
     fresh (sampled by the current policy version), complete, taken in turn from each engine so
-    that every engine of the fleet is looked at. Pure; ``recompute_old_logprobs`` then
-    ``engine_gaps`` on the result give each engine's mismatch."""
+    that every engine of the fleet is looked at - except the engines in ``skip`` (those the
+    trained rows already measure, :func:`trained_engines`). Pure; ``recompute_old_logprobs``
+    then ``engine_gaps`` on the result give each engine's mismatch."""
     by_engine: dict[str | None, list[Trajectory]] = {}
     for g in groups:
         for s in g:
             t = s.traj
             if t.finish_reason == "abort" or not any(t.loss_mask):
                 continue
-            if not is_fresh(t, version):
+            if not is_fresh(t, version) or t.engine in skip:
                 continue
             by_engine.setdefault(t.engine, []).append(t)
     picked: list[Trajectory] = []

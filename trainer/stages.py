@@ -41,6 +41,7 @@ from kuberl.trainer.grpo import (
     rl_update,
     shard_step_batch,
     spot_rows,
+    trained_engines,
 )
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
@@ -518,8 +519,10 @@ class Pipeline:
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
-        if spot and not self.ctx.enabled:  # before the update: the weights that sampled them
-            probe = spot_rows(groups, gstep, n_check)
+        # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
+        # rescores rollouts of the other engines only, before the update changes the weights.
+        if spot and not self.ctx.enabled:
+            probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
             if probe.seqs:
                 recompute_old_logprobs(self.model, probe, **sizes)
                 gaps = engine_gaps(probe)
@@ -538,8 +541,8 @@ class Pipeline:
         )
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
-        if spot and self.ctx.enabled:  # a forward is collective under FSDP: rank 0's trained share
-            gaps = engine_gaps(sb)
+        if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
+            gaps = {**gaps, **engine_gaps(sb)}
         self.model.eval()
         self.state.cursor = (self.state.cursor + batch) % len(pool)
         rec = {
