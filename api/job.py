@@ -180,7 +180,10 @@ class RolloutSpec(KubeModel):
         8,
         ge=0,
         le=1024,
-        description="Rollouts per RL step (trained on or not, spread over the engines) for the spot check; 0: off.",
+        description=(
+            "Rollouts per RL step rescored for the spot check, spread over the engines that no fresh "
+            "trained rollout already measures (their gap comes from the update); 0: off."
+        ),
     )
     prompt_template: Literal["rstar2", "compact"] = Field(
         "rstar2", description="compact drops the long system prompt (tiny local models)."
