@@ -207,3 +207,41 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch)
     assert gaps and max(gaps) < 1e-3  # the same float32 weights on both sides
     events = (tmp_path / "good" / "events.jsonl").read_text()
     assert '"kind": "engine"' not in events
+
+
+_PIN_PROBE = r"""
+import os, sys, threading
+from kuberl.trainer.rollout_worker import pin_to_cpus
+release = threading.Event()
+early = threading.Thread(target=release.wait)  # started before pinning, like Ray's own threads
+early.start()
+pin_to_cpus(sys.argv[1])
+late = threading.Thread(target=release.wait)  # started after: inherits
+late.start()
+masks = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+release.set()
+print(len(masks), sorted({tuple(sorted(m)) for m in masks.values()}))
+"""
+
+
+def test_pinning_the_engine_side_moves_every_thread_of_its_process():
+    """A Ray actor's main, gRPC and GC threads run Python too: left on the trainer's core they
+    hold the GIL while preempted and stall the engine's decode (the async bench's slowdown)."""
+    import os
+    import subprocess
+    import sys
+
+    core = min(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", _PIN_PROBE, str(core)], capture_output=True, text=True, check=True
+    ).stdout.split(maxsplit=1)
+    assert int(out[0]) >= 3  # main + both threads were looked at
+    assert out[1].strip() == str([(core,)])
+
+
+def test_a_malformed_core_list_is_named():
+    from kuberl.trainer.rollout_worker import parse_cpus
+
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError, match="KUBERL_ROLLOUT_CPUS='zero'"):
+        parse_cpus("zero")

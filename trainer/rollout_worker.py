@@ -24,15 +24,37 @@ from kuberl.trainer.grpo import Scored
 from kuberl.trainer.tool_stats import ToolTally
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """The cores of a cpuset string ("0", "0,2", "1-3"); a malformed one names itself."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"KUBERL_ROLLOUT_CPUS={spec!r}: expected cores like '0', '0,2' or '1-3'") from None
+    return cpus
+
+
 def pin_to_cpus(spec: str | None) -> None:
-    """Restrict this process to the cores of ``spec`` ("0", "0,2", "1-3"); None or "" leaves it."""
+    """Restrict every thread of this process to the cores of ``spec``; None or "" leaves it.
+
+    ``sched_setaffinity(0, ...)`` moves only the calling thread. In a Ray actor that is one
+    executor thread; the process's main thread (which receives every call), Ray's gRPC and IO
+    threads and the GC thread keep the mask the actor was started with, which in a bench is the
+    trainer's core. Those threads take the GIL: preempted on a fully busy trainer core while
+    holding it, they stall the engine's decode thread for a scheduler slice each time
+    (bench/async_rl.py measured batches generated during an update at 1.5-1.7x the time alone).
+    Threads started later inherit the mask of the thread that starts them.
+    """
     if not spec:
         return
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, cpus)
+    cpus = parse_cpus(spec)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended since the listing
+            pass
 
 
 class RolloutWorker:
