@@ -245,3 +245,25 @@ def test_a_malformed_core_list_is_named():
     assert parse_cpus("0-2,5") == {0, 1, 2, 5}
     with pytest.raises(ValueError, match="KUBERL_ROLLOUT_CPUS='zero'"):
         parse_cpus("zero")
+
+
+def test_probe_gaps_compare_engine_scores_with_pi_old_on_trained_tokens_only():
+    from kuberl.trainer.grpo import StepBatch
+    from kuberl.trainer.spot_check import probe_gaps, probe_requests, probe_rows
+
+    sb = StepBatch(
+        seqs=[[1, 2, 3, 4, 5], [1, 2, 6, 7], [1, 9]],
+        masks=[[0, 0, 1, 0, 1], [0, 0, 1, 1], [0, 0]],  # row 2 trains nothing; row 0 has a tool token
+        old_logprobs=[[0.0, -9.0, -1.0, -9.0, -2.0], [0.0, -9.0, -0.5, -0.25], [0.0, 0.0]],
+    )
+    assert probe_rows(sb, 8) == [0, 1] and probe_rows(sb, 1) == [0] and probe_rows(sb, 0) == []
+    seqs, starts = probe_requests(sb, [0, 1])
+    assert seqs == [[1, 2, 3, 4, 5], [1, 2, 6, 7]] and starts == [2, 2]
+    answers = [
+        {"engine": "a", "logprobs": [-1.5, -100.0, -2.0], "version": 7},  # the tool token is ignored
+        {"engine": "b", "logprobs": [-0.5, -0.25], "version": 6},
+    ]
+    res = probe_gaps(sb, [0, 1], starts, answers, version=7)
+    assert res.gaps == {"a": 0.25, "b": 0.0} and res.versions == {"b": 6} and not res.errors
+    res = probe_gaps(sb, [0, 1], starts, [answers[0], {"engine": "b", "error": "HTTP 500"}], version=7)
+    assert res.gaps == {"a": 0.25} and res.errors == {"b": "HTTP 500"}

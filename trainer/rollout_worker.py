@@ -296,6 +296,35 @@ class RolloutWorker:
 
         return self._run(snap())
 
+    def score_on_engines(self, seqs: list[list[int]], starts: list[int]) -> list[dict[str, Any]]:
+        """Every engine of the fleet scores sequences with the weights it serves now.
+
+        Sequence i goes to engine ``i % len(engines)`` (engines in name order), so a handful of
+        sequences looks at every engine. Returns one record per sequence: ``engine``,
+        ``logprobs`` (of ``seq[start:]``), ``version`` (what the engine served), or ``error``
+        for an engine that could not score (it is reported, the step goes on). The spot check
+        of asynchronous runs: the trainer compares these with its own pi_old of the same
+        sequences, valid whatever version sampled them (paper-free; INTELLECT-2's TOPLOC checks
+        untrusted workers the same way, by recomputation).
+        """
+
+        async def run() -> list[dict[str, Any]]:
+            engines = sorted(self.scheduler.engines, key=lambda e: e.name)
+            if not engines:
+                return []
+
+            async def one(i: int) -> dict[str, Any]:
+                engine = engines[i % len(engines)]
+                try:
+                    out = await engine.score(seqs[i], starts[i])
+                except Exception as err:  # noqa: BLE001 - one engine's failure is a finding, not a crash
+                    return {"engine": engine.name, "error": f"{type(err).__name__}: {err}"}
+                return {"engine": engine.name, "logprobs": out.logprobs, "version": out.weight_version}
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(seqs)))))
+
+        return self._run(run())
+
     def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
         from kuberl.trainer.data import build_sft_traces
 
