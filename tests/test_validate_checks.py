@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import yaml
 
 from kuberl.cli import main
@@ -94,3 +95,33 @@ def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, c
     job["spec"]["checkpoint"] = {"uri": "s3://b/run"}
     rc, out, _ = _validate(tmp_path, capsys, job)
     assert "needs S3 credentials" in out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "fragment"),
+    [
+        (("rollout", "fleetRef"), "Gen_Fleet", "spec.rollout.fleetRef: must be a lowercase RFC 1035 label"),
+        (("rollout", "fleetRef"), "7b-fleet", "spec.rollout.fleetRef: must be a lowercase RFC 1035 label"),
+        (("sandbox", "poolRef"), "Python Tools", "spec.sandbox.poolRef: must be a lowercase RFC 1035 label"),
+        (("checkpoint", "storageClassName"), "Fast_SSD", "spec.checkpoint.storageClassName: must be a DNS subdomain"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "WandB"}}, "apiKeySecret.name: must be a DNS"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "w", "key": "api key"}}, "must be a Secret key"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "w", "key": "..k"}}, "may not be '.' nor start"),
+    ],
+)
+def test_names_that_can_never_resolve_are_refused_not_left_unchecked(
+    tmp_path: Any, capsys: Any, path: tuple[str, str], value: Any, fragment: str
+) -> None:
+    """A reference no object can carry (an RFC 1035 name for a fleet or pool, a DNS subdomain for a
+    Secret or StorageClass) is an error, by the model and by the CRD, not a "not checked" note: the
+    operator would wait forever for a fleet called ``Gen_Fleet``, and the API server refuses the
+    trainer Job whose env names Secret ``WandB``."""
+    from kuberl.api.crdgen import all_crds
+    from tests.apiserver_emulation import admission_errors
+
+    doc = _job(fleetRef="gen")
+    doc["spec"].setdefault(path[0], {})[path[1]] = value
+    rc, out, err = _validate(tmp_path, capsys, doc)
+    assert rc == 1 and fragment in err, (out, err)
+    if not fragment.startswith("may not"):  # a Go-regex pattern can say what the model says, except this
+        assert admission_errors(list(all_crds().values()), doc), "the CRD admits it"
