@@ -698,7 +698,7 @@ def build_job(
         {"name": "HF_HOME", "value": "/models"},
         {"name": "KUBERL_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         *endpoints_env(job, namespace, fleet_spec),
-        *tracking_env(spec.tracking),
+        *tracking_env(spec.tracking, trainer_runs.CHECKPOINT_DIR if spec.checkpoint.on_volume else None),
     ]
     if trainer.threads:
         env.append({"name": "OMP_NUM_THREADS", "value": str(trainer.threads)})
