@@ -61,21 +61,28 @@ class Verdict:
     notes: list[str] = field(default_factory=list)  # not checked here, or likely to fail at run time
 
 
-def _pool_notes(spec: SandboxPoolSpec, where: str) -> list[str]:
+def _pool_notes(spec: SandboxPoolSpec, where: str, name: str = "pool") -> list[str]:
     """Concurrent tool calls that together may pass the pod's memory limit get the whole pod
-    OOM-killed (every call in flight fails, not just the greedy one)."""
-    limit = spec.resources.limits.get("memory")
+    OOM-killed (every call in flight fails, not just the greedy one). The limit is the rendered
+    sandbox container's, so a ``podTemplate`` override of its resources counts."""
+    pool = SandboxPool.model_validate({"metadata": {"name": name}, "spec": spec.wire()})
+    deploy = next(o for o in build_for(pool) if o["kind"] == "Deployment")
+    container = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "sandbox")
+    limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
     if limit is None:
         return []
     need = spec.workers_per_pod * spec.limits.memory_mb * 2**20
-    have = quantity_value(limit)
+    try:
+        have = quantity_value(limit)
+    except ValueError:
+        return []  # refused as a quantity by the rendered-children check
     if need <= have:
         return []
     return [
         f"warning: {where}workersPerPod ({spec.workers_per_pod}) x limits.memoryMB "
         f"({spec.limits.memory_mb}) = {need / 2**30:.1f} GiB exceeds the pod's memory limit ({limit}): "
         "calls running together can get the pod OOM-killed; lower memoryMB or workersPerPod, or raise "
-        "resources.limits.memory"
+        "the sandbox container's memory limit (resources.limits.memory, or its podTemplate override)"
     ]
 
 
@@ -145,7 +152,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
         elif isinstance(r, SandboxPool):
-            v.notes += _pool_notes(r.spec, "spec.")
+            v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)
         out.append(v)
     return out

@@ -125,3 +125,25 @@ def test_names_that_can_never_resolve_are_refused_not_left_unchecked(
     assert rc == 1 and fragment in err, (out, err)
     if not fragment.startswith("may not"):  # a Go-regex pattern can say what the model says, except this
         assert admission_errors(list(all_crds().values()), doc), "the CRD admits it"
+
+
+def test_the_memory_warning_reads_the_pod_as_rendered(tmp_path: Any, capsys: Any) -> None:
+    """The limit that OOM-kills the pod is the sandbox container's after the podTemplate merge,
+    for a standalone pool and a job's inline pool alike."""
+    mem = {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    override = {"spec": {"containers": [{"name": "sandbox", "resources": mem}]}}
+    pool = {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "SandboxPool",
+        "metadata": {"name": "tools"},
+        "spec": {"workersPerPod": 4, "limits": {"memoryMB": 1024}, "podTemplate": override},
+    }
+    rc, out, _ = _validate(tmp_path, capsys, pool)
+    assert rc == 0 and "= 4.0 GiB exceeds the pod's memory limit (1Gi)" in out, out
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {"pool": pool["spec"]}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert "warning: spec.sandbox.pool.workersPerPod (4)" in out and "(1Gi)" in out, out
+    del pool["spec"]["podTemplate"]  # the default 8Gi holds 4 x 1 GiB
+    rc, out, _ = _validate(tmp_path, capsys, pool)
+    assert "exceeds the pod" not in out
