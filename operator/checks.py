@@ -118,34 +118,74 @@ def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
     return []
 
 
+def rendered_names(resource: Resource, namespace: str) -> set[tuple[str, str, str]]:
+    """(kind, namespace, name) of ``resource`` and of every object it creates, inline children's
+    children included."""
+    names = {(resource.KIND, namespace, resource.metadata.name)}
+    for obj in build_for(resource, namespace):
+        if obj["apiVersion"] == API_VERSION:
+            try:
+                names |= rendered_names(parse_resource(obj, source="rendered"), namespace)
+            except ManifestError:
+                continue  # reported by rendered_problems
+        else:
+            names.add((obj["kind"], namespace, obj["metadata"]["name"]))
+    return names
+
+
+def collision_problems(resources: list[Resource], namespace: str = "default") -> dict[int, list[str]]:
+    """Two resources of one file that create (or are) the same object: job ``a``'s inline fleet is
+    RolloutFleet ``a-rollout``, so a RolloutFleet ``a-rollout`` beside it would be fought over by
+    two owners (the operator patches it for one, the other sees drift). Keyed by index."""
+    owner: dict[tuple[str, str, str], int] = {}
+    out: dict[int, list[str]] = {}
+    for i, r in enumerate(resources):
+        for key in sorted(rendered_names(r, r.metadata.namespace or namespace)):
+            j = owner.setdefault(key, i)
+            if j != i:
+                other = resources[j]
+                out.setdefault(i, []).append(
+                    f"{key[0]}/{key[2]} is also created by {other.KIND}/{other.metadata.name} in this file; "
+                    "rename one of them"
+                )
+    return out
+
+
 def check_file(resources: list[Resource], namespace: str = "default") -> list[Verdict]:
-    """Per resource: refusals (rendered children, references this file can resolve) and notes
-    (references it cannot, resource sizes likely to fail at run time)."""
-    fleets = {r.metadata.name: r for r in resources if isinstance(r, RolloutFleet)}
-    pools = {r.metadata.name for r in resources if isinstance(r, SandboxPool)}
+    """Per resource: refusals (rendered children, references this file can resolve, objects two
+    resources would both create) and notes (references it cannot, resource sizes likely to fail
+    at run time). A reference resolves to a resource of the same namespace only."""
+
+    def ns_of(r: Resource) -> str:
+        return r.metadata.namespace or namespace
+
+    fleets = {(ns_of(r), r.metadata.name): r for r in resources if isinstance(r, RolloutFleet)}
+    pools = {(ns_of(r), r.metadata.name) for r in resources if isinstance(r, SandboxPool)}
+    collisions = collision_problems(resources, namespace)
     out = []
-    for r in resources:
-        v = Verdict(r)
+    for i, r in enumerate(resources):
+        v = Verdict(r, problems=list(collisions.get(i, [])))
         fleet_spec = None
         if isinstance(r, AgenticRLJob):
             ref = r.spec.rollout.fleet_ref
             if ref and uses_fleet(r):
-                if ref in fleets:
-                    fleet_spec = fleets[ref].spec
+                if (ns_of(r), ref) in fleets:
+                    fleet_spec = fleets[ns_of(r), ref].spec
                     v.problems += [
                         f"spec.rollout.fleetRef: RolloutFleet {ref} (in this file) {p}"
-                        for p in context_length_problems(r, fleets[ref].wire())
+                        for p in context_length_problems(r, fleets[ns_of(r), ref].wire())
                     ]
                 else:
                     v.notes.append(
                         f"not checked: spec.rollout.fleetRef names RolloutFleet {ref!r}, which is not in this "
-                        "file; the operator holds the trainer back until it exists (and checks its "
+                        f"file (namespace {ns_of(r)}); the operator holds the trainer back until it exists (and checks its "
                         "engine.contextLength then)"
                     )
             pref = r.spec.sandbox.pool_ref
-            if pref and pref not in pools:
+            if pref and (ns_of(r), pref) not in pools:
                 v.notes.append(
-                    f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file; "
+                    f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file "
+                    f"(namespace {ns_of(r)}); "
                     "the operator holds the trainer back until it exists"
                 )
             if r.spec.sandbox.pool is not None:

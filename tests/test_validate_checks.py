@@ -147,3 +147,29 @@ def test_the_memory_warning_reads_the_pod_as_rendered(tmp_path: Any, capsys: Any
     del pool["spec"]["podTemplate"]  # the default 8Gi holds 4 x 1 GiB
     rc, out, _ = _validate(tmp_path, capsys, pool)
     assert "exceeds the pod" not in out
+
+
+def test_a_reference_resolves_in_its_own_namespace_only(tmp_path: Any, capsys: Any) -> None:
+    """A fleet of another namespace in the same file is not the one the job will get: no
+    context-length verdict from it, and the reference is reported as not checked."""
+    fleet = _fleet(4096)
+    fleet["metadata"]["namespace"] = "other"
+    rc, out, _ = _validate(tmp_path, capsys, fleet, _job(fleetRef="gen"))
+    assert rc == 0, out
+    assert "not checked: spec.rollout.fleetRef names RolloutFleet 'gen', which is not in this file (namespace default)" in out
+
+
+def test_two_resources_that_would_create_the_same_object_are_refused(tmp_path: Any, capsys: Any) -> None:
+    """Job ``train``'s inline pool is SandboxPool ``train-sandbox`` (with its Deployment, Service,
+    ...): a standalone pool of that name in the same file would have two owners."""
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {"pool": {"replicas": 1}}
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "train-sandbox"}}
+    rc, _, err = _validate(tmp_path, capsys, job, pool)
+    assert rc == 1
+    assert "SandboxPool/train-sandbox is also created by AgenticRLJob/train in this file" in err
+    pool["metadata"]["name"] = "tools"
+    rc, _, err = _validate(tmp_path, capsys, job, pool)
+    assert rc == 0, err
+    rc, _, err = _validate(tmp_path, capsys, pool, pool)
+    assert rc == 1 and "SandboxPool/tools is also created by SandboxPool/tools" in err
