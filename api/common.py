@@ -59,6 +59,9 @@ _QUALIFIED = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # keys and values together (apimachinery TotalAnnotationSizeLimitB)
+
+
 def _qualified_key(key: str) -> bool:
     prefix, slash, name = key.rpartition("/")
     if slash and (not prefix or len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
@@ -143,6 +146,11 @@ class ObjectMeta(BaseModel):
         bad = [k for k in annotations if not _qualified_key(k)]
         if bad:
             raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
+        size = sum(len(k) + len(v) for k, v in annotations.items())
+        if size > ANNOTATIONS_MAX_BYTES:
+            raise ValueError(
+                f"annotations total {size} bytes, more than the API server's limit of {ANNOTATIONS_MAX_BYTES}"
+            )
         return annotations
     generation: int | None = None
     uid: str | None = None

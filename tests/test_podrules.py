@@ -131,3 +131,15 @@ def test_validate_refuses_a_trainer_pod_template_the_api_server_would(tmp_path: 
     assert main(["validate", str(path)]) == 1
     err = capsys.readouterr().err
     assert "Job/qwen-1p5b-h100-trainer" in err and "'AWS_Creds' is not a DNS subdomain" in err
+
+
+def test_a_resource_whose_own_annotations_pass_256_kib_is_refused(tmp_path: Any) -> None:
+    from kuberl.api import ManifestError
+    from kuberl.api.loader import load_manifests
+
+    doc = yaml.safe_load(open("examples/quickstart.yaml"))
+    doc["metadata"]["annotations"] = {"note": "x" * (256 * 1024)}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ManifestError, match="more than the API server's limit of 262144"):
+        load_manifests(str(path))
