@@ -169,6 +169,9 @@ class RolloutFleetSpec(KubeModel):
 class RolloutFleetStatus(ScaledResourceStatus):
     kv_cache_utilization: float | None = None
     queued_requests: float | None = None
+    rollouts_waiting: float | None = Field(
+        None, description="Rollouts waiting in the schedulers of the trainers using the fleet (no engine had room)."
+    )
     engines: list[str] = Field(default_factory=list)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from prometheus_client import Counter, Gauge, start_http_server
 
 from kuberl.rollout.engine import GENERATED_TOKENS
-from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
+from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT, REQUESTS_WAITING
 
 RUN_INFO = "run.json"
 _GAUGES: dict[str, Gauge] = {}
@@ -213,6 +213,8 @@ class RolloutMirror:
             name = row["engine"]
             KV_UTILIZATION.labels(engine=name).set(row["kv_cache_utilization"])
             REQUESTS_INFLIGHT.labels(engine=name).set(row["requests_inflight"])
+            if "requests_waiting" in row:
+                REQUESTS_WAITING.set(row["requests_waiting"])
             total = row.get("generated_tokens")
             if total is None:
                 continue
