@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from .common import KubeModel
+from .pod_shapes import POD_SPEC, shape_problems
 
 POD_SPEC_FIELDS = frozenset(
     """activeDeadlineSeconds affinity automountServiceAccountToken containers dnsConfig dnsPolicy
@@ -105,6 +106,13 @@ class PodTemplateOverride(KubeModel):
                     continue
                 where = f"podTemplate.spec.{field}[{c['name']}]"
                 problems += [_unknown(k, CONTAINER_FIELDS, where) for k in c if k not in CONTAINER_FIELDS]
+        # JSON types of what the merge and the API rules read (reported above: unnamed containers)
+        typed = {
+            k: [c for c in v if isinstance(c, dict) and c.get("name")] if k in ("containers", "initContainers") else v
+            for k, v in spec.items()
+            if k not in ("containers", "initContainers") or isinstance(v, list)
+        }
+        problems += shape_problems(typed, POD_SPEC, "podTemplate.spec")
         if problems:
             raise ValueError("; ".join(problems))
         return spec

@@ -86,7 +86,7 @@ def _relative_path_problem(path: Any) -> str | None:
 
 def volume_problems(vol: dict[str, Any], at: str) -> list[str]:
     """Exactly one source per volume, and the names each source must carry."""
-    sources = sorted(set(vol) - {"name"})
+    sources = sorted(k for k, v in vol.items() if k != "name" and v is not None)  # null: not set
     if not sources:
         return [f"{at}: must specify a volume type (emptyDir, secret, persistentVolumeClaim, ...)"]
     if len(sources) > 1:

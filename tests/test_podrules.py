@@ -143,3 +143,37 @@ def test_a_resource_whose_own_annotations_pass_256_kib_is_refused(tmp_path: Any)
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ManifestError, match="more than the API server's limit of 262144"):
         load_manifests(str(path))
+
+
+@pytest.mark.parametrize(
+    ("spec", "fragment"),
+    [
+        ({"tolerations": "all"}, "podTemplate.spec.tolerations: must be a list of objects (got str 'all')"),
+        ({"nodeSelector": ["gpu"]}, "nodeSelector: must be a map of strings"),
+        ({"containers": [{"name": "trainer", "env": ["HF_TOKEN=x"]}]}, "env[0]: must be an object"),
+        ({"containers": [{"name": "trainer", "env": [{"name": "N", "value": 1}]}]}, "env[0].value: must be a string"),
+        ({"containers": [{"name": "trainer", "resources": "big"}]}, "resources: must be an object"),
+        ({"containers": [{"name": "trainer", "envFrom": [{"secretRef": "aws"}]}]}, "secretRef: must be an object"),
+        ({"volumes": {"cache": {}}}, "volumes: must be a list of objects"),
+        ({"securityContext": {"supplementalGroups": "44"}}, "supplementalGroups: must be a list of integers"),
+        ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "Gt", "values": [8]}]}]}}}},
+         "values[0]: must be a string"),
+    ],
+)
+def test_a_pod_template_of_the_wrong_types_is_refused_where_it_was_a_crash(
+    tmp_path: Any, capsys: Any, spec: dict[str, Any], fragment: str
+) -> None:
+    """Free-form in the CRD, a podTemplate of the wrong JSON types crashed `kuberl validate` (and
+    the operator's pre-flight) with an AttributeError; now it is refused with the field's name."""
+    doc = yaml.safe_load(open("examples/h100-inline.yaml"))
+    doc["spec"]["trainer"]["podTemplate"] = {"spec": spec}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err, err
+
+
+def test_a_null_volume_source_is_no_source() -> None:
+    assert any("must specify a volume type" in p for p in object_problems(_pod({"volumes": [{"name": "v", "emptyDir": None}]})))
