@@ -163,7 +163,15 @@ def shape_problems(value: Any, shape: Shape, where: str) -> list[str]:
         return [f"{where}: must be {_want(shape)} (got {_short(value)})"]
     if isinstance(shape, tuple):
         items = enumerate(value) if shape[0] == "list" else value.items()
-        return [p for k, v in items for p in shape_problems(v, shape[1], f"{where}[{k}]")]
+        return [
+            p
+            for k, v in items
+            for p in (
+                [f"{where}[{k}]: must be {_want(shape[1])} (got null)"]  # an empty item, not an absent field
+                if v is None
+                else shape_problems(v, shape[1], f"{where}[{k}]")
+            )
+        ]
     if isinstance(shape, dict):
         return [p for k, sub in shape.items() if k in value for p in shape_problems(value[k], sub, f"{where}.{k}")]
     return []

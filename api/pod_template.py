@@ -96,7 +96,9 @@ class PodTemplateOverride(KubeModel):
             f"podTemplate.spec.{k} is set by the operator ({why})" for k, why in OPERATOR_OWNED.items() if k in spec
         ]
         for field in ("containers", "initContainers"):
-            items = spec.get(field) or []
+            items = spec.get(field)
+            if items is None:
+                continue
             if not isinstance(items, list):
                 problems.append(f"podTemplate.spec.{field} must be a list")
                 continue

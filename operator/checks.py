@@ -67,7 +67,8 @@ def _pool_notes(spec: SandboxPoolSpec, where: str, name: str = "pool") -> list[s
     sandbox container's, so a ``podTemplate`` override of its resources counts."""
     pool = SandboxPool.model_validate({"metadata": {"name": name}, "spec": spec.wire()})
     deploy = next(o for o in build_for(pool) if o["kind"] == "Deployment")
-    container = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "sandbox")
+    containers = deploy["spec"]["template"]["spec"].get("containers") or []
+    container = next((c for c in containers if isinstance(c, dict) and c.get("name") == "sandbox"), {})
     limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
     if limit is None:
         return []

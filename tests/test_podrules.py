@@ -155,6 +155,7 @@ def test_a_resource_whose_own_annotations_pass_256_kib_is_refused(tmp_path: Any)
         ({"containers": [{"name": "trainer", "resources": "big"}]}, "resources: must be an object"),
         ({"containers": [{"name": "trainer", "envFrom": [{"secretRef": "aws"}]}]}, "secretRef: must be an object"),
         ({"volumes": {"cache": {}}}, "volumes: must be a list of objects"),
+        ({"containers": [{"name": "trainer", "envFrom": [None]}]}, "envFrom[0]: must be an object (got null)"),
         ({"securityContext": {"supplementalGroups": "44"}}, "supplementalGroups: must be a list of integers"),
         ({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "Gt", "values": [8]}]}]}}}},
