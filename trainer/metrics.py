@@ -29,6 +29,8 @@ from kuberl.rollout.engine import GENERATED_TOKENS
 from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT, REQUESTS_WAITING
 
 RUN_INFO = "run.json"
+KEPT_RUN_FILES = ("events.jsonl", "metrics.jsonl", RUN_INFO)
+"""Run-folder files also kept beside the checkpoints (a trainer pod's run folder dies with it)."""
 _GAUGES: dict[str, Gauge] = {}
 _SERVER_PORT: int | None = None
 _SERVER_ADDR: str | None = None
