@@ -197,3 +197,43 @@ def test_fleet_autoscaler_with_the_trainers_backlog_keeps_the_fleet_mid_step() -
     seen = [d for d in res.fleet_decisions if d[0] in waited]
     assert min(d[2] for d in blind) < 4  # before: it would have cut engines while rollouts waited
     assert all(d[2] == 4 for d in seen)  # after: held at max while anything waited
+
+
+def test_a_queued_call_wakes_one_idle_worker_not_all() -> None:
+    """Issue 18's simulation found every call woke every idle worker of its pod (a shared event:
+    ~30 % of the simulation's time; ~1000 wake-ups a call at the paper's 1024 workers per node).
+    Now one idle worker is woken per queued call: the waits the idle workers start (on the
+    shared event or on their worker's exit) stay near one per call, not one per worker."""
+    from clustersim.pods import ModelService, _ModelProcess
+
+    waits = {"n": 0}
+    real_wait = _ModelProcess.wait
+
+    class CountingEvent(asyncio.Event):
+        async def wait(self) -> bool:
+            waits["n"] += 1
+            return await super().wait()
+
+    async def counting_wait(self: _ModelProcess) -> int:
+        waits["n"] += 1
+        return await real_wait(self)
+
+    async def go() -> int:
+        service = ModelService(ServiceConfig(workers=32, pool="t", limits=SandboxLimits(timeout_seconds=10)))
+        service.nonempty = CountingEvent()
+        await service.start()
+        await asyncio.sleep(0.01)  # every worker parks
+        before = waits["n"]
+        for i in range(20):  # one call at a time, each answered before the next
+            await service.submit(("exec", f"c{i}"), {"op": "exec", "code": encode_call(0.01), "timeout": 10})
+            await asyncio.sleep(0.01)
+        woken = waits["n"] - before
+        await service.stop()
+        return woken
+
+    _ModelProcess.wait = counting_wait  # type: ignore[method-assign]
+    try:
+        woken = run_virtual(go)
+    finally:
+        _ModelProcess.wait = real_wait  # type: ignore[method-assign]
+    assert woken <= 3 * 20, woken  # ~one worker per call; was ~32 per call
