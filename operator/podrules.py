@@ -99,8 +99,6 @@ def volume_problems(vol: dict[str, Any], at: str) -> list[str]:
     if field is not None and not body.get(field):
         return [f"{at}.{src}.{field}: Required value"]
     out = []
-    if src == "configMap" and (p := subdomain_problem(body["name"])):
-        out.append(f"{at}.configMap.name: {p}")
     for i, item in enumerate(body.get("items") or []):
         if p := config_key_problem(item.get("key")):
             out.append(f"{at}.{src}.items[{i}].key: {p}")
@@ -297,10 +295,9 @@ def pod_extras_problems(spec: dict[str, Any], where: str) -> list[str]:
         except ValueError:
             out.append(f"{where}.hostAliases[{i}].ip: {h.get('ip')!r} must be a valid IP address")
         out += [f"{where}.hostAliases[{i}].hostnames: {p}" for n in h.get("hostnames") or [] if (p := subdomain_problem(n))]
-    for field in ("terminationGracePeriodSeconds", "activeDeadlineSeconds"):
-        v = spec.get(field)
-        if v is not None and (not isinstance(v, int) or v < (1 if field == "activeDeadlineSeconds" else 0)):
-            out.append(f"{where}.{field}: {v!r} must be a {'positive' if field == 'activeDeadlineSeconds' else 'non-negative'} integer")
+    deadline = spec.get("activeDeadlineSeconds")
+    if deadline is not None and (not isinstance(deadline, int) or deadline < 1):
+        out.append(f"{where}.activeDeadlineSeconds: {deadline!r} must be a positive integer")
     for kind in ("containers", "initContainers"):
         for i, c in enumerate(spec.get(kind) or []):
             out += container_problems(c, f"{where}.{kind}[{c.get('name', i)}]")
