@@ -13,14 +13,16 @@ import asyncio
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.operator.autoscale import FleetLoad, decide, fleet_load, recommend_fleet
-from kuberl.rollout.scheduler import REQUESTS_WAITING, Scheduler
+from kuberl.rollout.scheduler import Scheduler
 from tests.test_operator_e2e import API, NS, Cluster, cluster_and_operator, eventually, metrics_server
 from tests.test_operator_hardening import fleet
 
 pytestmark = pytest.mark.timeout(90)
+WAITING = "kuberl_rollout_requests_waiting"
 AUTO = FleetAutoscaling.model_validate({"minReplicas": 1, "maxReplicas": 64, "targetKVCacheUtilization": 0.85})
 
 
@@ -72,10 +74,10 @@ async def test_the_scheduler_exports_its_backlog() -> None:
 
     tasks = [asyncio.create_task(rollout()) for _ in range(4)]
     await asyncio.sleep(0.05)
-    assert sched.waiting == 3 and REQUESTS_WAITING._value.get() == 3
+    assert sched.waiting == 3 and REGISTRY.get_sample_value(WAITING) == 3
     hold.set()
     await asyncio.gather(*tasks)
-    assert REQUESTS_WAITING._value.get() == 0
+    assert REGISTRY.get_sample_value(WAITING) == 0
 
 
 async def _add_pod(k: Cluster, name: str, labels: dict[str, str], port: int, port_name: str, env: list) -> None:
