@@ -12,6 +12,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .kube import KubeClient, kind_of
+from .render_common import APP_NAME, LABEL_COMPONENT, LABEL_NAME
 
 log = logging.getLogger("kuberl.operator")
 
@@ -39,6 +40,21 @@ async def ready_pods(client: KubeClient, namespace: str, labels: dict[str, str])
         ):
             out.append(pod)
     return out
+
+
+async def fleet_trainer_pods(client: KubeClient, namespace: str, fleet: str) -> list[dict[str, Any]]:
+    """The ready kuberl trainer pods whose rollouts go to RolloutFleet ``fleet`` (their
+    ``KUBERL_ROLLOUT_FLEET``): their schedulers hold the rollouts the engines cannot see yet."""
+    labels = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "trainer"}
+    return [
+        pod
+        for pod in await ready_pods(client, namespace, labels)
+        if any(
+            e.get("name") == "KUBERL_ROLLOUT_FLEET" and e.get("value") == fleet
+            for c in pod.get("spec", {}).get("containers") or []
+            for e in c.get("env") or []
+        )
+    ]
 
 
 def pod_port(pod: dict[str, Any], names: tuple[str, ...] = ("metrics", "http")) -> int | None:

@@ -284,11 +284,13 @@ class RolloutWorker:
 
         async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
             engines = {e.name: e for e in self.scheduler.engines}
+            waiting = self.scheduler.waiting
             return [
                 {
                     "engine": st["engine"],
                     "kv_cache_utilization": st["utilization"],
                     "requests_inflight": st["inflight"],
+                    "requests_waiting": waiting,  # the scheduler's, repeated on every row
                     "generated_tokens": getattr(engines.get(st["engine"]), "generated_tokens", None),
                 }
                 for st in self.scheduler.snapshot()

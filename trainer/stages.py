@@ -42,7 +42,7 @@ from kuberl.trainer.grpo import (
     spot_rows,
 )
 from kuberl.trainer.loss import LossConfig
-from kuberl.trainer.metrics import MetricsSink
+from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
 from kuberl.trainer.weight_sync import LocalWeights
@@ -292,13 +292,19 @@ class Pipeline:
         return self.result
 
     def _keep_events(self) -> None:
-        """events.jsonl next to the checkpoints too: a trainer pod's run folder dies with the pod."""
+        """events.jsonl, metrics.jsonl and run.json next to the checkpoints too: a trainer pod's run
+        folder dies with the pod, and they are what `kuberl report` and `kuberl status` read."""
         path = self.sink.events_path
-        if path is not None and path.is_file():
+        if path is None:
+            return
+        for name in KEPT_RUN_FILES:
+            src = path.with_name(name)
+            if not src.is_file():
+                continue
             try:
-                self.store.put_file(path, "events.jsonl")
+                self.store.put_file(src, name)
             except Exception as err:  # noqa: BLE001 - the checkpoint is saved; annotations can wait
-                log.warning("could not copy events.jsonl to %s: %s", self.store.uri, err)
+                log.warning("could not copy %s to %s: %s", name, self.store.uri, err)
 
     def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
         if stage.name not in self._sft_cache:  # each SFT stage may read its own data
