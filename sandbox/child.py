@@ -60,7 +60,7 @@ def _drop_capabilities() -> None:
 
 def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
     """Runs in the forked child, as root, right before the untrusted code."""
-    _LIBC.mallopt(-6, 0)  # M_PERTURB off: the worker's scrubbing is for what it hands down
+    _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
