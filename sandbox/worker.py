@@ -313,6 +313,9 @@ class Slot:
         tracked = emptied and self.cgroup.pids
         if not tracked:
             kill_children(self.keep_alive)
+        # the call's own process is often still exiting when we get here (we answered first):
+        # reaped, it is not mistaken for a process of the uid that escaped (a sweep per call)
+        reap_zombies(self.keep_alive)
         if self.uid is not None and (not tracked or uid_has_processes(self.uid)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -325,7 +328,7 @@ class Slot:
                 finally:
                     os._exit(0)
             os.waitpid(pid, 0)
-        reap_zombies(self.keep_alive)
+            reap_zombies(self.keep_alive)
 
     def _cgroup_pids(self) -> list[int]:
         return sorted(self.cgroup.members() - {os.getpid()})
