@@ -41,6 +41,7 @@ from typing import Any
 from kuberl.sandbox import landlock
 from kuberl.sandbox.calls import ChildGone, OwnForks, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
+from kuberl.sandbox.child import use_call_environment
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
 from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
 from kuberl.sandbox.seccomp import SeccompProgram
@@ -263,6 +264,7 @@ class Slot:
         if path != self.dir:
             self.dir = self.call_dir = path
             self._build_landlock()
+            use_call_environment(self.call_dir)
 
     def ready_for_fork(self) -> None:
         """Compile the filter for the current pids if they changed since the last compile."""

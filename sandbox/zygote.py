@@ -35,7 +35,7 @@ import socket
 from typing import TYPE_CHECKING, NoReturn
 
 from kuberl.sandbox.calls import Prepared
-from kuberl.sandbox.child import Pipes, run_prepared, set_name
+from kuberl.sandbox.child import Pipes, run_prepared, set_name, use_call_environment
 
 if TYPE_CHECKING:
     from kuberl.sandbox.worker import Slot, WorkerConfig
@@ -111,6 +111,7 @@ class Zygote:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_IGN)  # the worker stops us (EOF, SIGKILL)
                 set_name(b"kuberl-zygote")
+                use_call_environment(slot.call_dir)  # inherited by every child
                 slot.add_own(os.getpid())
                 _serve(theirs, slot, cfg)
             finally:
