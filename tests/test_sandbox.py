@@ -778,11 +778,12 @@ def basic_url():
 
 
 def _descendants(roots: list[int]) -> list[str]:
-    """Processes below ``roots``, but a worker's idle child forked ahead for its next call."""
+    """Processes below ``roots``, but a worker's idle child forked ahead for its next call and
+    its zygote (which forks those children)."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm=,args="], capture_output=True, text=True).stdout
     rows = [ln.split(None, 3) for ln in out.splitlines()]
     workers = {int(r[0]) for r in rows if len(r) == 4 and "kuberl.sandbox.worker" in r[3]}
-    ready = {int(r[0]) for r in rows if r[2] == "kuberl-ready" and int(r[1]) in workers}
+    ready = {int(r[0]) for r in rows if r[2] in ("kuberl-ready", "kuberl-zygote") and int(r[1]) in workers}
     found, frontier = [], set(roots)
     while frontier:
         kids = [r for r in rows if int(r[1]) in frontier and int(r[0]) not in ready]
