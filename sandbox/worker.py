@@ -2,16 +2,15 @@
 
 Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
 ``unshare --net --pid --ipc --fork --mount-proc --kill-child`` when available) with an
-allowlisted environment, it preloads and warms numpy, sympy, scipy and math-verify, builds the
-filesystem view its calls get (:mod:`kuberl.sandbox.fsview`: a private read-only root with a
-per-call tmpfs, or a Landlock read allowlist), calls ``gc.freeze()``, forks its zygote
-(:mod:`kuberl.sandbox.zygote`: the clean copy of itself that forks every call's child, so no
-child inherits memory that held an earlier call) and then reads one length-prefixed frame (a
-call) at a time on its protocol pipe and answers one JSON line per call, as soon as that call is
-done (so the server knows which call was running if the worker dies). Per call the cost is one
-``fork`` (of the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs
-the code; its output comes back on pipes opened for it, never through files the call could
-swap. The parent enforces the wall deadline and the slot's disk quota, afterwards
+allowlisted environment, it builds the filesystem view its calls get
+(:mod:`kuberl.sandbox.fsview`: a private read-only root with a per-call tmpfs, or a Landlock
+read allowlist), forks its zygote (:mod:`kuberl.sandbox.zygote`), which preloads and warms
+numpy, sympy, scipy and math-verify and then forks every call's child, so no child inherits
+memory that held an earlier call, and then reads one length-prefixed frame (a call) at a time
+on its protocol pipe and answers one JSON line per call, as soon as that call is done (so the
+server knows which call was running if the worker dies). Per call the cost is one ``fork`` (of
+the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs the code; its
+output comes back on pipes opened for it, never through files the call could swap. The parent enforces the wall deadline and the slot's disk quota, afterwards
 kills everything left in the slot (cgroup members, the process group, its orphans and every
 process of the slot uid), so daemons cannot outlive a call, and empties the scratch space in
 bounded time.
@@ -118,8 +117,9 @@ def _hide_home_keep_python() -> bool:
     return True
 
 
-def _preload() -> None:
-    """Import and exercise the heavy libraries once so each fork inherits them warm."""
+def preload() -> None:
+    """Import and exercise the heavy libraries once so each fork inherits them warm (in the
+    zygote; the worker itself never loads them)."""
     import importlib
 
     for name in PRELOAD_STDLIB:
@@ -517,7 +517,6 @@ def main(argv: list[str]) -> int:
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _preload()
     root, readable = _private_root(cfg)
     if root is None:
         readable = _fallback_view(cfg)
@@ -566,10 +565,13 @@ def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Z
     freed memory scrubbed (so a call forked from it finds no trace of earlier calls' code,
     stdin, output or gold answers in the heap it inherits; ~25 % of calls/s)."""
     try:
-        return Zygote.start(slot, cfg, close=protocol)
+        return Zygote.start(slot, cfg, close=protocol, preload=preload)
     except (OSError, ZygoteGone) as err:
         print(f"kuberl sandbox worker: no zygote ({err}); scrubbing freed memory instead", file=sys.stderr)
     _LIBC.mallopt(M_PERTURB, 0xA5)
+    preload()
+    gc.collect()
+    gc.freeze()
     return OwnForks(cfg)
 
 

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import platform
 import signal
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from kuberl.sandbox.calls import Prepared
@@ -93,10 +95,14 @@ class Zygote:
         self.asked: int | None = None  # generation of a child asked for and not yet taken
 
     @classmethod
-    def start(cls, slot: Slot, cfg: WorkerConfig, close: tuple[int, ...]) -> Zygote:
-        """Fork the zygote from the worker (before the worker reads any call) and check that it
-        can fork children for us. ``close``: the worker's descriptors it must not hold (the
-        protocol pipes: the server sees EOF when the worker dies). Raises ZygoteGone."""
+    def start(
+        cls, slot: Slot, cfg: WorkerConfig, close: tuple[int, ...], preload: Callable[[], None] = lambda: None
+    ) -> Zygote:
+        """Fork the zygote from the worker (before the worker reads any call), have it run
+        ``preload`` (the libraries every call gets warm: loaded in the zygote only, the worker
+        stays small) and check that it can fork children for us. ``close``: the worker's
+        descriptors it must not hold (the protocol pipes: the server sees EOF when the worker
+        dies). Raises ZygoteGone."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         worker = os.getpid()
         pid = os.fork()
@@ -113,6 +119,10 @@ class Zygote:
                 set_name(b"kuberl-zygote")
                 use_call_environment(slot.call_dir)  # inherited by every child
                 slot.add_own(os.getpid())
+                slot.ready_for_fork()
+                preload()
+                gc.collect()
+                gc.freeze()  # no collection touches (and so copies) the preloaded objects
                 _serve(theirs, slot, cfg)
             finally:
                 os._exit(70)
