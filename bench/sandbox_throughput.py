@@ -13,20 +13,24 @@ Exit status 1 only when the burst loses or duplicates a call (timings depend on 
 ``--compare`` measures this checkout's service against another one in the same run: OTHER_PYTHON
 is an interpreter that imports the other checkout's kuberl (e.g. a venv with it installed
 editable). The two services run alternately, ``--rounds`` times each (the order flips every
-round), with the same measurements but the spawn baseline; the summary gives each figure's
-median per side and the ratio, and the machine's load average before and after (the machine
-may be shared: only figures taken side by side compare).
+round), with the same measurements but the spawn baseline, plus the CPU a trivial call
+costs by process (``cpu_ms_*``: server, worker, zygote, the call's own process from fork to
+exit, and this client, from /proc); the summary gives each figure's median per side and the
+ratio, and the machine's load average before and after (the machine may be shared: only
+figures taken side by side compare).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 
 from kuberl.sandbox.client import SandboxClient
 from kuberl.sandbox.local import running_sandbox
@@ -135,6 +139,70 @@ def target_lines(measured: dict[str, float]) -> list[str]:
     return lines
 
 
+def _proc_stat(pid: int) -> tuple[float, float, int]:
+    """(own CPU s, CPU s of reaped children, start time in ticks) of ``pid`` from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read()
+    f_ = f[f.rindex(")") + 2 :].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(f_[11]) + int(f_[12])) / tick, (int(f_[13]) + int(f_[14])) / tick, int(f_[19])
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as fh:
+            out += [int(x) for x in fh.read().split()]
+    return out
+
+
+def _roles(url: str) -> tuple[list[int], list[int], list[int]]:
+    """The server's pid, the workers' and their zygotes' (a child named kuberl-zygote; it is
+    named kuberl-ready for the instant of a fork, so look again; a service without one has none)."""
+    with urllib.request.urlopen(url + "/readyz", timeout=10) as resp:
+        info = json.loads(resp.read())
+    workers: list[int] = []
+    zygotes: list[int] = []
+    for pid in info["worker_pids"]:
+        with open(f"/proc/{pid}/comm") as fh:
+            if fh.read().strip() == "unshare":  # the worker is the namespace's init below it
+                pid = _children(pid)[0]
+        workers.append(pid)
+        for _ in range(20):
+            found = [k for k in _children(pid) if open(f"/proc/{k}/comm").read().strip() == "kuberl-zygote"]
+            if found:
+                zygotes += found
+                break
+            time.sleep(0.005)
+    return [info["server_pid"]], workers, zygotes
+
+
+def _cpu_by_role(server: list[int], workers: list[int], zygotes: list[int]) -> dict[str, float]:
+    """CPU seconds so far of the server, the workers, the zygotes and the calls (the workers'
+    reaped children)."""
+    return {
+        "server": sum(_proc_stat(p)[0] for p in server),
+        "worker": sum(_proc_stat(p)[0] for p in workers),
+        "zygote": sum(_proc_stat(p)[0] for p in zygotes),
+        "calls": sum(_proc_stat(p)[1] for p in workers),
+    }
+
+
+def cpu_split(url: str, calls: int, concurrency: int) -> dict[str, float]:
+    """CPU milliseconds per trivial call (``calls`` of them, ``concurrency`` in flight) by
+    process: server, worker, zygote, the call's own process (fork to exit) and this client."""
+    import resource
+
+    roles = _roles(url)
+    before, r0 = _cpu_by_role(*roles), resource.getrusage(resource.RUSAGE_SELF)
+    asyncio.run(_ours(url, SNIPPETS["trivial"], calls, concurrency))
+    after, r1 = _cpu_by_role(*roles), resource.getrusage(resource.RUSAGE_SELF)
+    split = {f"cpu_ms_{k}": (after[k] - before[k]) / calls * 1e3 for k in before}
+    split["cpu_ms_client"] = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / calls * 1e3
+    split["cpu_ms_total"] = sum(split.values())
+    return split
+
+
 def _measure(url: str, calls: int, concurrency: int, rate: float, rate_seconds: float) -> dict[str, float]:
     """The service's figures without the spawn baseline (one side of ``--compare``)."""
     out: dict[str, float] = {}
@@ -148,6 +216,7 @@ def _measure(url: str, calls: int, concurrency: int, rate: float, rate_seconds: 
         got, olat = asyncio.run(_open_loop(url, SNIPPETS["trivial"], rate, rate_seconds))
         out["served_at_rate"] = got
         out["trivial_p99_ms_at_rate"] = _pct(olat, 0.99) * 1e3
+    out.update(cpu_split(url, calls, concurrency))
     return out
 
 
