@@ -845,6 +845,48 @@ def test_basic_isolation_leaves_a_call_its_own_signals(basic_url):
     assert (r.outcome, r.output) == ("stdout", "9\nok\n"), r
 
 
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
+
+
+def _zygotes(workers: list[int]) -> dict[int, int]:
+    """Each worker's zygote (its oldest child: it is forked before any call's child) -> its
+    start time (not its name: a zygote is named kuberl-ready for the instant of each fork)."""
+    found = {}
+    for w in workers:
+        kids = []
+        for tid in os.listdir(f"/proc/{w}/task"):
+            with open(f"/proc/{w}/task/{tid}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
+        oldest = min(kids, key=_start_time)
+        found[oldest] = _start_time(oldest)
+    return found
+
+
+def test_basic_isolation_a_call_cannot_signal_the_zygotes(basic_url):
+    """Calls share the service's uid here: the filter refuses signals to every worker's zygote
+    (its own pid and the pids from the workers' hellos), which would otherwise stop the worker
+    forking calls. Where Landlock scopes signals (kernel >= 6.12) that holds twice."""
+    info = _readyz(basic_url)[1]
+    zygotes = _zygotes(info["worker_pids"])
+    code = (
+        "import os, signal\n"
+        f"for pid in {sorted(zygotes)!r}:\n"
+        "    for sig in (signal.SIGKILL, signal.SIGSTOP):\n"
+        "        try:\n"
+        "            os.kill(pid, sig)\n"
+        "            print('signalled', pid)\n"
+        "        except OSError as e:\n"
+        "            print(type(e).__name__)\n"
+    )
+    r = run(_exec(basic_url, code))
+    assert r.outcome == "stdout" and "signalled" not in r.output, r
+    _alive(basic_url)
+    assert _zygotes(info["worker_pids"]) == zygotes  # the same processes, still there
+    assert _readyz(basic_url)[1]["worker_restarts"] == info["worker_restarts"]
+
+
 def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(basic_url):
     """The worker dies (SIGKILL from outside) while a call that left a setsid daemon runs: that
     call gets an error, the two calls batched behind it run on the replacement, /readyz says 503
