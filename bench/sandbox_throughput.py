@@ -237,7 +237,11 @@ def compare(other_python: str, rounds: int, workers: int, calls: int, concurrenc
             with running_sandbox(workers=workers, python=sides[side], cwd="/") as url:
                 m = _measure(url, calls, concurrency, rate, rate_seconds)
             runs[side].append(m)
-            print(f"round {r + 1} {side:5s} " + " ".join(f"{k} {v:.1f}" for k, v in m.items()) + f" | load {_load()}")
+            print(
+                f"round {r + 1} {side:5s} "
+                + " ".join(f"{k} {v:.1f}" for k, v in m.items())
+                + f" | load {_load()}"
+            )
     print(f"load average after: {_load()}")
     print(f"{'median of ' + str(rounds):24s} {'ours':>10s} {'other':>10s} {'ratio':>7s}")
     for key in runs["ours"][0]:
@@ -260,11 +264,21 @@ def main() -> int:
         "--rate", type=float, default=180.0, help="open-loop trivial calls/s for the latency-at-load line"
     )
     ap.add_argument("--rate-seconds", type=float, default=10.0, help="how long to offer --rate")
-    ap.add_argument("--compare", metavar="PYTHON", help="also run the service of another checkout (see above)")
+    ap.add_argument(
+        "--compare", metavar="PYTHON", help="also run the service of another checkout (see above)"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="with --compare: runs of each side")
     args = ap.parse_args()
     if args.compare:
-        compare(args.compare, args.rounds, args.workers, args.calls, args.concurrency, args.rate, args.rate_seconds)
+        compare(
+            args.compare,
+            args.rounds,
+            args.workers,
+            args.calls,
+            args.concurrency,
+            args.rate,
+            args.rate_seconds,
+        )
         return 0
     measured: dict[str, float] = {}
     with running_sandbox(workers=args.workers) as url:
