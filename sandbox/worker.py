@@ -10,10 +10,11 @@ memory that held an earlier call, and then reads one length-prefixed frame (a ca
 on its protocol pipe and answers one JSON line per call, as soon as that call is done (so the
 server knows which call was running if the worker dies). Per call the cost is one ``fork`` (of
 the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs the code; its
-output comes back on pipes opened for it, never through files the call could swap. The parent enforces the wall deadline and the slot's disk quota, afterwards
-kills everything left in the slot (cgroup members, the process group, its orphans and every
-process of the slot uid), so daemons cannot outlive a call, and empties the scratch space in
-bounded time.
+output comes back on pipes opened for it, never through files the call could swap. The worker
+(the child's parent: the zygote forks with ``CLONE_PARENT``) enforces the wall deadline and the
+slot's disk quota, afterwards kills everything left in the slot (cgroup members, the process
+group, its orphans and every process of the slot uid), so daemons cannot outlive a call, and
+empties the scratch space in bounded time.
 
 The worker and the server are not dumpable (``PR_SET_DUMPABLE`` 0): a call running under
 their uid (``--isolation basic``) can then neither open their ``/proc/PID/mem`` or ``fd``
@@ -464,9 +465,9 @@ def _fallback_view(cfg: WorkerConfig) -> bool:
 def encode_frames(calls: list[dict[str, Any]], protect: list[int]) -> bytes:
     """The server's side of the protocol (pure): one length-prefixed frame per call.
 
-    Frames, not one line per batch: the worker reads one call at a time, so the child forked
-    for a call never holds the calls queued behind it (nor, with the scrubbing allocator, the
-    ones before it)."""
+    Frames, not one line per batch: the worker reads one call at a time, so that a worker
+    without a zygote (which forks its children itself) never hands a child the calls queued
+    behind it (nor, with its scrubbing allocator, the ones before it)."""
     out = bytearray()
     for call in calls:
         frame = json.dumps({"call": call, "protect": protect}).encode()
