@@ -175,6 +175,7 @@ class WorkerProc:
         self.cfg = cfg
         self.proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None  # the worker itself (proc is `unshare` in a namespace)
+        self.zygote_pid: int | None = None  # the worker's zygote (forks its calls' children)
         self.up = False
         self.protections: dict[str, bool] = {}
         self.leftovers: dict[str, Any] = {}
@@ -216,6 +217,8 @@ class WorkerProc:
         self.protections = dict(hello.get("protections", {}), namespaces=bool(ns))
         self.leftovers = hello.get("leftovers", {})
         self.pid = self.proc.pid if ns else int(hello.get("pid", self.proc.pid))
+        # inside a PID namespace its pid means nothing here (and no call of another slot sees it)
+        self.zygote_pid = None if ns or not hello.get("zygote_pid") else int(hello["zygote_pid"])
         self.up = True
 
     async def run(self, calls: list[dict[str, Any]], protect: list[int]) -> AsyncIterator[dict[str, Any]]:
@@ -451,12 +454,12 @@ class SandboxService:
         return batch
 
     def _protected_pids(self) -> list[int]:
-        """What no call may signal: this process and its threads, and every worker."""
+        """What no call may signal: this process and its threads, and every worker and zygote."""
         pids = {os.getpid()}
         with contextlib.suppress(OSError):
             pids |= {int(t) for t in os.listdir("/proc/self/task")}
         for w in self.workers:
-            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None) if p}
+            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, getattr(w, "zygote_pid", None)) if p}
         return sorted(pids)
 
     async def _work_or_death(self, w: WorkerProc) -> bool:
