@@ -84,6 +84,18 @@ async def scrape_pods(
     return [r for r in results if r is not None]
 
 
+def engine_gaps(text: str, job: str) -> dict[str, float]:
+    """The trainer's spot check per engine (``kuberl_train_engine_logprob_gap{engine}``, mean
+    |engine - trainer| nats/token at its last check) from its /metrics page."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kuberl_train_engine_logprob_gap" and s.labels.get("job", job) == job:
+                if "engine" in s.labels and s.value == s.value:  # NaN: not checked
+                    out[s.labels["engine"]] = s.value
+    return out
+
+
 def train_progress(text: str, job: str) -> dict[str, Any]:
     """status.stage/step/summary from a trainer's /metrics (kuberl_train_* of DESIGN.md)."""
     out: dict[str, Any] = {}
