@@ -187,7 +187,10 @@ class RolloutSpec(KubeModel):
         8,
         ge=0,
         le=1024,
-        description="Rollouts per RL step (trained on or not, spread over the engines) for the spot check; 0: off.",
+        description=(
+            "Rollouts per RL step rescored for the spot check, spread over the engines that no fresh "
+            "trained rollout already measures (their gap comes from the update); 0: off."
+        ),
     )
     prompt_template: Literal["rstar2", "compact"] = Field(
         "rstar2", description="compact drops the long system prompt (tiny local models)."
@@ -303,6 +306,15 @@ class TrainerSpec(KubeModel):
         None, description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...)."
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "About how many tokens one forward/backward of the RL update takes (rollouts are not "
+            "split): bounds the update's activation memory, which grows with the tokens of a forward; "
+            "the gradient is the same. Default: up to 64 rollouts per forward."
+        ),
+    )
 
     @property
     def resolved_image(self) -> str:

@@ -4,7 +4,8 @@ Every rank builds the same GPT twice: one copy FSDP-sharded over the ranks, one 
 step (each rank its share, global-token denominator) and an ``rl_update`` (``shard_step_batch``
 shares) run on the sharded copy; the plain copy takes the whole batch. With SGD the updated
 weights must agree to float precision (Adam would amplify float noise in zero gradients).
-Rank 0 prints the largest difference per phase as JSON.
+Rank 0 prints the largest difference per phase as JSON. Phases: SFT, an update of two
+mini-batches (pi_old given), an on-policy update (pi_old from its own forward).
 """
 
 from __future__ import annotations
@@ -78,6 +79,19 @@ def main() -> None:
     if ctx.is_main:
         out["rl"] = max_diff(full, plain.state_dict())
         out["rl_stats"] = [got, want]
+
+    # On-policy update (pi_old from its own forward): the gap is a token mean over all ranks.
+    # Micro-batches bounded by tokens: the ranks' shares differ in tokens, so in how many
+    # micro-batches they would need alone; both must run the larger count.
+    rl = batch(5, 3)
+    part = shard_step_batch(rl, ctx.world_size)[ctx.rank]
+    opt_s, opt_p = torch.optim.SGD(sharded.parameters(), lr=0.5), torch.optim.SGD(plain.parameters(), lr=0.5)
+    got = rl_update(sharded, opt_s, part, cfg, grad_clip=0.05, micro_batch_tokens=13, dist=ctx, on_policy=True)
+    want = rl_update(plain, opt_p, rl, cfg, grad_clip=0.05, on_policy=True)
+    full = full_state_dict(sharded, ctx)
+    if ctx.is_main:
+        out["rl_on_policy"] = max_diff(full, plain.state_dict())
+        out["rl_on_policy_stats"] = [got, want]
         print(json.dumps(out))
     ctx.barrier()
     ctx.close()

@@ -88,7 +88,7 @@ def test_rl_update_without_a_cap_is_the_update_without_the_correction():
             self.emb = torch.nn.Embedding(8, 8)
             self.out = torch.nn.Linear(8, 8)
 
-        def forward(self, ids, attention_mask=None):
+        def forward(self, ids, attention_mask=None, use_cache=True):
             return self.out(self.emb(ids)), None
 
     model = Tiny()

@@ -125,6 +125,14 @@ def test_hf_policy_follows_the_gpt_forward_contract(tiny_model):
         last, _ = policy(ids[:, -1:], past=past, attention_mask=mask)
     assert torch.allclose(full[1, 3:], ref, atol=1e-5)
     assert torch.allclose(last[:, -1], full[:, -1], atol=1e-5)
+    # training and scoring forwards (right padding, pad_batch) build no KV cache, same logits
+    right = torch.ones_like(ids)
+    right[0, 6:] = 0
+    with torch.no_grad():
+        cached, present = policy(ids, attention_mask=right)
+        plain, none = policy(ids, attention_mask=right, use_cache=False)
+    assert none is None and len(present) == 2
+    assert torch.allclose(plain[:, :6], cached[:, :6], atol=1e-6) and torch.allclose(plain[1], cached[1], atol=1e-6)
     with pytest.raises(ValueError, match="attention_mask must be"):
         policy(ids, attention_mask=mask[:, :-1])
 
@@ -576,6 +584,11 @@ def test_fsdp_updates_equal_the_whole_batch_update():
     got, want = out["rl_stats"]
     assert got["clip_low"] > 0 and got["opt_steps"] == want["opt_steps"] == 2
     for k in ("clip_low", "clip_high", "ratio_mean", "ratio_max", "loss", "grad_norm", "tokens"):
+        assert got[k] == pytest.approx(want[k], rel=1e-5), k
+    assert out["rl_on_policy"] < 1e-6, out
+    got, want = out["rl_on_policy_stats"]
+    assert want["rollout_logprob_gap"] > 0.1 and got["ratio_max"] == want["ratio_max"] == 1.0
+    for k in ("rollout_logprob_gap", "loss", "grad_norm", "tokens"):
         assert got[k] == pytest.approx(want[k], rel=1e-5), k
 
 

@@ -202,9 +202,46 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
     return out
 
 
+def micro_batches(
+    idx: Sequence[int],
+    lengths: Sequence[int],
+    micro_batch: int,
+    max_tokens: int | None = None,
+    dist: DistContext | None = None,
+) -> list[list[int]]:
+    """Rows ``idx`` (token counts ``lengths[i]``) in the micro-batches of one forward/backward
+    each: at most ``micro_batch`` rows, and with ``max_tokens`` about that many tokens.
+
+    The token bound is what bounds the update's memory: activations grow with the tokens of a
+    forward (SmolLM2-135M keeps ~1.3 MB per token over its 30 layers, bench/update_memory.py),
+    whatever the row count. The loss does not change: every micro-batch divides by the whole
+    mini-batch's token count. Without ``max_tokens`` rows are taken in order, ``micro_batch`` at
+    a time (as always); with it the rows are balanced by tokens over as many micro-batches as
+    the largest rank needs (FSDP: every rank runs the same number of forwards; their row counts
+    are equal, :func:`shard_step_batch`, so no share is empty).
+    """
+    if micro_batch < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"micro_batch and max_tokens must be >= 1, got {micro_batch}, {max_tokens}")
+    if max_tokens is None:
+        return [list(idx[s : s + micro_batch]) for s in range(0, len(idx), micro_batch)]
+    if not idx:
+        return []
+    parts = max(-(-len(idx) // micro_batch), -(-sum(lengths[i] for i in idx) // max_tokens))
+    parts = min(parts, len(idx))
+    if dist is not None:
+        parts = int(dist.all_reduce([float(parts)], op="max")[0])
+    return split_evenly(list(idx), parts, weights=[lengths[i] for i in idx])
+
+
 @torch.no_grad()
 def recompute_old_logprobs(
-    model: nn.Module, batch: StepBatch, *, micro_batch: int = 64, device: torch.device | str = "cpu"
+    model: nn.Module,
+    batch: StepBatch,
+    *,
+    micro_batch: int = 64,
+    micro_batch_tokens: int | None = None,
+    device: torch.device | str = "cpu",
+    dist: DistContext | None = None,
 ) -> float:
     """Replace the engine's log-probs in ``batch`` by the trainer model's; return their mean gap.
 
@@ -216,18 +253,20 @@ def recompute_old_logprobs(
     over the trained tokens is the rollout/trainer mismatch, a check that weights were synced.
     With FSDP every rank calls this on its share (the same number of rows on every rank, see
     :func:`shard_step_batch`, so the forwards' collectives line up); the gap is then its own.
+    ``micro_batch``/``micro_batch_tokens``/``dist``: the forwards' sizes, :func:`micro_batches`.
     """
     was_training = model.training
     model.eval()
     gap, count = 0.0, 0
     batch.gaps = []
     try:
-        for start in range(0, len(batch.seqs), micro_batch):
-            part = range(start, min(start + micro_batch, len(batch.seqs)))
+        lengths = [len(q) for q in batch.seqs]
+        for part in micro_batches(range(len(batch.seqs)), lengths, micro_batch, micro_batch_tokens, dist):
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
-            lp, _ = token_logprobs(model(inp, attention_mask=att)[0], tgt, with_entropy=False)
+            logits, _ = model(inp, attention_mask=att, use_cache=False)
+            lp, _ = token_logprobs(logits, tgt, with_entropy=False)
             lp = lp.cpu()
             for row, i in enumerate(part):
                 n = len(batch.seqs[i]) - 1
@@ -253,6 +292,26 @@ def _shifted_rows(per_row: list[list[float]], part: Sequence[int], like: torch.T
     return out
 
 
+def _take_old_from_forward(
+    batch: StepBatch, part: Sequence[int], lp: torch.Tensor, engine: torch.Tensor, tm: torch.Tensor
+) -> torch.Tensor:
+    """pi_old for rows ``part`` from the update's own detached log-probs ``lp`` (on-policy).
+
+    Leaves ``batch`` as :func:`recompute_old_logprobs` would: ``old_logprobs`` replaced by the
+    trainer's numbers and ``gaps`` the per-row |engine - trainer| sum and count over trained
+    tokens (``engine``: the engine's numbers in ``lp``'s layout). Returns ``lp``.
+    """
+    kept = tm > 0
+    diff = ((engine - lp).abs() * kept).sum(dim=1).cpu().tolist()
+    counts = kept.sum(dim=1).cpu().tolist()
+    rows = lp.cpu()
+    for row, i in enumerate(part):
+        n = len(batch.seqs[i]) - 1
+        batch.gaps[i] = (float(diff[row]), int(counts[row]))
+        batch.old_logprobs[i] = [0.0, *rows[row, :n].tolist()]
+    return lp
+
+
 def rl_update(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -266,12 +325,26 @@ def rl_update(
     device: torch.device | str = "cpu",
     dist: DistContext | None = None,
     tis_cap: float | None = None,
+    on_policy: bool = False,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``mini_batches`` optimizer steps over the batch; token-mean per mini-batch.
+
+    ``on_policy`` (one epoch, one mini-batch: a single optimizer step) takes pi_old from the
+    update's own forward instead of :func:`recompute_old_logprobs`: every micro-batch's forward
+    runs before the one optimizer step, at the weights pi_old stands for, so pi_old is its
+    detached log-probs, the ratio is 1 in value and the clipped objective's gradient is the
+    plain policy gradient A * grad log pi (what TRL does at ``num_iterations=1``). It saves the
+    recomputation's forward. ``batch.old_logprobs`` must still hold the engine's numbers: they
+    become pi_old here and ``batch.gaps`` and ``rollout_logprob_gap`` (in the returned stats)
+    carry the engine-vs-trainer gap exactly as the recomputation reports it.
 
     ``tis_cap`` weights each token by min(pi_old / mu, cap), mu being the engine's sampling
     log-probs (``batch.behavior_logprobs``): the off-policy correction of asynchronous runs
     (``loss.tis_weights``); None leaves the loss exactly as without it.
+
+    ``micro_batch``/``micro_batch_tokens``: rows and about how many tokens one forward/backward
+    takes (:func:`micro_batches`); the gradient is the mini-batch's whatever the split.
 
     Returned stats cover every micro-batch of every epoch: fractions and means weighted by
     their kept tokens, ``ratio_max`` the maximum, ``loss``/``grad_norm`` per optimizer step.
@@ -281,15 +354,23 @@ def rl_update(
     all ranks, so the update and its numbers are the full batch's.
     """
     dist = dist or DistContext()
+    if on_policy and (ppo_epochs != 1 or mini_batches != 1):
+        raise ValueError(
+            f"on_policy needs one optimizer step per batch (ppo_epochs 1, mini_batches 1), got "
+            f"{ppo_epochs} x {mini_batches}: later steps need pi_old from recompute_old_logprobs"
+        )
     if not batch.seqs:  # every group was filtered out (all-equal rewards): no update this step
         zero = ("clip_low", "clip_high", "cap_frac", "approx_kl", "loss", "grad_norm", "tokens", "opt_steps")
         return {"skipped": 1.0, **dict.fromkeys(zero, 0.0)}
     model.train()
     n = len(batch.seqs)
     order = list(range(n))
+    lengths = [len(q) for q in batch.seqs]
     totals: dict[str, float] = {}
     ratio_max = -math.inf
     count = 0
+    if on_policy:
+        batch.gaps = [(0.0, 0)] * n
     for _ in range(ppo_epochs):
         for mb in range(mini_batches):
             idx = order[mb * n // mini_batches : (mb + 1) * n // mini_batches]
@@ -297,18 +378,23 @@ def rl_update(
                 continue
             tokens = dist.all_reduce([float(sum(sum(batch.masks[i][1:]) for i in idx))])[0]
             optimizer.zero_grad(set_to_none=True)
-            for start in range(0, len(idx), micro_batch):
-                part = idx[start : start + micro_batch]
+            for part in micro_batches(idx, lengths, micro_batch, micro_batch_tokens, dist):
                 inp, att, tgt, tm = pad_batch(
                     [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
                 )
                 old = _shifted_rows(batch.old_logprobs, part, tm)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
+                logits, _ = model(inp, attention_mask=att, use_cache=False)
+                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
+                del logits
+                if on_policy:  # pi_old := this forward, detached; ``old`` held the engine's numbers
+                    old = _take_old_from_forward(batch, part, lp.detach(), old, tm)
+                    totals["rollout_logprob_gap"] = totals.get("rollout_logprob_gap", 0.0) + sum(
+                        batch.gaps[i][0] for i in part
+                    )
                 weights = None
                 if tis_cap is not None:
                     weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
-                logits, _ = model(inp, attention_mask=att)
-                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
                 loss, st = policy_loss(
                     lp,
                     old,
@@ -347,6 +433,7 @@ def rl_update(
     totals = dict(zip(keys, dist.all_reduce([totals[k] for k in keys]), strict=True))
     ratio_max = dist.all_reduce([ratio_max], op="max")[0]
     tok = max(1.0, totals.get("tokens", 0.0))
+    # rollout_logprob_gap: summed |engine - trainer| over the kept tokens, hence a token mean here
     out = {k: v / tok for k, v in totals.items() if k not in ("tokens", "loss", "grad_norm")}
     out["ratio_max"] = ratio_max if ratio_max > -math.inf else 1.0
     out["loss"] = totals.get("loss", 0.0) / max(1, count)
@@ -380,18 +467,30 @@ def engine_gaps(batch: StepBatch) -> dict[str, float]:
     return {name: g / c for name, (g, c) in sums.items() if c}
 
 
-def spot_rows(groups: Sequence[Sequence[Scored]], version: int | None, count: int) -> StepBatch:
+def trained_engines(batch: StepBatch) -> set[str]:
+    """The engines with a fresh trained row in ``batch``: :func:`engine_gaps` of the batch
+    measures them once pi_old is known, so the spot check need not rescore their rollouts."""
+    return {
+        e for e, fresh, m in zip(batch.engines, batch.fresh, batch.masks, strict=False)
+        if e is not None and fresh and any(m)
+    }  # fmt: skip
+
+
+def spot_rows(
+    groups: Sequence[Sequence[Scored]], version: int | None, count: int, skip: set[str] | frozenset = frozenset()
+) -> StepBatch:
     """Up to ``count`` of the step's rollouts for the engine spot check, trained on or not:
     fresh (sampled by the current policy version), complete, taken in turn from each engine so
-    that every engine of the fleet is looked at. Pure; ``recompute_old_logprobs`` then
-    ``engine_gaps`` on the result give each engine's mismatch."""
+    that every engine of the fleet is looked at - except the engines in ``skip`` (those the
+    trained rows already measure, :func:`trained_engines`). Pure; ``recompute_old_logprobs``
+    then ``engine_gaps`` on the result give each engine's mismatch."""
     by_engine: dict[str | None, list[Trajectory]] = {}
     for g in groups:
         for s in g:
             t = s.traj
             if t.finish_reason == "abort" or not any(t.loss_mask):
                 continue
-            if not is_fresh(t, version):
+            if not is_fresh(t, version) or t.engine in skip:
                 continue
             by_engine.setdefault(t.engine, []).append(t)
     picked: list[Trajectory] = []

@@ -55,8 +55,14 @@ class HFPolicy(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, input_ids: torch.Tensor, past: KV | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        past: KV | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool = True,
     ):
+        """``use_cache=False`` (training and scoring forwards) builds no KV cache and returns None
+        for it: HF's cache holds a copy of every layer's keys and values (bench/update_memory.py)."""
         from transformers import DynamicCache
 
         B, T = input_ids.shape
@@ -66,6 +72,9 @@ class HFPolicy(nn.Module):
         if attention_mask.shape != (B, t_past + T):
             raise ValueError(f"attention_mask must be [{B}, {t_past + T}], got {list(attention_mask.shape)}")
         positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t_past:]
+        if not use_cache and not past:
+            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+            return out.logits, None
         cache = DynamicCache()
         for i, (k, v) in enumerate(past or []):
             cache.update(k, v, i)
@@ -77,7 +86,7 @@ class HFPolicy(nn.Module):
             use_cache=True,
         )
         present = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return out.logits, present
+        return out.logits, present if use_cache else None
 
 
 HF_SIDECAR_FILES = (

@@ -2,9 +2,10 @@
 
 The same weights give different log-probabilities in an inference server (bf16, its own
 kernels, batch-dependent reductions) and in the trainer (float32 masters, another attention
-path). GRPO-RoC's ratio uses the trainer's recomputed pi_old (``grpo.recompute_old_logprobs``),
-so the mismatch does not enter the clipped ratio itself; it measures how far the behaviour
-policy that sampled the tokens is from the policy being trained, which is what an
+path). GRPO-RoC's ratio uses the trainer's pi_old (``grpo.recompute_old_logprobs``, or the
+update's own forward when a step is on-policy: ``grpo.rl_update(on_policy=True)``), so the
+mismatch does not enter the clipped ratio itself; it measures how far the behaviour policy that
+sampled the tokens is from the policy being trained, which is what an
 importance-sampling correction (verl's TIS, prime-rl's) would reweight, and it is the signal
 that tells a server serving stale or wrong weights apart (measured tolerances in
 bench/README.md).
@@ -85,6 +86,6 @@ def trainer_token_logprobs(model, prompt_ids: Sequence[int], output_ids: Sequenc
 
     ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
     with torch.no_grad():
-        logits = model(ids)[0]
+        logits = model(ids, use_cache=False)[0]
         lp, _ = token_logprobs(logits, ids[:, 1:])
     return lp[0, len(prompt_ids) - 1 :].float().cpu().tolist()

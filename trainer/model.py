@@ -3,11 +3,14 @@
 It is the ``builtin:tiny-gpt`` policy of the quickstart and the model LocalEngine serves.
 The forward signature is the contract with ``kuberl.rollout.local_engine``:
 
-    logits, present = model(input_ids, past=None, attention_mask=None)
+    logits, present = model(input_ids, past=None, attention_mask=None, use_cache=True)
 
 * ``input_ids``: LongTensor [B, T] (new tokens only when ``past`` is given)
 * ``past``: per-layer (k, v) tensors [B, H, T_past, D] from the previous call, or None
 * ``attention_mask``: [B, T_past + T] with 1 for real tokens and 0 for left padding; None = all real
+* ``use_cache``: False for training and scoring forwards, which never decode on: the cache is
+  then None (this model's k, v are views it keeps for the backward anyway; an HF model would
+  copy them into a cache, ``kuberl.trainer.hf``)
 * returns logits [B, T, V] and the updated per-layer (k, v) cache.
 Positions are derived from the mask (cumsum), so left-padded rows see the same positions as
 unpadded ones and batched decoding matches one-at-a-time decoding.
@@ -116,7 +119,11 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, input_ids: torch.Tensor, past: KV | None = None, attention_mask: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        past: KV | None = None,
+        attention_mask: torch.Tensor | None = None,
+        use_cache: bool = True,
     ):
         B, T = input_ids.shape
         t_past = past[0][0].shape[2] if past else 0
@@ -140,4 +147,4 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, past[i] if past else None, mask)
             present.append(kv)
-        return self.lm_head(self.ln_f(x)), present
+        return self.lm_head(self.ln_f(x)), present if use_cache else None

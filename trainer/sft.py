@@ -52,7 +52,7 @@ def sft_loss(
     is then this share's correct tokens over the same denominator (they add up too).
     """
     inp, att, tgt, tm = pad_batch(seqs, masks, device)
-    logits, _ = model(inp, attention_mask=att)
+    logits, _ = model(inp, attention_mask=att, use_cache=False)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), reduction="none")
     ce = ce.view_as(tm)
     n = tm.sum().clamp(min=1.0) if num_tokens is None else max(1.0, float(num_tokens))

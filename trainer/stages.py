@@ -7,8 +7,9 @@ Every step is seeded from (seed, global step) and every rollout from (step seed,
 sample, turn), so a resumed run continues exactly where the checkpoint left off: SFT, the
 rollouts' tokens and the update. Tool latency and thread timing change how the engine batches
 requests, which moves its log-probs in the last float bits but not the sampled tokens (unless a
-uniform lands within ~1e-7 of a token boundary); the update uses log-probs the trainer
-recomputes in a fixed layout (``recompute_old_logprobs``), so it is bitwise reproducible.
+uniform lands within ~1e-7 of a token boundary); the update takes pi_old from the trainer in a
+fixed layout (its own forward when the step is on-policy, else ``recompute_old_logprobs``), so
+it is bitwise reproducible.
 
 Checkpoints: every ``checkpoint.everySteps`` global steps, at the end of each stage after its
 eval (so a resumed run neither repeats the eval nor the stage), and when ``deadline`` stops the
@@ -40,6 +41,7 @@ from kuberl.trainer.grpo import (
     rl_update,
     shard_step_batch,
     spot_rows,
+    trained_engines,
 )
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
@@ -511,30 +513,42 @@ class Pipeline:
             parts = shard_step_batch(sb, self.ctx.world_size) if self.ctx.enabled else [sb]
         t_roll = time.perf_counter() - t1
         sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
-        logprob_gap = recompute_old_logprobs(self.model, sb, device=self.device) if sb.seqs else 0.0
-        logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
+        mini_batches = min(a.mini_batches, max(1, len(sb.seqs)))
+        # One optimizer step on fresh rollouts: pi_old is the update's own forward (rl_update's
+        # on_policy), no separate recomputation. Equal on every rank (equal row counts).
+        on_policy = a.ppo_epochs == 1 and mini_batches == 1 and k == 0
+        logprob_gap = 0.0
+        sizes = {"micro_batch_tokens": self.spec.trainer.micro_batch_tokens, "device": self.device}
+        if not on_policy:
+            logprob_gap = recompute_old_logprobs(self.model, sb, dist=self.ctx, **sizes) if sb.seqs else 0.0
+            logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
-        if self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None:
-            if self.ctx.enabled:  # a forward is collective under FSDP: rank 0's trained share
-                gaps = engine_gaps(sb)
-            else:
-                probe = spot_rows(groups, gstep, n_check)
-                if probe.seqs:
-                    recompute_old_logprobs(self.model, probe, device=self.device)
-                    gaps = engine_gaps(probe)
+        spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
+        # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
+        # rescores rollouts of the other engines only, before the update changes the weights.
+        if spot and not self.ctx.enabled:
+            probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
+            if probe.seqs:
+                recompute_old_logprobs(self.model, probe, **sizes)
+                gaps = engine_gaps(probe)
         upd = rl_update(
             self.model,
             self.optimizer,
             sb,
             self.loss_cfg,
             grad_clip=a.grad_clip,
-            mini_batches=min(a.mini_batches, max(1, len(sb.seqs))),
+            mini_batches=mini_batches,
             ppo_epochs=a.ppo_epochs,
-            device=self.device,
             dist=self.ctx,
             tis_cap=a.effective_tis_cap,
+            on_policy=on_policy,
+            **sizes,
         )
+        if on_policy:
+            logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
+        if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
+            gaps = {**gaps, **engine_gaps(sb)}
         self.model.eval()
         self.state.cursor = (self.state.cursor + batch) % len(pool)
         rec = {
