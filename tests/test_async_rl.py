@@ -180,11 +180,14 @@ class _WrongWeightsEngine:
         return engine
 
 
-def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("level", [0, 2])
+def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch, level):
+    """asyncLevel 0: fresh sampling log-probs vs the trainer; 2: the engines score the trained
+    rows with what they serve, every step, whatever version sampled them."""
     import json
 
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
-    job = _job(tmp_path, 0, steps=2)
+    job = _job(tmp_path, level, steps=3)
     bad = run_job(
         job,
         tmp_path / "bad",
@@ -193,18 +196,22 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch)
         engine_factory=_WrongWeightsEngine,
         quiet=True,
     )
-    rl = [h for h in bad.history if h.get("type") == "rl" and h.get("engine_logprob_gap")]
+    steps = [h for h in bad.history if h.get("type") == "rl"]
+    rl = [h for h in steps if h.get("engine_logprob_gap")]
     assert rl and all(h["engine_logprob_gap"]["wrong-0"] > 0.15 for h in rl), rl
+    if level:
+        assert len(rl) == len(steps)  # every step checked, though none of its rollouts is fresh
     events = [json.loads(x) for x in (tmp_path / "bad" / "events.jsonl").read_text().splitlines()]
     flagged = [e for e in events if e["kind"] == "engine"]
     assert len(flagged) == 1 and "wrong-0" in flagged[0]["text"] and "other weights" in flagged[0]["text"]
+    if level == 0:
+        return
     good = run_job(
-        _job(tmp_path, 1, steps=2), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
+        _job(tmp_path, 1, steps=3), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
     )
-    gaps = [
-        g for h in good.history if h.get("type") == "rl" for g in (h.get("engine_logprob_gap") or {}).values()
-    ]
-    assert gaps and max(gaps) < 1e-3  # the same float32 weights on both sides
+    steps = [h for h in good.history if h.get("type") == "rl"]
+    gaps = [g for h in steps for g in (h.get("engine_logprob_gap") or {}).values()]
+    assert len(gaps) == len(steps) and max(gaps) < 1e-3  # the same float32 weights on both sides
     events = (tmp_path / "good" / "events.jsonl").read_text()
     assert '"kind": "engine"' not in events
 

@@ -92,3 +92,13 @@ def probe_gaps(
                 acc[1] += 1
     out.gaps = {name: g / c for name, (g, c) in sums.items() if c}
     return out
+
+
+def probe_engines(call: Any, batch: StepBatch, version: int | None, count: int) -> ProbeResult:
+    """Ask the rollout worker's engines (``call("score_on_engines", ...)``) to score up to
+    ``count`` of ``batch``'s rows and compare with its pi_old (the thin I/O shell of this module)."""
+    rows = probe_rows(batch, count)
+    if not rows:
+        return ProbeResult()
+    seqs, starts = probe_requests(batch, rows)
+    return probe_gaps(batch, rows, starts, call("score_on_engines", seqs, starts), version)

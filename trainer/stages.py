@@ -47,6 +47,7 @@ from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
+from kuberl.trainer.spot_check import probe_engines
 from kuberl.trainer.weight_sync import LocalWeights
 
 log = logging.getLogger("kuberl.trainer")
@@ -527,7 +528,16 @@ class Pipeline:
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
         # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
         # rescores rollouts of the other engines only, before the update changes the weights.
-        if spot and not self.ctx.enabled:
+        if spot and k > 0:  # sampled by older versions: the engines score pi_old's rows instead
+            target = sb
+            if not any(map(any, sb.masks)) and not self.ctx.enabled:  # nothing trained: any rollouts
+                target = spot_rows(groups, None, n_check)
+                if target.seqs:
+                    recompute_old_logprobs(self.model, target, **sizes)
+            probe = probe_engines(self.call, target, gstep, n_check)
+            self._probe_findings(stage, probe)
+            gaps = probe.gaps
+        elif spot and not self.ctx.enabled:
             probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
             if probe.seqs:
                 recompute_old_logprobs(self.model, probe, **sizes)
@@ -548,7 +558,7 @@ class Pipeline:
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
         if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
-            gaps = {**gaps, **engine_gaps(sb)}
+            gaps = {**engine_gaps(sb), **gaps}
         self.model.eval()
         self.state.cursor = (self.state.cursor + batch) % len(pool)
         rec = {
@@ -592,6 +602,21 @@ class Pipeline:
                     self._out_of_step.discard(name)
                     text = f"engine {name} is back within tolerance ({gap:.3f} <= {tol:g} nats/token)"
                 self.sink.event("engine", text, stage.name, self.state.global_step)
+
+    def _probe_findings(self, stage: StageSpec, probe: Any) -> None:
+        """Events for engines that claim another version than was pushed, or cannot score."""
+        for name, served in sorted(probe.versions.items()):
+            text = (
+                f"engine {name} serves version {served}, not {self.state.global_step} that was pushed to it"
+            )
+            self.sink.event("engine", text, stage.name, self.state.global_step)
+        for name, err in sorted(probe.errors.items()):
+            self.sink.event(
+                "engine",
+                f"engine {name} could not score for the spot check: {err}",
+                stage.name,
+                self.state.global_step,
+            )
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1
