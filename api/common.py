@@ -37,12 +37,29 @@ RESOURCE_NAME_RULE = (
     "must be a lowercase RFC 1035 label: at most 63 characters of a-z, 0-9 and '-', starting with a "
     "letter (it names Services, which may not start with a digit) and ending with a letter or digit"
 )
-PATTERN_RULES: dict[str, str] = {NAME_PATTERN: NAME_RULE, RESOURCE_NAME_PATTERN: RESOURCE_NAME_RULE}
+# The names of Secrets, PersistentVolumeClaims and StorageClasses: DNS-1123 subdomains.
+SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SUBDOMAIN_RULE = (
+    "must be a DNS subdomain: at most 253 characters of lowercase letters, digits, '-' and '.', "
+    "starting and ending with a letter or digit"
+)
+# Keys of a Secret or ConfigMap (the API server's IsConfigMapKey).
+CONFIG_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+CONFIG_KEY_RULE = "must be a Secret key: letters, digits, '-', '_' and '.'"
+PATTERN_RULES: dict[str, str] = {
+    NAME_PATTERN: NAME_RULE,
+    RESOURCE_NAME_PATTERN: RESOURCE_NAME_RULE,
+    SUBDOMAIN_PATTERN: SUBDOMAIN_RULE,
+    CONFIG_KEY_PATTERN: CONFIG_KEY_RULE,
+}
 """Plain-language wording for the regexes above, used by error messages instead of the regex."""
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _QUALIFIED = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # keys and values together (apimachinery TotalAnnotationSizeLimitB)
 
 
 def _qualified_key(key: str) -> bool:
@@ -129,6 +146,11 @@ class ObjectMeta(BaseModel):
         bad = [k for k in annotations if not _qualified_key(k)]
         if bad:
             raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
+        size = sum(len(k) + len(v) for k, v in annotations.items())
+        if size > ANNOTATIONS_MAX_BYTES:
+            raise ValueError(
+                f"annotations total {size} bytes, more than the API server's limit of {ANNOTATIONS_MAX_BYTES}"
+            )
         return annotations
     generation: int | None = None
     uid: str | None = None

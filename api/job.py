@@ -14,6 +14,8 @@ from pydantic import Field, model_validator
 
 from .common import (
     NAME_PATTERN,
+    RESOURCE_NAME_PATTERN,
+    SUBDOMAIN_PATTERN,
     AcceleratorSpec,
     KubeModel,
     Quantity,
@@ -153,7 +155,12 @@ class InlineFleetSpec(RolloutFleetSpec):
 
 
 class RolloutSpec(KubeModel):
-    fleet_ref: str | None = Field(None, description="Name of a RolloutFleet in the job's namespace.")
+    fleet_ref: str | None = Field(
+        None,
+        pattern=RESOURCE_NAME_PATTERN,
+        max_length=63,
+        description="Name of a RolloutFleet in the job's namespace.",
+    )
     fleet: InlineFleetSpec | None = Field(None, description="Inline fleet, created and owned by the job.")
     engine: Literal["auto", "sglang", "vllm", "local"] = Field(
         "auto",
@@ -206,7 +213,12 @@ class RolloutSpec(KubeModel):
 
 
 class SandboxRef(KubeModel):
-    pool_ref: str | None = Field(None, description="Name of a SandboxPool in the job's namespace.")
+    pool_ref: str | None = Field(
+        None,
+        pattern=RESOURCE_NAME_PATTERN,
+        max_length=63,
+        description="Name of a SandboxPool in the job's namespace.",
+    )
     pool: SandboxPoolSpec | None = Field(None, description="Inline pool, created and owned by the job.")
 
     @model_validator(mode="after")
@@ -328,7 +340,7 @@ class CheckpointSpec(KubeModel):
     keep: int = Field(3, ge=1)
     volume_size: Quantity = Field("100Gi", description="Size of the checkpoint volume (relative uri only).")
     storage_class_name: str | None = Field(
-        None, description="StorageClass of the checkpoint volume; the cluster default when unset."
+        None, max_length=253, pattern=SUBDOMAIN_PATTERN, description="StorageClass of the checkpoint volume; the cluster default when unset."
     )
 
     @property

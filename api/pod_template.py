@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from .common import KubeModel
+from .pod_shapes import POD_SPEC, shape_problems
 
 POD_SPEC_FIELDS = frozenset(
     """activeDeadlineSeconds affinity automountServiceAccountToken containers dnsConfig dnsPolicy
@@ -95,7 +96,9 @@ class PodTemplateOverride(KubeModel):
             f"podTemplate.spec.{k} is set by the operator ({why})" for k, why in OPERATOR_OWNED.items() if k in spec
         ]
         for field in ("containers", "initContainers"):
-            items = spec.get(field) or []
+            items = spec.get(field)
+            if items is None:
+                continue
             if not isinstance(items, list):
                 problems.append(f"podTemplate.spec.{field} must be a list")
                 continue
@@ -105,6 +108,13 @@ class PodTemplateOverride(KubeModel):
                     continue
                 where = f"podTemplate.spec.{field}[{c['name']}]"
                 problems += [_unknown(k, CONTAINER_FIELDS, where) for k in c if k not in CONTAINER_FIELDS]
+        # JSON types of what the merge and the API rules read (reported above: unnamed containers)
+        typed = {
+            k: [c for c in v if isinstance(c, dict) and c.get("name")] if k in ("containers", "initContainers") else v
+            for k, v in spec.items()
+            if k not in ("containers", "initContainers") or isinstance(v, list)
+        }
+        problems += shape_problems(typed, POD_SPEC, "podTemplate.spec")
         if problems:
             raise ValueError("; ".join(problems))
         return spec

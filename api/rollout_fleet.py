@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 
 from .common import (
+    SUBDOMAIN_PATTERN,
     AcceleratorSpec,
     Autoscaling,
     KubeModel,
@@ -91,7 +92,7 @@ class WeightSyncSpec(KubeModel):
     """
 
     claim_name: str = Field(
-        min_length=1, max_length=253, description="ReadWriteMany PVC shared by the trainer and the engines."
+        min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN, description="ReadWriteMany PVC shared by the trainer and the engines."
     )
     mount_path: str = Field(
         "/kuberl/weights", pattern=r"^/[^:]*$", description="Where it is mounted in engine and trainer pods."
@@ -168,6 +169,9 @@ class RolloutFleetSpec(KubeModel):
 class RolloutFleetStatus(ScaledResourceStatus):
     kv_cache_utilization: float | None = None
     queued_requests: float | None = None
+    rollouts_waiting: float | None = Field(
+        None, description="Rollouts waiting in the schedulers of the trainers using the fleet (no engine had room)."
+    )
     engines: list[str] = Field(default_factory=list)
 
 

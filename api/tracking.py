@@ -11,16 +11,25 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from .common import KubeModel
+from .common import CONFIG_KEY_PATTERN, SUBDOMAIN_PATTERN, KubeModel
 
 
 class SecretKeyRef(KubeModel):
     """A key of a Secret in the job's namespace (rendered as the container's ``secretKeyRef``)."""
 
-    name: str = Field(min_length=1, max_length=253, description="Secret name.")
-    key: str = Field("api-key", min_length=1, description="Key within the Secret.")
+    name: str = Field(min_length=1, max_length=253, pattern=SUBDOMAIN_PATTERN, description="Secret name.")
+    key: str = Field(
+        "api-key", min_length=1, max_length=253, pattern=CONFIG_KEY_PATTERN, description="Key within the Secret."
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _not_a_path(cls, key: str) -> str:
+        if key == "." or key.startswith(".."):
+            raise ValueError(f"Secret key {key!r} may not be '.' nor start with '..'")
+        return key
 
 
 class WandbSpec(KubeModel):

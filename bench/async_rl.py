@@ -73,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     # is its own pods). Started by the trainer it would share the trainer's core, and tool calls
     # slowed by the update would stall generation (measured: 1.7x slower batches).
     from kuberl.sandbox.local import running_sandbox
+    from kuberl.trainer.rollout_worker import pin_to_cpus
 
     sandbox = running_sandbox(workers=2, wrapper=["taskset", "-c", "0"])
     os.environ["KUBERL_SANDBOX_URL"] = sandbox.__enter__()
-    os.sched_setaffinity(0, {1})  # the trainer (this process; Ray workers set their own)
+    pin_to_cpus("1")  # the trainer: every thread of this process (Ray workers set their own)
     results: dict[int, list[dict[str, float]]] = {k: [] for k in LEVELS}
     for seed in range(args.seeds):
         doc = base.model_dump(by_alias=True, exclude_none=True)

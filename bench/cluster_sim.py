@@ -127,17 +127,25 @@ def peak_cores(steps: list, window: float = 10.0) -> float:
 
 
 def fleet_report(res: SimResult) -> None:
-    """What the RolloutFleet autoscaler (dry run) saw and would have done during the steps."""
+    """What the RolloutFleet autoscaler (dry run) saw and would have done during the steps: from
+    the engines' gauges only (before issue 18's fix) and with the trainer's backlog (after)."""
     if not res.fleet_observed:
         return
     busy = [(t, u, w) for t, u, w in res.fleet_observed if w > 0]
-    wanted = [d for d in res.fleet_decisions if d[4] != "hold"]
     if busy:
         print(
             f"fleet autoscaler (dry run, target KV 0.85): while rollouts waited for KV (up to "
             f"{max(w for _, _, w in busy)}), engines' mean KV usage was {min(u for _, u, _ in busy):.2f}-"
-            f"{max(u for _, u, _ in busy):.2f}; it would have changed replicas {len(wanted)} times: "
-            + ", ".join(f"t={t:.0f}s {a}->{b}" for t, a, b, _, _ in wanted[:6])
+            f"{max(u for _, u, _ in busy):.2f}"
+        )
+    for label, decisions in (("engines' gauges only (before)", res.fleet_blind_decisions),
+                             ("with the trainer's backlog (after)", res.fleet_decisions)):  # fmt: skip
+        wanted = [d for d in decisions if d[4] != "hold"]
+        lows = [d[2] for d in decisions]
+        print(
+            f"  {label}: would have changed replicas {len(wanted)} times"
+            + (f", down to {min(lows)} engines" if lows else "")
+            + (": " + ", ".join(f"t={t:.0f}s {a}->{b}" for t, a, b, _, _ in wanted[:6]) if wanted else "")
         )
 
 

@@ -73,6 +73,13 @@ CATALOG: dict[str, MetricSpec] = {
             "Rollouts assigned to the engine",
         ),
         MetricSpec(
+            "kuberl_rollout_requests_waiting",
+            "gauge",
+            (),
+            "rollout",
+            "Rollouts waiting in the trainer's scheduler for an engine with room (the fleet autoscaler reads it)",
+        ),
+        MetricSpec(
             "kuberl_rollout_generated_tokens_total",
             "counter",
             ("engine",),

@@ -176,7 +176,7 @@ def sandbox_limits(env_json: str | None, overrides: dict[str, float | int | None
 
 
 def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
-    from kuberl.sandbox.server import serve
+    from kuberl.sandbox.app import serve
 
     limits = sandbox_limits(
         os.environ.get("KUBERL_SANDBOX_LIMITS"),

@@ -2,15 +2,17 @@
 
 Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 
-* ``builders``  -- pure spec -> manifests (``build_for``; KEDA ScaledObject; the operator's own
-  Deployment and RBAC);
+* ``builders``  -- pure spec -> manifests (``build_for``; pools, fleets, KEDA ScaledObject; the
+  operator's own Deployment and RBAC); ``job_builder`` -- an AgenticRLJob's; ``render_common`` --
+  their shared labels, ports and accelerator scheduling;
 * ``autoscale`` -- pure autoscaling decisions and /metrics parsing;
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
 * ``kube``      -- a small async REST client for the children;
 * ``handlers``  -- kopf registry + resync loop; ``main`` -- ``kuberl operator``;
 * ``schemas``   -- validation of built manifests; ``testing`` -- the kmock-based API emulator;
 * ``apirules``  -- what the API server's own validation refuses in built-in objects (names,
-  derived names, labels, quantities, Pod Security "restricted"); ``checks`` -- those rules over a
+  derived names, labels, quantities, Pod Security "restricted"; ``podrules``: the rest of a
+  PodSpec's validation); ``checks`` -- those rules over a
   resource's rendered children (`kuberl validate`, the operator's pre-flight);
 * ``conditions`` -- refused children and pods as status conditions and events;
 * ``podtemplate`` -- merging a component's podTemplate override; ``sizing`` -- cpu/memory/shm/

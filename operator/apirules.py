@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .canonical import parse_quantity
+from .podrules import annotation_problems, pod_extras_problems
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -232,12 +233,14 @@ def pod_spec_problems(spec: dict[str, Any], where: str) -> list[str]:
                 out.append(f"{at}.volumeMounts[{m.get('name')}]: volume {m.get('name')!r} not found")
         out += _keyed_duplicates(c.get("env") or [], "name", f"{at}.env")
         out += _container_extras(c, at)
-    return out
+    return out + pod_extras_problems(spec, where)
 
 
 def _template_problems(template: dict[str, Any], where: str) -> list[str]:
     meta = template.get("metadata") or {}
-    return label_problems(meta.get("labels"), f"{where}.metadata.labels") + pod_spec_problems(
+    return label_problems(meta.get("labels"), f"{where}.metadata.labels") + annotation_problems(
+        meta.get("annotations"), f"{where}.metadata.annotations"
+    ) + pod_spec_problems(
         template.get("spec") or {}, f"{where}.spec"
     )
 
@@ -261,6 +264,7 @@ def object_problems(obj: dict[str, Any]) -> list[str]:
     if (problem := name_problem(kind, name)) is not None:
         out.append(f"{what}: metadata.name: {problem}")
     out += label_problems(meta.get("labels"), f"{what}: metadata.labels")
+    out += annotation_problems(meta.get("annotations"), f"{what}: metadata.annotations")
     spec = obj.get("spec") or {}
     if kind == "PersistentVolumeClaim":
         storage = ((spec.get("resources") or {}).get("requests") or {}).get("storage")

@@ -12,6 +12,15 @@ without a cluster. The algorithm follows the HorizontalPodAutoscaler's:
   again seconds later; the window's recommendations are kept in the object's
   ``status.recommendations`` (``history_to_status``), so a restarted operator honours it too;
 * the result is clamped to ``[minReplicas, maxReplicas]``; no metrics = no change.
+
+A RolloutFleet's engines only report the rollouts they admitted. The trainer's KV-aware
+scheduler reserves ``prompt + maxResponseTokens`` per rollout, so during a synchronous RL step
+up to ~10K rollouts wait in the trainer while the engines show 5-28 % KV usage and empty
+queues; seen from the engines alone, the autoscaler would shrink a 64-engine fleet to 4-22
+engines mid-step (bench/cluster_sim.py). The trainers' ``kuberl_rollout_requests_waiting``
+(and their in-flight count) is therefore part of the fleet's load: while rollouts wait, the
+fleet grows in proportion (``ceil(engines * (inflight + waiting) / inflight)``) and never
+shrinks.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ TOLERANCE = 0.1
 SANDBOX_QUEUE = "kuberl_sandbox_queue_depth"
 SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
 SGLANG_TOKEN_USAGE, SGLANG_QUEUE = ENGINE_METRICS["sglang"]
+TRAINER_WAITING = "kuberl_rollout_requests_waiting"
+TRAINER_INFLIGHT = "kuberl_rollout_requests_inflight"
 # A scrape is read with whichever (KV usage, queue) pair it carries, so one fleet's autoscaler
 # works for both engines (spec.engine.type).
 ENGINE_GAUGES = ENGINE_METRICS
@@ -72,6 +83,8 @@ class FleetLoad:
 
     token_usage: tuple[float, ...]
     queued: tuple[float, ...]
+    waiting: float = 0.0  # rollouts waiting in the trainers' schedulers (no engine had room)
+    inflight: float = 0.0  # rollouts the trainers have on the engines
 
     @property
     def mean_token_usage(self) -> float:
@@ -108,14 +121,20 @@ def recommend_pool(current: int, load: PoolLoad, workers_per_pod: int, auto: San
 
 
 def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> int:
-    """Engines needed for mean KV-cache usage <= target and queued requests/engine <= target."""
+    """Engines needed for mean KV-cache usage <= target and queued requests/engine <= target,
+    and, while the trainers hold rollouts no engine had room for, enough engines to run them
+    at today's rollouts per engine (never fewer than now)."""
     base = max(current, 1)
     by_kv = _proportional(base, load.mean_token_usage / auto.target_kv_cache_utilization)
     by_queue = 0
     if auto.target_queued_requests > 0 and load.queued_per_engine > auto.target_queued_requests:
         # A queue under target is no reason to shrink; only KV usage decides scale-down.
         by_queue = _proportional(base, load.queued_per_engine / auto.target_queued_requests)
-    return max(by_kv, by_queue)
+    by_backlog = 0
+    if load.waiting > 0:
+        ratio = (load.inflight + load.waiting) / load.inflight if load.inflight > 0 else 2.0
+        by_backlog = max(base, math.ceil(base * ratio - 1e-9))
+    return max(by_kv, by_queue, by_backlog)
 
 
 def decide(
@@ -217,8 +236,19 @@ def pool_load(scrapes: Sequence[str]) -> PoolLoad | None:
     return PoolLoad(queue, busy, pods) if pods else None
 
 
-def fleet_load(scrapes: Sequence[str]) -> FleetLoad | None:
-    """Aggregate the engine gauges of every pod that answered (SGLang or vLLM); None if none had them."""
+def trainer_backlog(scrapes: Sequence[str]) -> tuple[float, float]:
+    """(waiting, in flight) rollouts summed over the trainer /metrics pages of a fleet's jobs."""
+    waiting = inflight = 0.0
+    for text in scrapes:
+        g = parse_gauges(text, (TRAINER_WAITING, TRAINER_INFLIGHT))
+        waiting += g.get(TRAINER_WAITING, 0.0)
+        inflight += g.get(TRAINER_INFLIGHT, 0.0)
+    return waiting, inflight
+
+
+def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> FleetLoad | None:
+    """Aggregate the engine gauges of every pod that answered (SGLang or vLLM), with the backlog
+    of the trainers using the fleet; None if no engine had them."""
     usage: list[float] = []
     queued: list[float] = []
     for text in scrapes:
@@ -229,4 +259,7 @@ def fleet_load(scrapes: Sequence[str]) -> FleetLoad | None:
                 usage.append(g.get(usage_name, 0.0))
                 queued.append(g.get(queue_name, 0.0))
                 break
-    return FleetLoad(tuple(usage), tuple(queued)) if usage else None
+    if not usage:
+        return None
+    waiting, inflight = trainer_backlog(trainer_scrapes)
+    return FleetLoad(tuple(usage), tuple(queued), waiting, inflight)

@@ -61,21 +61,29 @@ class Verdict:
     notes: list[str] = field(default_factory=list)  # not checked here, or likely to fail at run time
 
 
-def _pool_notes(spec: SandboxPoolSpec, where: str) -> list[str]:
+def _pool_notes(spec: SandboxPoolSpec, where: str, name: str = "pool") -> list[str]:
     """Concurrent tool calls that together may pass the pod's memory limit get the whole pod
-    OOM-killed (every call in flight fails, not just the greedy one)."""
-    limit = spec.resources.limits.get("memory")
+    OOM-killed (every call in flight fails, not just the greedy one). The limit is the rendered
+    sandbox container's, so a ``podTemplate`` override of its resources counts."""
+    pool = SandboxPool.model_validate({"metadata": {"name": name}, "spec": spec.wire()})
+    deploy = next(o for o in build_for(pool) if o["kind"] == "Deployment")
+    containers = deploy["spec"]["template"]["spec"].get("containers") or []
+    container = next((c for c in containers if isinstance(c, dict) and c.get("name") == "sandbox"), {})
+    limit = ((container.get("resources") or {}).get("limits") or {}).get("memory")
     if limit is None:
         return []
     need = spec.workers_per_pod * spec.limits.memory_mb * 2**20
-    have = quantity_value(limit)
+    try:
+        have = quantity_value(limit)
+    except ValueError:
+        return []  # refused as a quantity by the rendered-children check
     if need <= have:
         return []
     return [
         f"warning: {where}workersPerPod ({spec.workers_per_pod}) x limits.memoryMB "
         f"({spec.limits.memory_mb}) = {need / 2**30:.1f} GiB exceeds the pod's memory limit ({limit}): "
         "calls running together can get the pod OOM-killed; lower memoryMB or workersPerPod, or raise "
-        "resources.limits.memory"
+        "the sandbox container's memory limit (resources.limits.memory, or its podTemplate override)"
     ]
 
 
@@ -111,41 +119,81 @@ def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
     return []
 
 
+def rendered_names(resource: Resource, namespace: str) -> set[tuple[str, str, str]]:
+    """(kind, namespace, name) of ``resource`` and of every object it creates, inline children's
+    children included."""
+    names = {(resource.KIND, namespace, resource.metadata.name)}
+    for obj in build_for(resource, namespace):
+        if obj["apiVersion"] == API_VERSION:
+            try:
+                names |= rendered_names(parse_resource(obj, source="rendered"), namespace)
+            except ManifestError:
+                continue  # reported by rendered_problems
+        else:
+            names.add((obj["kind"], namespace, obj["metadata"]["name"]))
+    return names
+
+
+def collision_problems(resources: list[Resource], namespace: str = "default") -> dict[int, list[str]]:
+    """Two resources of one file that create (or are) the same object: job ``a``'s inline fleet is
+    RolloutFleet ``a-rollout``, so a RolloutFleet ``a-rollout`` beside it would be fought over by
+    two owners (the operator patches it for one, the other sees drift). Keyed by index."""
+    owner: dict[tuple[str, str, str], int] = {}
+    out: dict[int, list[str]] = {}
+    for i, r in enumerate(resources):
+        for key in sorted(rendered_names(r, r.metadata.namespace or namespace)):
+            j = owner.setdefault(key, i)
+            if j != i:
+                other = resources[j]
+                out.setdefault(i, []).append(
+                    f"{key[0]}/{key[2]} is also created by {other.KIND}/{other.metadata.name} in this file; "
+                    "rename one of them"
+                )
+    return out
+
+
 def check_file(resources: list[Resource], namespace: str = "default") -> list[Verdict]:
-    """Per resource: refusals (rendered children, references this file can resolve) and notes
-    (references it cannot, resource sizes likely to fail at run time)."""
-    fleets = {r.metadata.name: r for r in resources if isinstance(r, RolloutFleet)}
-    pools = {r.metadata.name for r in resources if isinstance(r, SandboxPool)}
+    """Per resource: refusals (rendered children, references this file can resolve, objects two
+    resources would both create) and notes (references it cannot, resource sizes likely to fail
+    at run time). A reference resolves to a resource of the same namespace only."""
+
+    def ns_of(r: Resource) -> str:
+        return r.metadata.namespace or namespace
+
+    fleets = {(ns_of(r), r.metadata.name): r for r in resources if isinstance(r, RolloutFleet)}
+    pools = {(ns_of(r), r.metadata.name) for r in resources if isinstance(r, SandboxPool)}
+    collisions = collision_problems(resources, namespace)
     out = []
-    for r in resources:
-        v = Verdict(r)
+    for i, r in enumerate(resources):
+        v = Verdict(r, problems=list(collisions.get(i, [])))
         fleet_spec = None
         if isinstance(r, AgenticRLJob):
             ref = r.spec.rollout.fleet_ref
             if ref and uses_fleet(r):
-                if ref in fleets:
-                    fleet_spec = fleets[ref].spec
+                if (ns_of(r), ref) in fleets:
+                    fleet_spec = fleets[ns_of(r), ref].spec
                     v.problems += [
                         f"spec.rollout.fleetRef: RolloutFleet {ref} (in this file) {p}"
-                        for p in context_length_problems(r, fleets[ref].wire())
+                        for p in context_length_problems(r, fleets[ns_of(r), ref].wire())
                     ]
                 else:
                     v.notes.append(
                         f"not checked: spec.rollout.fleetRef names RolloutFleet {ref!r}, which is not in this "
-                        "file; the operator holds the trainer back until it exists (and checks its "
+                        f"file (namespace {ns_of(r)}); the operator holds the trainer back until it exists (and checks its "
                         "engine.contextLength then)"
                     )
             pref = r.spec.sandbox.pool_ref
-            if pref and pref not in pools:
+            if pref and (ns_of(r), pref) not in pools:
                 v.notes.append(
-                    f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file; "
+                    f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file "
+                    f"(namespace {ns_of(r)}); "
                     "the operator holds the trainer back until it exists"
                 )
             if r.spec.sandbox.pool is not None:
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
         elif isinstance(r, SandboxPool):
-            v.notes += _pool_notes(r.spec, "spec.")
+            v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)
         out.append(v)
     return out

@@ -64,7 +64,7 @@ from . import (
     trainer_runs,
 )
 from .kube import ApiError, KubeClient, kind_of, operator_cache
-from .pods import http_scrape, ready_pods, scrape_pods, train_progress
+from .pods import engine_gaps, http_scrape, ready_pods, scrape_pods, train_progress
 
 log = logging.getLogger("kuberl.operator")
 SUMMARY_EVERY = 600.0
@@ -443,6 +443,7 @@ async def _reconcile_job(
     labels = builders.selector_labels(name, "trainer")
     pods = await client.list(kind_of("v1", "Pod"), namespace, labels) if trainer is not None else []
     progress: dict[str, Any] = {}
+    gaps: dict[str, float] = {}
     running = [
         p
         for p in pods
@@ -452,6 +453,7 @@ async def _reconcile_job(
         texts = await scrape_pods(ctx.scrape, running[:1], ("metrics",))
         if texts:
             progress = train_progress(texts[0], name)
+            gaps = engine_gaps(texts[0], name)
     if trainer is not None and conditions.trainer_short_of_pods(trainer):
         found = await client.list(
             kind_of("v1", "Event"),
@@ -482,6 +484,15 @@ async def _reconcile_job(
     )
     if restarts and new:
         new["restarts"] = restarts
+    in_step = status.engines_condition(
+        gaps, job.spec.rollout.spot_check_tolerance, generation, list(previous.get("conditions") or [])
+    )
+    if in_step is not None and new.get("phase") == "Running":
+        new["conditions"].append(in_step)
+        if in_step["status"] == "False" and not any(
+            c.get("type") == "EnginesInStep" and c.get("status") == "False" for c in previous.get("conditions") or []
+        ):
+            events.append(status.Event("Warning", "EngineWeightsDiffer", in_step["message"]))
     events += _refusal_events(ctx, body, failures, previous)
     return conditions.with_child_failures(new, failures, generation, previous), events
 

@@ -38,7 +38,7 @@ from .handlers import (
     reconcile,
 )
 from .kube import ApiError, is_subset, kind_of
-from .pods import ready_pods, scrape_pods
+from .pods import fleet_trainer_pods, ready_pods, scrape_pods
 from .summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
@@ -83,12 +83,15 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
             rec = autoscale.recommend_pool(current, load, res.spec.workers_per_pod, auto)
             st.update(queueDepth=load.queue_depth, workersBusy=load.workers_busy)
     else:
-        fload = autoscale.fleet_load(texts)
+        # rank 0 of each trainer using the fleet serves its scheduler's backlog on "metrics"
+        trainers = await fleet_trainer_pods(ctx.client(), namespace, res.metadata.name)
+        fload = autoscale.fleet_load(texts, await scrape_pods(ctx.scrape, trainers, ("metrics",)))
         if fload is not None:
             rec = autoscale.recommend_fleet(current, fload, auto)
             st.update(
                 kvCacheUtilization=round(fload.mean_token_usage, 4),
                 queuedRequests=round(fload.queued_per_engine, 3),
+                rolloutsWaiting=fload.waiting,
             )
     previous = body.get("status") or {}
     decision = autoscale.decide(

@@ -12,6 +12,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from .kube import KubeClient, kind_of
+from .render_common import APP_NAME, LABEL_COMPONENT, LABEL_NAME
 
 log = logging.getLogger("kuberl.operator")
 
@@ -41,6 +42,21 @@ async def ready_pods(client: KubeClient, namespace: str, labels: dict[str, str])
     return out
 
 
+async def fleet_trainer_pods(client: KubeClient, namespace: str, fleet: str) -> list[dict[str, Any]]:
+    """The ready kuberl trainer pods whose rollouts go to RolloutFleet ``fleet`` (their
+    ``KUBERL_ROLLOUT_FLEET``): their schedulers hold the rollouts the engines cannot see yet."""
+    labels = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "trainer"}
+    return [
+        pod
+        for pod in await ready_pods(client, namespace, labels)
+        if any(
+            e.get("name") == "KUBERL_ROLLOUT_FLEET" and e.get("value") == fleet
+            for c in pod.get("spec", {}).get("containers") or []
+            for e in c.get("env") or []
+        )
+    ]
+
+
 def pod_port(pod: dict[str, Any], names: tuple[str, ...] = ("metrics", "http")) -> int | None:
     for c in pod.get("spec", {}).get("containers") or []:
         for p in c.get("ports") or []:
@@ -66,6 +82,18 @@ async def scrape_pods(
 
     results = await asyncio.gather(*(one(p) for p in pods))
     return [r for r in results if r is not None]
+
+
+def engine_gaps(text: str, job: str) -> dict[str, float]:
+    """The trainer's spot check per engine (``kuberl_train_engine_logprob_gap{engine}``, mean
+    |engine - trainer| nats/token at its last check) from its /metrics page."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kuberl_train_engine_logprob_gap" and s.labels.get("job", job) == job:
+                if "engine" in s.labels and s.value == s.value:  # NaN: not checked
+                    out[s.labels["engine"]] = s.value
+    return out
 
 
 def train_progress(text: str, job: str) -> dict[str, Any]:

@@ -232,6 +232,29 @@ def job_status(
     return out
 
 
+def engines_condition(
+    gaps: dict[str, float],
+    tolerance: float | None,
+    generation: int | None,
+    previous: list[dict[str, Any]],
+) -> dict[str, Any] | None:
+    """``EnginesInStep``: False while the trainer's spot check finds an engine further from the
+    trained policy than ``rollout.spotCheckTolerance`` (it serves other weights than were pushed
+    to it: a restarted replica, a failed reload); None when nothing was checked or the check is off."""
+    if tolerance is None or not gaps:
+        return None
+    out = {name: gap for name, gap in sorted(gaps.items()) if gap > tolerance}
+    if out:
+        listed = ", ".join(f"{name} ({gap:.3f})" for name, gap in out.items())
+        msg = (
+            f"engines serving other weights than were pushed (mean |engine - trainer| log-prob above "
+            f"{tolerance:g} nats/token): {listed}; restart them"
+        )
+        return condition("EnginesInStep", False, "EngineWeightsDiffer", msg, generation, previous)
+    msg = f"{len(gaps)} engines within {tolerance:g} nats/token of the trained policy"
+    return condition("EnginesInStep", True, "SpotCheckPassed", msg, generation, previous)
+
+
 def transition_events(kind: str, old_phase: str | None, new_status: dict[str, Any]) -> list[Event]:
     """One event per phase change, Warning for the bad ones, with the Ready message."""
     new_phase = new_status.get("phase")

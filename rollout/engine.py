@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -110,6 +111,25 @@ class GenerateOutput:
             )
 
 
+@dataclass
+class ScoreOutput:
+    """What an engine's current weights say of a given sequence (the spot check's probe).
+
+    ``logprobs[j]`` is log p(``input_ids[start + j]`` | ``input_ids[: start + j]``) under the raw
+    logits (temperature 1.0), the quantity the trainer recomputes; ``weight_version`` is the
+    version the engine served while scoring (None: unknown).
+    """
+
+    logprobs: list[float]
+    weight_version: int | None = None
+
+
+def check_score_args(input_ids: Sequence[int], start: int) -> None:
+    """A scored span needs at least one token of context before it and one token in it."""
+    if not 1 <= start < len(input_ids):
+        raise ValueError(f"score: start must be in [1, {len(input_ids)}) for {len(input_ids)} tokens, got {start}")
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """A point-in-time view of an engine's load (SGLang: sglang:token_usage and friends)."""
@@ -147,6 +167,15 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def load_metrics(self) -> EngineLoad:
         """Current KV-cache utilization and request counts."""
+
+    async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
+        """Log-probs of ``input_ids[start:]`` under the weights served now (see ScoreOutput).
+
+        The engine spot check of asynchronous runs asks each engine to score sequences the
+        trainer scores too: rollouts sampled by older versions cannot be compared with the
+        trainer, a sequence scored by both sides under the same version can.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot score sequences")
 
     async def close(self) -> None:  # noqa: B027 - optional hook, engines without resources keep it
         """Release resources (HTTP sessions, background tasks)."""

@@ -41,6 +41,8 @@ from kuberl.rollout.engine import (
     EngineLoad,
     GenerateOutput,
     GenerateRequest,
+    ScoreOutput,
+    check_score_args,
     mix64,
 )
 
@@ -250,6 +252,22 @@ class LocalEngine(Engine):
 
     async def max_total_tokens(self) -> int:
         return self._max_total_tokens
+
+    async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
+        check_score_args(input_ids, start)
+        if len(input_ids) > self.context_length:
+            raise ValueError(f"score: {len(input_ids)} tokens exceed the context length {self.context_length}")
+        return await asyncio.to_thread(self._score, list(input_ids), start)
+
+    @torch.inference_mode()
+    def _score(self, input_ids: list[int], start: int) -> ScoreOutput:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        with self._lock:  # between decode steps, with the weights (and version) of this moment
+            logits, _ = self.model(ids)
+            version = self.weight_version
+        lps = torch.log_softmax(logits[0, start - 1 : -1].float(), dim=-1)
+        picked = lps.gather(1, ids[0, start:, None])[:, 0]
+        return ScoreOutput(picked.tolist(), version)
 
     async def health(self) -> bool:
         """False after a batch step failed (the error went to every request in it) until the

@@ -42,7 +42,9 @@ forever; ``None`` waits forever.
 
 Per-engine gauges in the prometheus-client default registry:
 ``kuberl_rollout_kv_cache_utilization{engine}`` (reserved / capacity) and
-``kuberl_rollout_requests_inflight{engine}``.
+``kuberl_rollout_requests_inflight{engine}``; and ``kuberl_rollout_requests_waiting``, the
+rollouts waiting here for an engine with room. The engines cannot see those (their KV usage
+and queues cover admitted rollouts only), so the fleet autoscaler reads it from the trainers.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ KV_UTILIZATION = Gauge(
 )
 REQUESTS_INFLIGHT = Gauge(
     "kuberl_rollout_requests_inflight", "Rollouts currently assigned to the engine", ["engine"]
+)
+REQUESTS_WAITING = Gauge(
+    "kuberl_rollout_requests_waiting", "Rollouts waiting in the trainer's scheduler for an engine with room"
 )
 
 
@@ -305,6 +310,7 @@ class Scheduler:
         # Join the FIFO before the first await, so arrival order is admission order.
         waiter = _Waiter(need, next(self._counter), asyncio.get_running_loop().create_future())
         self._queue.append(waiter)
+        REQUESTS_WAITING.set(len(self._queue))
         try:
             if self._capacities_stale():
                 async with self._refresh_lock:
@@ -362,6 +368,8 @@ class Scheduler:
                 st.overflow_events += 1
             self._export(st)
             head.future.set_result(st)
+        # len, not ``waiting``: O(1) per admission; a waiter that gave up leaves the queue at once
+        REQUESTS_WAITING.set(len(self._queue))
         self._watch_no_engines()
 
     def _watch_no_engines(self) -> None:
@@ -387,6 +395,7 @@ class Scheduler:
             return
         waiting = [w for w in self._queue if not w.future.done()]
         self._queue.clear()
+        REQUESTS_WAITING.set(0)
         for w in waiting:
             w.future.set_exception(
                 NoEngineError(

@@ -24,15 +24,20 @@ Wire shapes (SGLang native API, python/sglang/srt/entrypoints/http_server.py):
   between versions, so samples are aggregated over all labels (max for usage, sum for counts).
 * ``POST /update_weights_from_disk`` ``{"model_path": ...}`` -> 200 ``{"success": true,
   "message": str, "num_paused_requests": int}``, or HTTP 400 with ``"success": false``.
+* ``POST /generate`` ``{"input_ids", "sampling_params": {"max_new_tokens": 0}, "return_logprob":
+  true, "logprob_start_len": s}`` -> ``meta_info.input_token_logprobs`` ``[[logprob, id, null],
+  ...]`` for the tokens from ``s`` on (the first entry without a usable log-prob): scoring a
+  sequence with the weights served now (the engine spot check).
 * ``GET /health`` -> 200 when healthy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
-from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest
+from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest, ScoreOutput, check_score_args
 from kuberl.rollout.http_engine import (
     EngineError,
     EngineHTTPError,
@@ -76,6 +81,44 @@ def build_generate_payload(req: GenerateRequest) -> dict[str, Any]:
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+
+
+def build_score_payload(input_ids: list[int], start: int, rid: str) -> dict[str, Any]:
+    """The /generate body that scores ``input_ids[start:]`` without generating (pure).
+
+    ``logprob_start_len: start - 1`` makes ``meta_info.input_token_logprobs`` begin one token
+    early: SGLang's first entry has no usable log-prob (None at position 0), so the parser drops
+    it, as slime and verl do when they score sequences on SGLang.
+    """
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+        "return_logprob": True,
+        "logprob_start_len": start - 1,
+        "rid": rid,
+    }
+
+
+def parse_score_response(body: Any, input_ids: list[int], start: int) -> list[float]:
+    """log p(input_ids[i] | input_ids[:i]) for i >= start from ``input_token_logprobs``
+    (``[[logprob, token_id, text|null], ...]`` from ``start - 1``), checked token by token."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    triples = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    want = list(input_ids[start:])
+    if not isinstance(triples, list) or len(triples) != len(want) + 1:
+        raise SGLangError(
+            f"/generate input_token_logprobs must hold {len(want) + 1} entries from logprob_start_len "
+            f"{start - 1}, got {len(triples) if isinstance(triples, list) else None}"
+        )
+    try:
+        got = [(t[0], int(t[1])) for t in triples[1:]]
+    except (TypeError, ValueError, IndexError) as err:
+        raise SGLangError(f"malformed input_token_logprobs entry: {err}") from err
+    if [t for _, t in got] != want:
+        raise SGLangError("input_token_logprobs are not aligned with the scored tokens")
+    if any(not isinstance(lp, int | float) for lp, _ in got):
+        raise SGLangError("input_token_logprobs hold a null log-prob inside the scored span")
+    return [float(lp) for lp, _ in got]
 
 
 def clamp_max_new_tokens(input_len: int, max_new_tokens: int, context_len: int) -> int:
@@ -197,6 +240,20 @@ class SGLangEngine(HTTPEngine):
         served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
         out.weight_version = _int_or_none(served) if served is not None else self.weight_version
         return out
+
+    async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
+        check_score_args(input_ids, start)
+        if len(input_ids) >= await self.context_length():
+            raise ValueError(f"score: {len(input_ids)} tokens exceed the context length {self._context_len}")
+        rid = f"score-{uuid.uuid4().hex}"
+
+        def body(attempt: int) -> dict[str, Any]:  # scoring is idempotent: any retry is safe
+            return build_score_payload(input_ids, start, f"{rid}-{attempt}")
+
+        answer = await self._request("POST", "/generate", body_for_attempt=body)
+        served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
+        version = _int_or_none(served) if served is not None else self.weight_version
+        return ScoreOutput(parse_score_response(answer, input_ids, start), version)
 
     async def _server_info(self) -> dict[str, Any]:
         try:

@@ -35,12 +35,13 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest
+from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest, ScoreOutput, check_score_args
 from kuberl.rollout.http_engine import (
     EngineError,
     EngineHTTPError,
@@ -81,6 +82,44 @@ def build_completion_payload(req: GenerateRequest, model: str) -> dict[str, Any]
     if req.seed is not None:
         body["seed"] = req.seed
     return body
+
+
+def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str, Any]:
+    """The /v1/completions body that scores ``input_ids`` (pure): ``prompt_logprobs: 0`` returns
+    each prompt token's own log-prob under the raw logits; one greedy token is the least vLLM
+    generates."""
+    return {
+        "model": model,
+        "prompt": list(input_ids),
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "prompt_logprobs": 0,
+        "request_id": rid,
+    }
+
+
+def parse_score_response(body: Any, input_ids: list[int], start: int) -> list[float]:
+    """log p(input_ids[i] | input_ids[:i]) for i >= start from a ``prompt_logprobs`` answer:
+    ``[null, {"<id>": {"logprob": ...}}, ...]``, one entry per prompt token."""
+    if not isinstance(body, dict):
+        raise VLLMError(f"/v1/completions returned {type(body).__name__}, expected a JSON object")
+    if body.get("error") is not None:
+        raise VLLMError(f"/v1/completions error: {error_message(str(body['error']))}")
+    choices = body.get("choices")
+    entries = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
+    if not isinstance(entries, list) or len(entries) != len(input_ids):
+        raise VLLMError(
+            f"/v1/completions prompt_logprobs must list one entry per prompt token ({len(input_ids)}); "
+            "the server ignored prompt_logprobs"
+        )
+    out: list[float] = []
+    for i in range(start, len(input_ids)):
+        entry = entries[i].get(str(input_ids[i])) if isinstance(entries[i], dict) else None
+        value = entry.get("logprob") if isinstance(entry, dict) else None
+        if not isinstance(value, int | float):
+            raise VLLMError(f"prompt_logprobs[{i}] has no log-prob for token {input_ids[i]}")
+        out.append(float(value))
+    return out
 
 
 def clamp_max_tokens(input_len: int, max_new_tokens: int, max_model_len: int) -> int:
@@ -250,6 +289,18 @@ class VLLMEngine(HTTPEngine):
         # set before it resumes: an answer belongs to the version current when it arrives.
         out.weight_version = self.weight_version
         return out
+
+    async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
+        check_score_args(input_ids, start)
+        if len(input_ids) >= await self.context_length():  # the one generated token needs room
+            raise ValueError(f"score: {len(input_ids)} tokens leave no room in max_model_len {self._context_len}")
+        rid = f"score-{uuid.uuid4().hex}"
+
+        def body(attempt: int) -> dict[str, Any]:  # scoring is idempotent: any retry is safe
+            return build_score_payload(input_ids, self.served_model or "", f"{rid}-{attempt}")
+
+        answer = await self._request("POST", "/v1/completions", body_for_attempt=body)
+        return ScoreOutput(parse_score_response(answer, input_ids, start), self.weight_version)
 
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))

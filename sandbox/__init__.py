@@ -4,9 +4,9 @@
   frozen); every call is one fork into a contained child (setsid, rlimits, seccomp, slot uid,
   slot cgroup from ``cgroups``, writes confined by ``landlock``), with a wall deadline, a disk
   quota and a sweep of whatever it left behind.
-- ``server``: the HTTP/JSON service (``kuberl sandbox serve``): bounded queue, batching
-  dispatch, exactly-once answers by idempotency key (``idempotency``), 429 backpressure,
-  replacement of lost workers, /metrics, /readyz.
+- ``server``: the service (``kuberl sandbox serve``): bounded queue, batching dispatch,
+  exactly-once answers by idempotency key (``idempotency``), 429 backpressure, replacement of
+  lost workers; ``app``: its HTTP/JSON routes (/v1/*, /metrics, /readyz) and ``serve``.
 - ``client``: the async client with retries; ``local``: start the service as a subprocess.
 - ``types``: the four outcomes of the paper plus memory-limit and truncation flags.
 

@@ -1,9 +1,10 @@
 """Running one tool call on a worker: fork ahead, hand over the request, watch, capture, answer.
 
-The expensive part of a call is forking the preloaded worker (its page tables) and tearing the
-child down again; neither depends on the call. So the worker forks the next child as soon as it
-has cleaned up after the last one (:func:`prepare`), and that child waits on a pipe for its
-request: a call arriving at an idle worker starts at once (:func:`run_call`). And the answer
+The expensive part of a call is forking the preloaded interpreter (its page tables) and tearing
+the child down again; neither depends on the call. So the next child is forked as soon as the
+worker has cleaned up after the last one, by the worker's zygote (:mod:`kuberl.sandbox.zygote`)
+or, where none can run, by the worker itself (:class:`OwnForks`), and that child waits on a pipe
+for its request: a call arriving at an idle worker starts at once (:func:`run_call`). And the answer
 goes out as soon as the child has written its result record and every writer of its output
 pipes is gone, before the worker waits for the child's exit, kills what the call left and
 empties its scratch space (:meth:`Slot.after_call`, run after the answer is sent).
@@ -90,7 +91,9 @@ class Prepared:
 
 
 def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
-    """Fork the next call's child now; it waits for :func:`run_call` to send it a request."""
+    """Fork the next call's child from this process now; it waits for :func:`run_call` to send
+    it a request."""
+    slot.ready_for_fork()
     pipes = Pipes.open()
     request_r, request_w = os.pipe()
     # the child is born named kuberl-ready (ps tells an idle child from a call without a window)
@@ -104,6 +107,38 @@ def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
     os.close(request_r)
     pipes.close_write_ends()
     return Prepared(pid, os.pidfd_open(pid), pipes, request_w, slot.generation)
+
+
+class OwnForks:
+    """Where no zygote can run (``clone(CLONE_PARENT)`` refused): the worker forks each child
+    itself, with the same interface as :class:`~kuberl.sandbox.zygote.Zygote`. Its children
+    then inherit the worker's heap, so the worker scrubs freed memory (glibc ``M_PERTURB``,
+    ~25 % of calls/s) and reads calls unbuffered."""
+
+    pid = None
+    scrub = True
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.pending: Prepared | None = None
+
+    def ask(self, slot: Slot) -> None:
+        if self.pending is None:
+            self.pending = prepare(slot, self.cfg)
+
+    def take(self, slot: Slot) -> Prepared:
+        self.ask(slot)
+        prepared, self.pending = self.pending, None
+        assert prepared is not None
+        if prepared.generation == slot.generation:
+            return prepared
+        prepared.discard()  # forked with an older filter or directory
+        return prepare(slot, self.cfg)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.discard()
+            self.pending = None
 
 
 class ChildGone(RuntimeError):

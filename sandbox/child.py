@@ -45,6 +45,21 @@ _SECBITS_NOROOT_LOCKED = 0x2F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS: each set an
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
+_env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
+
+
+def use_call_environment(call_dir: str) -> None:
+    """Make this process's environment the call's: nothing of the service's (the worker started
+    with an allowlist), only the call's own HOME and TMPDIR on top of fixed values.
+
+    The zygote does this once per slot directory, so its children inherit the environment
+    instead of rebuilding it per call (~0.3 ms of a trivial call's CPU, mostly page faults)."""
+    os.environ.clear()
+    os.environ.update(child_env(call_dir, call_dir))
+    tempfile.tempdir = None  # the worker's cached choice (/tmp) is not the call's
+    _env_for[0] = call_dir
+
+
 def _drop_capabilities() -> None:
     """A call that keeps uid 0 (no slot uid could be used) keeps no capability either: none
     now, none from the bounding set, and root's exec-time grant switched off (securebits)."""
@@ -60,7 +75,7 @@ def _drop_capabilities() -> None:
 
 def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
     """Runs in the forked child, as root, right before the untrusted code."""
-    _LIBC.mallopt(-6, 0)  # M_PERTURB off: the worker's scrubbing is for what it hands down
+    _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -90,11 +105,8 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         os.setuid(slot.uid)
     elif os.geteuid() == 0:
         _drop_capabilities()
-    # nothing of the service's environment: the worker started with an allowlist, and the
-    # call gets only its own HOME and TMPDIR on top of fixed values
-    os.environ.clear()
-    os.environ.update(child_env(slot.call_dir, slot.call_dir))
-    tempfile.tempdir = None  # the worker's cached choice (/tmp) is not the call's
+    if _env_for[0] != slot.call_dir:  # forked by the worker itself, not by a zygote
+        use_call_environment(slot.call_dir)
     if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if slot.landlock is not None:

@@ -32,6 +32,19 @@ def _children_of(pid: int) -> list[int]:
     return _children_by_parent().get(pid, [])
 
 
+def own_children() -> set[int]:
+    """This process's children, zombies included: ``/proc/self/task/*/children`` (one small
+    read per thread) where the kernel has it, else one pass over all of /proc."""
+    found: set[int] = set()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/children", "rb") as fh:
+                found.update(int(p) for p in fh.read().split())
+    except (OSError, ValueError):
+        return set(_children_of(os.getpid()))
+    return found
+
+
 def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
     """Kill every child of this process but ``keep``; returns how many were killed.
 
@@ -40,10 +53,9 @@ def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
     setsid and double-fork, are reparented to it; grandchildren of a killed process show up
     as children in the next round. Only the killed pids are reaped: the others' exit status
     belongs to whoever waits for them (asyncio, in the server)."""
-    me = os.getpid()
     killed = 0
     for _ in range(rounds):
-        kids = [k for k in _children_of(me) if k not in keep]
+        kids = sorted(own_children() - keep)
         if not kids:
             break
         for pid in kids:
@@ -119,10 +131,11 @@ def uid_has_processes(uid: int) -> bool:
     return False
 
 
-def reap_zombies(patience: float = 1.0) -> None:
-    """Reap every child (orphans of a call are ours: subreaper / PID-namespace init).
+def reap_zombies(keep: frozenset[int] = frozenset(), patience: float = 1.0) -> None:
+    """Reap every child but ``keep`` (orphans of a call are ours: subreaper / PID-namespace init).
 
-    Called right after SIGKILLing the slot, so it waits briefly for those deaths to land."""
+    Called right after SIGKILLing the slot, so it waits briefly for those deaths to land; the
+    children in ``keep`` (the zygote) live on and are not waited for."""
     deadline = time.monotonic() + patience
     while True:
         try:
@@ -130,7 +143,7 @@ def reap_zombies(patience: float = 1.0) -> None:
         except ChildProcessError:
             return
         if pid == 0:
-            if time.monotonic() > deadline:
+            if not own_children() - keep or time.monotonic() > deadline:
                 return
             time.sleep(0.001)
 

@@ -1,4 +1,5 @@
-"""HTTP/JSON sandbox service: central bounded queue, batching dispatch to warm fork-servers.
+"""The sandbox service: central bounded queue, batching dispatch to warm fork-servers (its
+HTTP/JSON routes and the process entry point are in ``app.py``).
 
 Every accepted call is answered exactly once: calls carry an idempotency id, answers are
 remembered by (operation, id) and payload digest (``idempotency``), a retried id joins the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import glob
 import json
 import logging
@@ -26,21 +26,18 @@ import re
 import secrets
 import shutil
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Counter, Gauge, Histogram
 
 from kuberl.api.sandbox_pool import SandboxLimits
-from kuberl.sandbox.auth import require_token, token_from_env
 from kuberl.sandbox.cgroups import remove_cgroup_dirs
 from kuberl.sandbox.fsview import clear_dir, worker_env
 from kuberl.sandbox.idempotency import Conflict, Key, ResultMemory, answer_size, payload_digest
 from kuberl.sandbox.procs import kill_children
-from kuberl.sandbox.progress import Window, every_seconds, format_window
+from kuberl.sandbox.progress import Window
 from kuberl.sandbox.types import ExecResult, valid_text
 from kuberl.sandbox.worker import encode_frames
 
@@ -178,6 +175,7 @@ class WorkerProc:
         self.cfg = cfg
         self.proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None  # the worker itself (proc is `unshare` in a namespace)
+        self.zygote_pid: int | None = None  # the worker's zygote (forks its calls' children)
         self.up = False
         self.protections: dict[str, bool] = {}
         self.leftovers: dict[str, Any] = {}
@@ -219,6 +217,8 @@ class WorkerProc:
         self.protections = dict(hello.get("protections", {}), namespaces=bool(ns))
         self.leftovers = hello.get("leftovers", {})
         self.pid = self.proc.pid if ns else int(hello.get("pid", self.proc.pid))
+        # inside a PID namespace its pid means nothing here (and no call of another slot sees it)
+        self.zygote_pid = None if ns or not hello.get("zygote_pid") else int(hello["zygote_pid"])
         self.up = True
 
     async def run(self, calls: list[dict[str, Any]], protect: list[int]) -> AsyncIterator[dict[str, Any]]:
@@ -332,7 +332,11 @@ class SandboxService:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.queue: collections.deque[_Call] = collections.deque()
-        self.nonempty = asyncio.Event()
+        self.nonempty = asyncio.Event()  # for a batch's flush window (_take_batch)
+        # One future per idle worker, woken one per queued call (_wake): with a shared event every
+        # call woke every idle worker (two new tasks each), ~1000 wake-ups a call at the paper's
+        # 1024 workers per node (bench/cluster_sim.py measured 32 per call at 32 workers).
+        self._idle: collections.deque[asyncio.Future] = collections.deque()
         self.inflight: dict[Key, _Call] = {}
         self.memory = ResultMemory(cfg.remember, cfg.remember_bytes, cfg.remember_ttl_s)
         self.workers: list[WorkerProc] = []
@@ -412,8 +416,17 @@ class SandboxService:
         self.inflight[key] = call
         self.queue.append(call)
         QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
-        self.nonempty.set()
+        self._wake(1)
         return fut
+
+    def _wake(self, calls: int) -> None:
+        """``calls`` were queued: wake that many idle workers (and any flush window waiting)."""
+        self.nonempty.set()
+        while calls > 0 and self._idle:
+            idle = self._idle.popleft()
+            if not idle.done():  # a worker that died or stopped while idle left a cancelled one
+                idle.set_result(None)
+                calls -= 1
 
     async def _take_batch(self) -> list[_Call]:
         while not self.queue:
@@ -441,26 +454,30 @@ class SandboxService:
         return batch
 
     def _protected_pids(self) -> list[int]:
-        """What no call may signal: this process and its threads, and every worker."""
+        """What no call may signal: this process and its threads, and every worker and zygote."""
         pids = {os.getpid()}
         with contextlib.suppress(OSError):
             pids |= {int(t) for t in os.listdir("/proc/self/task")}
         for w in self.workers:
-            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None) if p}
+            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, getattr(w, "zygote_pid", None)) if p}
         return sorted(pids)
 
     async def _work_or_death(self, w: WorkerProc) -> bool:
-        """Wait until calls are queued (True) or ``w`` dies while idle (False)."""
+        """Wait until calls are queued (True) or ``w`` dies while idle (False). Idle, the worker
+        waits on its own future, which ``_wake`` resolves for one queued call."""
         while not self.queue:
             if w.proc is None or w.proc.returncode is not None:
+                if self.queue:
+                    self._wake(1)  # it may have been woken for a call: hand the call on
                 return False
-            self.nonempty.clear()
-            waiters = {asyncio.ensure_future(self.nonempty.wait()), asyncio.ensure_future(w.proc.wait())}
+            wake = asyncio.get_running_loop().create_future()
+            self._idle.append(wake)
+            death = asyncio.ensure_future(w.proc.wait())
             try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({wake, death}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for t in waiters:
-                    t.cancel()
+                death.cancel()
+                wake.cancel()  # no-op once woken; else _wake skips it
         return True
 
     async def _worker_loop(self, w: WorkerProc) -> None:
@@ -510,7 +527,7 @@ class SandboxService:
                 retry.append(call)
         self.queue.extendleft(reversed(retry))
         if retry:
-            self.nonempty.set()
+            self._wake(len(retry))
         QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
 
     async def _replace(self, w: WorkerProc, err: Exception) -> None:
@@ -579,236 +596,3 @@ def _fast_verify(payload: dict[str, Any]) -> bool | None:
     except Exception:  # noqa: BLE001 - one odd pair must not fail its batch
         log.exception("integer fast path failed; using math-verify")
         return None
-
-
-def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
-    code = item.get("code")
-    if not isinstance(code, str):
-        raise web.HTTPBadRequest(text="each call needs a string 'code' field")
-    stdin = item.get("stdin", "")
-    if not isinstance(stdin, str):
-        raise web.HTTPBadRequest(text="'stdin' must be a string")
-    timeout = item.get("timeout", lim.timeout_seconds)
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise web.HTTPBadRequest(text="'timeout' must be a positive number of seconds")
-    return {"op": "exec", "code": code, "stdin": stdin, "timeout": min(float(timeout), lim.timeout_seconds)}
-
-
-def make_app(svc: SandboxService) -> web.Application:
-    lim = svc.cfg.lim
-
-    async def body(request: web.Request) -> Any:
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
-
-    def too_busy() -> web.Response:
-        return web.json_response({"error": "queue full"}, status=429, headers={"Retry-After": "0.05"})
-
-    def unavailable(why: str) -> web.Response:
-        return web.json_response({"error": why}, status=503, headers={"Retry-After": "1"})
-
-    async def run_many(items: list[tuple[Key, dict[str, Any]]]) -> list[Any] | web.Response:
-        if not svc.ready:
-            return unavailable("not ready")
-        # check the whole request before admitting any of it: a conflict or a full queue
-        # leaves nothing half-submitted
-        conflicts: list[str] = []
-        new: dict[Key, str] = {}  # keys this request would add to the queue, by digest
-        for key, payload in items:
-            try:
-                state, digest = svc.lookup(key, payload)
-            except Conflict as err:
-                conflicts.append(str(err))
-                continue
-            if state == "new" and new.setdefault(key, digest) != digest:
-                conflicts.append(f"{key[0]} id {key[1]!r} appears twice in the request with different calls")
-        if conflicts:
-            body = {"error": "an idempotency id was reused for a different call", "conflicts": conflicts}
-            return web.json_response(body, status=409)
-        if len(new) > svc.capacity_left():
-            return too_busy()
-        futs = [svc.submit(key, payload) for key, payload in items]
-        try:
-            return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
-        except ServiceUnavailable as err:
-            return unavailable(str(err))
-
-    def call_key(op: str, item: dict[str, Any]) -> Key:
-        cid = item.get("id")
-        return (op, str(cid) if cid is not None else uuid.uuid4().hex)
-
-    async def execute(request: web.Request) -> web.StreamResponse:
-        item = await body(request)
-        if not isinstance(item, dict):
-            raise web.HTTPBadRequest(text="expected a JSON object")
-        res = await run_many([(call_key("exec", item), _exec_payload(item, lim))])
-        return res if isinstance(res, web.Response) else web.json_response(res[0])
-
-    async def execute_batch(request: web.Request) -> web.StreamResponse:
-        data = await body(request)
-        calls = data.get("calls") if isinstance(data, dict) else None
-        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-            raise web.HTTPBadRequest(text="expected {'calls': [{'code': ..., 'stdin': ..., 'id': ...}, ...]}")
-        res = await run_many([(call_key("exec", c), _exec_payload(c, lim)) for c in calls])
-        return res if isinstance(res, web.Response) else web.json_response({"results": res})
-
-    def verify_payload(item: dict[str, Any]) -> dict[str, Any]:
-        pred, gold = item.get("prediction"), item.get("gold")
-        if not isinstance(pred, str) or not isinstance(gold, str):
-            raise web.HTTPBadRequest(text="verify needs string 'prediction' and 'gold' fields")
-        return {"op": "verify", "prediction": pred, "gold": gold, "timeout": svc.cfg.verify_timeout_seconds}
-
-    async def verify(request: web.Request) -> web.StreamResponse:
-        item = await body(request)
-        if not isinstance(item, dict):
-            raise web.HTTPBadRequest(text="expected a JSON object")
-        res = await run_many([(call_key("verify", item), verify_payload(item))])
-        return res if isinstance(res, web.Response) else web.json_response(res[0])
-
-    async def verify_batch(request: web.Request) -> web.StreamResponse:
-        data = await body(request)
-        pairs = data.get("pairs") if isinstance(data, dict) else None
-        if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
-            raise web.HTTPBadRequest(
-                text="expected {'pairs': [{'prediction': ..., 'gold': ..., 'id': ...}, ...]}"
-            )
-        res = await run_many([(call_key("verify", p), verify_payload(p)) for p in pairs])
-        if isinstance(res, web.Response):
-            return res
-        return web.json_response(
-            {"correct": [r["correct"] for r in res], "timed_out": [r["timed_out"] for r in res]}
-        )
-
-    async def healthz(_: web.Request) -> web.StreamResponse:
-        return web.json_response({"ok": True})
-
-    async def readyz(_: web.Request) -> web.StreamResponse:
-        ready = svc.is_ready()  # not while a lost worker is being replaced
-        uids = [svc.cfg.uid_base + w.slot for w in svc.workers] if svc.protections().get("uid") else []
-        info = {
-            "ready": ready,
-            "uids": uids,
-            "workers": len(svc.workers),
-            "workers_up": svc.workers_up(),
-            "server_pid": os.getpid(),
-            "worker_restarts": svc.restarts,
-            "worker_pids": [w.proc.pid for w in svc.workers if w.proc is not None],
-            "isolation": svc.cfg.isolation,
-            "pool": svc.cfg.pool,
-            "protections": svc.protections(),
-            "queue_depth": len(svc.queue),
-        }
-        return web.json_response(info, status=200 if ready else 503)
-
-    async def metrics(_: web.Request) -> web.StreamResponse:
-        QUEUE_DEPTH.labels(svc.cfg.pool).set(len(svc.queue))
-        WORKERS_BUSY.labels(svc.cfg.pool).set(svc.busy)
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application(client_max_size=256 * 2**20, middlewares=[require_token(svc.cfg.token)])
-    app.router.add_post("/v1/execute", execute)
-    app.router.add_post("/v1/execute_batch", execute_batch)
-    app.router.add_post("/v1/verify", verify)
-    app.router.add_post("/v1/verify_batch", verify_batch)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    return app
-
-
-async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
-    svc = SandboxService(cfg)
-    QUEUE_DEPTH.labels(cfg.pool).set(0)
-    WORKERS_BUSY.labels(cfg.pool).set(0)
-    app = make_app(svc)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 -> the real port
-    print(f"kuberl sandbox listening on http://{host}:{bound}", flush=True)
-    try:
-        await svc.start()
-        print(f"kuberl sandbox ready; protections {json.dumps(svc.protections())}", flush=True)
-        await _log_progress(svc, every_seconds())
-    finally:
-        await svc.stop()
-        await runner.cleanup()
-
-
-async def _log_progress(svc: SandboxService, every: float) -> None:
-    """Print what the service did every ``every`` seconds while it runs (forever; 0: no lines)."""
-    if every <= 0:
-        await asyncio.Event().wait()
-    while True:
-        await asyncio.sleep(every)
-        line = format_window(
-            svc.window.take(), every, len(svc.queue), svc.busy, len(svc.workers), svc.restarts
-        )
-        if line is not None:
-            print(line, flush=True)
-
-
-_PR_SET_DUMPABLE = 4
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _guard_this_process(loop: asyncio.AbstractEventLoop) -> None:
-    """Process-wide settings of the service (not of a library user's process).
-
-    Subreaper: a dead worker's orphans come to us, not to init, so sweep_orphans can kill
-    them. Not dumpable: a call under our uid cannot open /proc/<us>/mem or fd. A pidfd child
-    watcher: asyncio's default one (Python < 3.12) runs a thread per worker, and every thread
-    id is one more pid a call could SIGKILL the whole server through."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    with contextlib.suppress(Exception):
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
-        with contextlib.suppress(OSError):
-            os.close(os.pidfd_open(os.getpid()))
-            watcher = asyncio.PidfdChildWatcher()
-            watcher.attach_loop(loop)
-            asyncio.set_child_watcher(watcher)
-
-
-def serve(
-    host: str,
-    port: int,
-    workers: int | None,
-    pool: str,
-    limits: SandboxLimits | None = None,
-    batch_size: int = 4,
-    flush_ms: float = 0.0,
-    queue_limit: int = 4096,
-    verify_timeout_seconds: float = 5.0,
-    isolation: str = "full",
-) -> int:
-    """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
-    import signal
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    n = workers if workers and workers > 0 else (os.cpu_count() or 1)
-    cfg = ServiceConfig(
-        workers=n,
-        pool=pool,
-        limits=limits,
-        batch_size=max(1, batch_size),
-        flush_ms=max(0.0, flush_ms),
-        queue_limit=max(1, queue_limit),
-        verify_timeout_seconds=verify_timeout_seconds,
-        isolation=isolation,
-        sweep_orphans=True,
-        token=token_from_env(),
-    )
-    loop = asyncio.new_event_loop()
-    _guard_this_process(loop)
-    main = loop.create_task(_serve(host, port, cfg))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, main.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        loop.run_until_complete(main)
-    loop.close()
-    return 0

@@ -2,17 +2,19 @@
 
 Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
 ``unshare --net --pid --ipc --fork --mount-proc --kill-child`` when available) with an
-allowlisted environment, it preloads and warms numpy, sympy, scipy and math-verify, builds the
-filesystem view its calls get (:mod:`kuberl.sandbox.fsview`: a private read-only root with a
-per-call tmpfs, or a Landlock read allowlist), calls ``gc.freeze()`` and then reads one JSON
-request (a batch of calls) per line on its protocol pipe and answers one JSON line per call,
-as soon as that call is done (so the server knows which call was running if the worker dies).
-Per call the cost is one ``fork``: the child (:mod:`kuberl.sandbox.child`) enters the sandbox
-and runs the code; its output comes back on pipes the worker opened, never through files the
-call could swap. The parent enforces the wall deadline and the slot's disk quota, afterwards
-kills everything left in the slot (cgroup members, the process group, its orphans and every
-process of the slot uid), so daemons cannot outlive a call, and empties the scratch space in
-bounded time.
+allowlisted environment, it builds the filesystem view its calls get
+(:mod:`kuberl.sandbox.fsview`: a private read-only root with a per-call tmpfs, or a Landlock
+read allowlist), forks its zygote (:mod:`kuberl.sandbox.zygote`), which preloads and warms
+numpy, sympy, scipy and math-verify and then forks every call's child, so no child inherits
+memory that held an earlier call, and then reads one length-prefixed frame (a call) at a time
+on its protocol pipe and answers one JSON line per call, as soon as that call is done (so the
+server knows which call was running if the worker dies). Per call the cost is one ``fork`` (of
+the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs the code; its
+output comes back on pipes opened for it, never through files the call could swap. The worker
+(the child's parent: the zygote forks with ``CLONE_PARENT``) enforces the wall deadline and the
+slot's disk quota, afterwards kills everything left in the slot (cgroup members, the process
+group, its orphans and every process of the slot uid), so daemons cannot outlive a call, and
+empties the scratch space in bounded time.
 
 The worker and the server are not dumpable (``PR_SET_DUMPABLE`` 0): a call running under
 their uid (``--isolation basic``) can then neither open their ``/proc/PID/mem`` or ``fd``
@@ -37,16 +39,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kuberl.sandbox import landlock
-from kuberl.sandbox.calls import ChildGone, prepare, run_call
+from kuberl.sandbox.calls import ChildGone, OwnForks, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
+from kuberl.sandbox.child import use_call_environment
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
 from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
 from kuberl.sandbox.seccomp import SeccompProgram
+from kuberl.sandbox.zygote import Zygote, ZygoteGone
 
 DEFAULT_UID_BASE = 61000
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
-M_PERTURB = -6  # glibc mallopt: fill freed (and fresh) blocks with a byte
+M_PERTURB = -6  # glibc mallopt: fill freed (and fresh) blocks with a byte (only without a zygote)
 # prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)
 UNREADABLE_BYTES = 1 << 50  # what a directory the worker cannot read counts as: over any quota
@@ -114,8 +118,9 @@ def _hide_home_keep_python() -> bool:
     return True
 
 
-def _preload() -> None:
-    """Import and exercise the heavy libraries once so each fork inherits them warm."""
+def preload() -> None:
+    """Import and exercise the heavy libraries once so each fork inherits them warm (in the
+    zygote; the worker itself never loads them)."""
     import importlib
 
     for name in PRELOAD_STDLIB:
@@ -177,7 +182,9 @@ class Slot:
         self.own_pids = frozenset(own | (set() if cfg.in_namespace else {os.getppid()}))
         self.protected = self.own_pids
         self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=root is not None)
+        self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
+        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (the zygote)
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -236,14 +243,35 @@ class Slot:
     def protect(self, pids: list[int]) -> None:
         """Also refuse signals to ``pids`` (host pids: meaningless inside a PID namespace).
 
-        Recompiles the filter only when the set changes (worker restarts), ~10 ms."""
+        Bumps the generation when the set changes (worker restarts); the filter is recompiled
+        (~10 ms) where children are forked, before the next fork (:meth:`ready_for_fork`)."""
         if self.cfg.in_namespace or self.seccomp is None:
             return
         wanted = self.own_pids | {p for p in pids if isinstance(p, int) and 0 < p < 2**31}
         if wanted != self.protected:
-            self.seccomp = SeccompProgram.compile(wanted, unix_sockets=self.root is not None) or self.seccomp
             self.protected = wanted
             self.generation += 1
+
+    def add_own(self, pid: int) -> None:
+        """``pid`` is part of this worker (its zygote): no call may signal it, in any mode."""
+        self.own_pids |= {pid}
+        if self.seccomp is not None:
+            self.protected |= {pid}
+            self.generation += 1
+
+    def use_state(self, protected: frozenset[int], path: str) -> None:
+        """In the zygote: the worker's current filter pids and slot directory."""
+        self.protected = protected
+        if path != self.dir:
+            self.dir = self.call_dir = path
+            self._build_landlock()
+            use_call_environment(self.call_dir)
+
+    def ready_for_fork(self) -> None:
+        """Compile the filter for the current pids if they changed since the last compile."""
+        if self.seccomp is not None and self._filter_pids != self.protected:
+            self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=self.root is not None) or self.seccomp
+            self._filter_pids = self.protected
 
     def child_fds(self) -> tuple[int, ...]:
         """Descriptors a call's child needs until it enters the sandbox (the Landlock ruleset)."""
@@ -287,7 +315,10 @@ class Slot:
             time.sleep(0.002)
         tracked = emptied and self.cgroup.pids
         if not tracked:
-            kill_children()
+            kill_children(self.keep_alive)
+        # the call's own process is often still exiting when we get here (we answered first):
+        # reaped, it is not mistaken for a process of the uid that escaped (a sweep per call)
+        reap_zombies(self.keep_alive)
         if self.uid is not None and (not tracked or uid_has_processes(self.uid)):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
@@ -300,7 +331,7 @@ class Slot:
                 finally:
                     os._exit(0)
             os.waitpid(pid, 0)
-        reap_zombies()
+            reap_zombies(self.keep_alive)
 
     def _cgroup_pids(self) -> list[int]:
         return sorted(self.cgroup.members() - {os.getpid()})
@@ -434,9 +465,9 @@ def _fallback_view(cfg: WorkerConfig) -> bool:
 def encode_frames(calls: list[dict[str, Any]], protect: list[int]) -> bytes:
     """The server's side of the protocol (pure): one length-prefixed frame per call.
 
-    Frames, not one line per batch: the worker reads one call at a time, so the child forked
-    for a call never holds the calls queued behind it (nor, with the scrubbing allocator, the
-    ones before it)."""
+    Frames, not one line per batch: the worker reads one call at a time, so that a worker
+    without a zygote (which forks its children itself) never hands a child the calls queued
+    behind it (nor, with its scrubbing allocator, the ones before it)."""
     out = bytearray()
     for call in calls:
         frame = json.dumps({"call": call, "protect": protect}).encode()
@@ -487,50 +518,62 @@ def main(argv: list[str]) -> int:
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    # freed memory is overwritten in the worker, so a call forked from it finds no trace of
-    # earlier calls' code, stdin, output or gold answers in the heap it inherits (children
-    # switch it off again: it cost a call ~17 % of its speed)
-    _LIBC.mallopt(M_PERTURB, 0xA5)
-    _preload()
     root, readable = _private_root(cfg)
     if root is None:
         readable = _fallback_view(cfg)
     slot = Slot(cfg, readable, root)
     gc.collect()
     gc.freeze()
+    forker = _start_forker(slot, cfg, (proto_in, proto_out))
+    slot.keep_alive = frozenset({forker.pid} if forker.pid else ())
     hello = {
         "ready": True,
         "slot": cfg.slot,
         "pid": os.getpid(),
-        "protections": slot.protections,
+        "zygote_pid": forker.pid,
+        "protections": {**slot.protections, "zygote": not forker.scrub},
         # if we die uncleanly (a private root is an empty directory outside our mount namespace)
         "leftovers": {"dir": root.root if root else slot.dir, "cgroups": slot.cgroup.dirs()},
     }
     _write_line(proto_out, hello)
-    prepared = prepare(slot, cfg)
+    forker.ask(slot)
     try:
         while (frame := _read_frame(proto_in)) is not None:
             slot.protect(frame.get("protect", []))
-            if prepared.generation != slot.generation:  # forked with an older filter
-                prepared.discard()
-                prepared = prepare(slot, cfg)
+            prepared = forker.take(slot)  # forked while we were idle (or answering the last call)
             try:
                 result = run_call(slot, cfg, prepared, frame["call"])
             except ChildGone as err:  # e.g. killed by another slot's call on an old kernel
                 print(f"kuberl sandbox worker: {err}; forking another", file=sys.stderr)
-                prepared = prepare(slot, cfg)
-                result = run_call(slot, cfg, prepared, frame["call"])
+                result = run_call(slot, cfg, forker.take(slot), frame["call"])
             _write_line(proto_out, {"result": result})
-            # nothing of this call may reach the next child: drop it before forking that one
-            # (freed memory is scrubbed: M_PERTURB)
-            del frame, result
+            del frame, result  # (matters only without a zygote: OwnForks)
             slot.after_call()
-            prepared = prepare(slot, cfg)
+            forker.ask(slot)  # the next child is forked while we wait for the next call
+    except ZygoteGone as err:  # the server answers the call with an error and starts a new worker
+        print(f"kuberl sandbox worker: {err}; exiting", file=sys.stderr)
+        return 1
     finally:
-        prepared.discard()
+        forker.close()
         slot.kill_all()
         slot.remove()
     return 0
+
+
+def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Zygote | OwnForks:
+    """The zygote (children never inherit memory that held a call), or where the kernel or the
+    container refuses ``clone(CLONE_PARENT)``, this worker forking its children itself with
+    freed memory scrubbed (so a call forked from it finds no trace of earlier calls' code,
+    stdin, output or gold answers in the heap it inherits; ~25 % of calls/s)."""
+    try:
+        return Zygote.start(slot, cfg, close=protocol, preload=preload)
+    except (OSError, ZygoteGone) as err:
+        print(f"kuberl sandbox worker: no zygote ({err}); scrubbing freed memory instead", file=sys.stderr)
+    _LIBC.mallopt(M_PERTURB, 0xA5)
+    preload()
+    gc.collect()
+    gc.freeze()
+    return OwnForks(cfg)
 
 
 if __name__ == "__main__":

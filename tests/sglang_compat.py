@@ -9,6 +9,8 @@ shapes ``kuberl.rollout.sglang_engine`` documents:
 * ``POST /generate``: input_ids + sampling_params -> output_ids + meta_info
   (finish_reason {type}, output_token_logprobs [[logprob, id, null], ...]); a request whose
   input + max_new_tokens reaches the context length is refused with HTTP 400, as SGLang does.
+* ``POST /generate`` with ``max_new_tokens: 0``, ``return_logprob`` and ``logprob_start_len``:
+  ``input_token_logprobs`` of the prompt from that position (scoring, as SGLang answers it).
 * ``GET /get_server_info``: max_total_num_tokens, context_length (SGLang >= 0.4 route).
 * ``GET /get_model_info``: model_path.
 * ``GET /metrics``: sglang:token_usage, sglang:num_running_reqs, sglang:num_queue_reqs.
@@ -74,6 +76,9 @@ class CompatServer:
                 },
                 status=400,
             )
+        start = int(body.get("logprob_start_len", -1))
+        if body.get("return_logprob") and max_new == 0 and start >= 0:
+            return await self._score(body, ids, start)
         out = await self.engine.generate(
             GenerateRequest(
                 input_ids=ids,
@@ -106,6 +111,23 @@ class CompatServer:
                 },
             }
         )
+
+    async def _score(self, body: dict, ids: list[int], start: int) -> web.Response:
+        """Prompt log-probs from ``start`` on, the first entry None as SGLang gives it at
+        position 0 (the client asks from one token before the span it wants)."""
+        scored = await self.engine.score(ids, start + 1) if start + 1 < len(ids) else None
+        lps = [None, *(scored.logprobs if scored else [])]
+        meta = {
+            "id": body.get("rid"),
+            "finish_reason": {"type": "length", "length": 0},
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "input_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids[start:], strict=True)],
+            "output_token_logprobs": [],
+        }
+        if scored is not None and scored.weight_version is not None:
+            meta["weight_version"] = str(scored.weight_version)
+        return web.json_response({"text": "", "output_ids": [], "meta_info": meta})
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -180,11 +180,14 @@ class _WrongWeightsEngine:
         return engine
 
 
-def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("level", [0, 2])
+def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch, level):
+    """asyncLevel 0: fresh sampling log-probs vs the trainer; 2: the engines score the trained
+    rows with what they serve, every step, whatever version sampled them."""
     import json
 
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
-    job = _job(tmp_path, 0, steps=2)
+    job = _job(tmp_path, level, steps=3)
     bad = run_job(
         job,
         tmp_path / "bad",
@@ -193,17 +196,81 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch)
         engine_factory=_WrongWeightsEngine,
         quiet=True,
     )
-    rl = [h for h in bad.history if h.get("type") == "rl" and h.get("engine_logprob_gap")]
+    steps = [h for h in bad.history if h.get("type") == "rl"]
+    rl = [h for h in steps if h.get("engine_logprob_gap")]
     assert rl and all(h["engine_logprob_gap"]["wrong-0"] > 0.15 for h in rl), rl
+    if level:
+        assert len(rl) == len(steps)  # every step checked, though none of its rollouts is fresh
     events = [json.loads(x) for x in (tmp_path / "bad" / "events.jsonl").read_text().splitlines()]
     flagged = [e for e in events if e["kind"] == "engine"]
     assert len(flagged) == 1 and "wrong-0" in flagged[0]["text"] and "other weights" in flagged[0]["text"]
+    if level == 0:
+        return
     good = run_job(
-        _job(tmp_path, 1, steps=2), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
+        _job(tmp_path, 1, steps=3), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
     )
-    gaps = [
-        g for h in good.history if h.get("type") == "rl" for g in (h.get("engine_logprob_gap") or {}).values()
-    ]
-    assert gaps and max(gaps) < 1e-3  # the same float32 weights on both sides
+    steps = [h for h in good.history if h.get("type") == "rl"]
+    gaps = [g for h in steps for g in (h.get("engine_logprob_gap") or {}).values()]
+    assert len(gaps) == len(steps) and max(gaps) < 1e-3  # the same float32 weights on both sides
     events = (tmp_path / "good" / "events.jsonl").read_text()
     assert '"kind": "engine"' not in events
+
+
+_PIN_PROBE = r"""
+import os, sys, threading
+from kuberl.trainer.rollout_worker import pin_to_cpus
+release = threading.Event()
+early = threading.Thread(target=release.wait)  # started before pinning, like Ray's own threads
+early.start()
+pin_to_cpus(sys.argv[1])
+late = threading.Thread(target=release.wait)  # started after: inherits
+late.start()
+masks = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+release.set()
+print(len(masks), sorted({tuple(sorted(m)) for m in masks.values()}))
+"""
+
+
+def test_pinning_the_engine_side_moves_every_thread_of_its_process():
+    """A Ray actor's main, gRPC and GC threads run Python too: left on the trainer's core they
+    hold the GIL while preempted and stall the engine's decode (the async bench's slowdown)."""
+    import os
+    import subprocess
+    import sys
+
+    core = min(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", _PIN_PROBE, str(core)], capture_output=True, text=True, check=True
+    ).stdout.split(maxsplit=1)
+    assert int(out[0]) >= 3  # main + both threads were looked at
+    assert out[1].strip() == str([(core,)])
+
+
+def test_a_malformed_core_list_is_named():
+    from kuberl.trainer.rollout_worker import parse_cpus
+
+    assert parse_cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError, match="KUBERL_ROLLOUT_CPUS='zero'"):
+        parse_cpus("zero")
+
+
+def test_probe_gaps_compare_engine_scores_with_pi_old_on_trained_tokens_only():
+    from kuberl.trainer.grpo import StepBatch
+    from kuberl.trainer.spot_check import probe_gaps, probe_requests, probe_rows
+
+    sb = StepBatch(
+        seqs=[[1, 2, 3, 4, 5], [1, 2, 6, 7], [1, 9]],
+        masks=[[0, 0, 1, 0, 1], [0, 0, 1, 1], [0, 0]],  # row 2 trains nothing; row 0 has a tool token
+        old_logprobs=[[0.0, -9.0, -1.0, -9.0, -2.0], [0.0, -9.0, -0.5, -0.25], [0.0, 0.0]],
+    )
+    assert probe_rows(sb, 8) == [0, 1] and probe_rows(sb, 1) == [0] and probe_rows(sb, 0) == []
+    seqs, starts = probe_requests(sb, [0, 1])
+    assert seqs == [[1, 2, 3, 4, 5], [1, 2, 6, 7]] and starts == [2, 2]
+    answers = [
+        {"engine": "a", "logprobs": [-1.5, -100.0, -2.0], "version": 7},  # the tool token is ignored
+        {"engine": "b", "logprobs": [-0.5, -0.25], "version": 6},
+    ]
+    res = probe_gaps(sb, [0, 1], starts, answers, version=7)
+    assert res.gaps == {"a": 0.25, "b": 0.0} and res.versions == {"b": 6} and not res.errors
+    res = probe_gaps(sb, [0, 1], starts, [answers[0], {"engine": "b", "error": "HTTP 500"}], version=7)
+    assert res.gaps == {"a": 0.25} and res.errors == {"b": "HTTP 500"}

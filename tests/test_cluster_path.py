@@ -178,6 +178,24 @@ async def test_local_engine_serves_an_hf_policy(tiny_model):
     assert batched[0].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-4)
 
 
+async def test_an_sglang_server_scores_a_sequence_as_it_sampled_it(servers):
+    """The spot check's probe on SGLang's wire: /generate with max_new_tokens 0 and
+    logprob_start_len gives the log-probs the server sampled with (HF policy, same weights)."""
+    from kuberl.rollout.sglang_engine import SGLangEngine
+
+    fleet = servers(1)
+    engine = SGLangEngine(fleet.urls[0], name="sgl-0")
+    try:
+        prompt = [5, 6, 7, 8]
+        out = await engine.generate(GenerateRequest(input_ids=prompt, max_new_tokens=8, seed=3))
+        engine.weight_version = 2  # what a push would have set; the compat server reports none
+        scored = await engine.score(prompt + out.output_ids, start=len(prompt))
+    finally:
+        await engine.close()
+    assert scored.weight_version == 2
+    assert scored.logprobs == pytest.approx(out.output_logprobs, abs=1e-4)
+
+
 # -- weight sync --------------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ EXTENSIONS = {
     "kuberl_train_rollout_staleness": "asynchronous RL: rollouts by policy versions behind (asyncLevel)",
     "kuberl_train_rollouts_stale_total": "asynchronous RL: rollouts dropped as stale or out of step",
     "kuberl_train_engine_logprob_gap": "spot check: an engine serving other weights than pushed",
+    "kuberl_rollout_requests_waiting": "the trainers' backlog the fleet autoscaler reads (issue 18)",
 }
 
 

@@ -59,7 +59,7 @@ def test_promtool_accepts_catalog_shaped_exposition_and_rejects_bad_names():
     for spec in CATALOG.values():
         cls = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}[spec.type]
         metric = cls(spec.name, spec.help, spec.labels, registry=reg)
-        child = metric.labels(*["x"] * len(spec.labels))
+        child = metric.labels(*["x"] * len(spec.labels)) if spec.labels else metric  # unlabelled: itself
         child.observe(0.1) if spec.type == "histogram" else child.inc()
     res = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(reg), capture_output=True)
     assert res.returncode == 0 and not (res.stdout + res.stderr).strip(), res.stdout + res.stderr

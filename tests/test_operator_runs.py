@@ -151,3 +151,43 @@ def test_model_and_checkpoint_uri_cannot_change_under_a_running_job() -> None:
         new = job("run", model={"base": "Qwen/Qwen3-14B"})
         assert admission_errors(crds, new, done) == []
     assert admission_errors(crds, job("run", model={"base": "x"})) == []  # create
+
+
+async def test_an_engine_the_spot_check_flags_shows_in_the_jobs_status_and_events() -> None:
+    """Issue 20 item 4: the trainer's spot check (kuberl_train_engine_logprob_gap) reaches the
+    job: EnginesInStep=False naming the engine, one Warning event, True again once it recovers."""
+    from kuberl.operator.builders import selector_labels
+    from tests.test_operator_e2e import metrics_server
+
+    gaps = {"rf-0": 0.02, "rf-1": 0.9}
+
+    def render() -> str:
+        rows = "".join(
+            f'kuberl_train_engine_logprob_gap{{job="spot",engine="{e}"}} {g}\n' for e, g in gaps.items()
+        )
+        return "# TYPE kuberl_train_engine_logprob_gap gauge\n" + rows
+
+    async with metrics_server(render) as port, cluster_and_operator() as k:
+        await k.create(f"{API}/agenticrljobs", job("spot"))
+        await eventually(lambda: k.get(f"{JOBS}/spot-trainer"), what="trainer Job")
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "spot-trainer-0", "namespace": NS, "labels": selector_labels("spot", "trainer")},
+            "spec": {"containers": [{"name": "t", "image": "i", "ports": [{"name": "metrics", "containerPort": port}]}]},
+        }
+        await k.create(f"/api/v1/namespaces/{NS}/pods", pod)
+        running = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+        await k.patch(f"/api/v1/namespaces/{NS}/pods/spot-trainer-0/status", {"status": running})
+
+        async def in_step(value: str) -> dict[str, Any] | None:
+            conds = (await _status(k, f"{API}/agenticrljobs/spot")).get("conditions") or []
+            return next((c for c in conds if c["type"] == "EnginesInStep" and c["status"] == value), None)
+
+        flagged = await eventually(lambda: in_step("False"), timeout=20, what="EnginesInStep=False")
+        assert "rf-1 (0.900)" in flagged["message"] and "rf-0" not in flagged["message"]
+        warnings = [e for e in await k.events("spot") if e["reason"] == "EngineWeightsDiffer"]
+        assert len(warnings) == 1 and "rf-1" in warnings[0]["message"]
+        gaps["rf-1"] = 0.03  # restarted: serves the pushed weights again
+        await eventually(lambda: in_step("True"), timeout=20, what="EnginesInStep=True")
+        assert len([e for e in await k.events("spot") if e["reason"] == "EngineWeightsDiffer"]) == 1

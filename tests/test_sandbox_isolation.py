@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import alive, exec_code, readyz, unprivileged_wrapper
+from sandbox_helpers import alive, exec_code, memory_probe, readyz, unprivileged_wrapper
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.fsview import readonly_paths
@@ -684,54 +684,39 @@ def test_a_forged_result_record_costs_only_its_own_call(svc, name):
 
 
 def test_a_call_finds_nothing_of_earlier_calls_in_its_memory(svc):
-    """Each call is a fork of the worker: the worker must not hold earlier calls (their code, a
-    verification's gold answer) when it forks, and freed memory is scrubbed."""
+    """Each call is a fork: it must not start with memory that held earlier calls (their code,
+    stdin and output, a verification's gold answer and prediction). The probe scans its whole
+    writable memory (or, without /proc, its whole malloc heap) for markers that earlier calls
+    on the same workers carried, against a control marker that exists only in the probe: the
+    control must be found (the scan is real), each marker no more often than the control."""
     import asyncio
 
     from kuberl.sandbox.client import SandboxClient
 
     mode, url = svc
     before = readyz(url)[1]
-    secret = f"kuberl-gold-{os.getpid()}-{mode}"
+    tag = f"{os.getpid()}-{mode}-{os.urandom(4).hex()}"
+    marks = {k: f"kuberl-{k}-{tag}" for k in ("code", "stdin", "output", "gold", "prediction")}
 
     async def earlier() -> None:
         async with SandboxClient(url) as c:
-            await c.execute(f"x = {secret!r}\nprint(x)")
-            await c.verify(secret, secret)
+            code = f"x = {marks['code']!r}\nprint(input(), {marks['output'][::-1]!r}[::-1])"
+            r = await c.execute(code, marks["stdin"])
+            assert marks["output"] in r.output, r
+            await c.verify(f"\\text{{{marks['prediction']}}}", f"\\text{{{marks['gold']}}}")
 
-    for _ in range(2):
+    for _ in range(2):  # both workers
         asyncio.run(earlier())
-    probe = (
-        "import gc, re, sys\n"
-        f"needle = {secret[:8]!r} + {secret[8:]!r}\n"
-        "objs = sum(needle in repr(o)[:100000] for o in gc.get_objects() if isinstance(o, dict | list))\n"
-        "f, frames = sys._getframe().f_back, 0\n"
-        "while f is not None:\n"  # the frames below the call's own (its globals are in the runner's)
-        "    if f.f_code.co_name != '_run_user_code':\n"
-        "        frames += needle in repr(f.f_locals)[:100000]\n"
-        "    f = f.f_back\n"
-        "heap = -1\n"
-        "try:\n"
-        "    key, heap = needle.encode(), 0\n"
-        "    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:\n"
-        "        for line in maps:\n"
-        "            lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
-        "            if line.split()[1].startswith('rw') and hi - lo < 2**28:\n"
-        "                try:\n"
-        "                    mem.seek(lo)\n"
-        "                    heap += mem.read(hi - lo).count(key)\n"
-        "                except OSError:\n"
-        "                    pass\n"
-        "except OSError:\n"
-        "    pass\n"
-        "print(objs - 1, frames, heap)\n"
-    )
+    names = sorted(marks)
+    control = os.urandom(8).hex() + "-lortnoc-lrebuk"  # reversed: only the probe makes it
+    probe = memory_probe([*(marks[k][::-1] for k in names), control])
     for _ in range(3):
         r = _run(url, probe)
         assert r.outcome == "stdout", r
-        objs, frames, heap = (int(x) for x in r.output.split())
-        assert (objs, frames) == (0, 0), r.output
-        assert heap <= 4, r.output  # the probe's own needle and its copies; -1: /proc unreadable
+        out = json.loads(r.output)
+        *found, own = out["counts"]
+        assert own >= 1, out  # the scan reads the probe's own memory
+        assert dict(zip(names, found, strict=True)) == dict.fromkeys(names, own), out
     _healthy_after(url, before)
 
 

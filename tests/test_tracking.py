@@ -236,3 +236,52 @@ def test_a_fresh_run_in_a_used_folder_starts_new_tracked_runs(tmp_path, monkeypa
     fresh = open_trackers(job, tmp_path, resume=False)  # no checkpoint: a new run, not the old one
     assert fresh[0].run_id != first[0].run_id
     fresh[0].close()
+
+
+def test_a_restarted_trainer_pod_continues_the_tracked_runs_from_the_checkpoint_volume(tmp_path, monkeypatch, capsys):
+    """On a cluster the run folder dies with the pod and the checkpoint volume does not: the
+    operator points $KUBERL_TRACKING_DIR at that volume, so a new pod (fresh run folder) resumes
+    into the same MLflow run and TensorBoard log dir. A kept run id whose store is gone (no such
+    volume) starts a new run with a warning instead of failing every restart."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from kuberl.operator.trainer_runs import CHECKPOINT_DIR
+    from kuberl.trainer.checkpoint import CheckpointStore
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    job = _job(tmp_path, {"mlflow": {}, "tensorboard": {}})
+    trainer = next(m for m in build_for(job, namespace="ns") if m["kind"] == "Job")
+    env = {e["name"]: e.get("value") for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["KUBERL_TRACKING_DIR"] == f"{CHECKPOINT_DIR}/tracking"  # on the job's checkpoint PVC
+
+    kept = tmp_path / "pvc"
+    store = CheckpointStore(str(kept / "checkpoints"))
+    monkeypatch.setenv("KUBERL_TRACKING_DIR", str(kept / "tracking"))
+    for pod in ("pod-1", "pod-2", "pod-3"):
+        (tmp_path / pod).mkdir()
+    ml, tb = open_trackers(job, tmp_path / "pod-1", store, resume=False)
+    for t in (ml, tb):
+        t.step({"type": "rl", "step": 1, "reward_mean": 0.25})
+        t.close()
+    ml2, tb2 = open_trackers(job, tmp_path / "pod-2", store, resume=True)  # a new pod's empty run folder
+    assert ml2.run_id == ml.run_id
+    for t in (ml2, tb2):
+        t.step({"type": "rl", "step": 2, "reward_mean": 0.5})
+        t.close()
+    client = MlflowClient(tracking_uri=(kept / "tracking" / "mlruns").resolve().as_uri())
+    hist = client.get_metric_history(ml.run_id, "kuberl_train_reward_mean")
+    assert {m.step: m.value for m in hist} == {1: 0.25, 2: 0.5}
+    ea = EventAccumulator(str(kept / "tracking" / "tensorboard"))
+    ea.Reload()
+    assert {e.step: e.value for e in ea.Scalars("kuberl_train_reward_mean")} == {1: 0.25, 2: 0.5}
+
+    # the ids were kept but the store went with the old pod: a new run, said so, not a crash
+    monkeypatch.delenv("KUBERL_TRACKING_DIR")
+    ml3, tb3 = open_trackers(job, tmp_path / "pod-3", store, resume=True)
+    assert ml3.run_id != ml.run_id
+    assert f"MLflow run {ml.run_id} is not in" in capsys.readouterr().err
+    for t in (ml3, tb3):
+        t.close()

@@ -294,3 +294,29 @@ def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
     a = CheckpointStore(str(tmp_path / "full" / "checkpoints")).load("ckpt-00000006.pt")
     b = CheckpointStore(str(tmp_path / "cut" / "checkpoints")).load("ckpt-00000006.pt")
     _assert_same_training_state(a, b)
+
+
+def test_a_new_pod_continues_the_run_record_and_the_report_outlives_it(tmp_path, monkeypatch):
+    """A trainer pod's run folder dies with the pod; its checkpoints (a PVC) do not. The step
+    records, events and stages are kept beside the checkpoints at each checkpoint, a restarted pod
+    continues them, and the run report is kept there at the end: `kuberl report` of the
+    checkpoint folder shows the whole run (issue 16 item 3, on a cluster)."""
+    from kuberl.trainer.report import write_report
+    from kuberl.trainer.stages import Pipeline
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job = _job(tmp_path)
+    kept = tmp_path / "pvc"
+    job.spec.checkpoint.uri = str(kept)
+    with monkeypatch.context() as m:
+        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)
+        run_job(job, tmp_path / "pod-1", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    assert [r["step"] for r in _lines(kept / "metrics.jsonl") if r["type"] != "eval"] == [1, 2, 3, 4, 5]
+    pod2 = tmp_path / "pod-2"
+    run_job(job, pod2, use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    steps = [r["step"] for r in _lines(pod2 / "metrics.jsonl") if r["type"] != "eval"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the first pod's records, then this one's
+    assert (kept / "metrics.jsonl").read_text() == (pod2 / "metrics.jsonl").read_text()
+    assert (kept / "report.html").read_text() == (pod2 / "report.html").read_text()
+    assert (kept / "run.json").is_file()
+    write_report(kept)  # the checkpoint folder is a run folder `kuberl report` reads

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import yaml
 
 from kuberl.cli import main
@@ -94,3 +95,81 @@ def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, c
     job["spec"]["checkpoint"] = {"uri": "s3://b/run"}
     rc, out, _ = _validate(tmp_path, capsys, job)
     assert "needs S3 credentials" in out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "fragment"),
+    [
+        (("rollout", "fleetRef"), "Gen_Fleet", "spec.rollout.fleetRef: must be a lowercase RFC 1035 label"),
+        (("rollout", "fleetRef"), "7b-fleet", "spec.rollout.fleetRef: must be a lowercase RFC 1035 label"),
+        (("sandbox", "poolRef"), "Python Tools", "spec.sandbox.poolRef: must be a lowercase RFC 1035 label"),
+        (("checkpoint", "storageClassName"), "Fast_SSD", "spec.checkpoint.storageClassName: must be a DNS subdomain"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "WandB"}}, "apiKeySecret.name: must be a DNS"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "w", "key": "api key"}}, "must be a Secret key"),
+        (("tracking", "wandb"), {"project": "p", "apiKeySecret": {"name": "w", "key": "..k"}}, "may not be '.' nor start"),
+    ],
+)
+def test_names_that_can_never_resolve_are_refused_not_left_unchecked(
+    tmp_path: Any, capsys: Any, path: tuple[str, str], value: Any, fragment: str
+) -> None:
+    """A reference no object can carry (an RFC 1035 name for a fleet or pool, a DNS subdomain for a
+    Secret or StorageClass) is an error, by the model and by the CRD, not a "not checked" note: the
+    operator would wait forever for a fleet called ``Gen_Fleet``, and the API server refuses the
+    trainer Job whose env names Secret ``WandB``."""
+    from kuberl.api.crdgen import all_crds
+    from tests.apiserver_emulation import admission_errors
+
+    doc = _job(fleetRef="gen")
+    doc["spec"].setdefault(path[0], {})[path[1]] = value
+    rc, out, err = _validate(tmp_path, capsys, doc)
+    assert rc == 1 and fragment in err, (out, err)
+    if not fragment.startswith("may not"):  # a Go-regex pattern can say what the model says, except this
+        assert admission_errors(list(all_crds().values()), doc), "the CRD admits it"
+
+
+def test_the_memory_warning_reads_the_pod_as_rendered(tmp_path: Any, capsys: Any) -> None:
+    """The limit that OOM-kills the pod is the sandbox container's after the podTemplate merge,
+    for a standalone pool and a job's inline pool alike."""
+    mem = {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Gi"}}
+    override = {"spec": {"containers": [{"name": "sandbox", "resources": mem}]}}
+    pool = {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "SandboxPool",
+        "metadata": {"name": "tools"},
+        "spec": {"workersPerPod": 4, "limits": {"memoryMB": 1024}, "podTemplate": override},
+    }
+    rc, out, _ = _validate(tmp_path, capsys, pool)
+    assert rc == 0 and "= 4.0 GiB exceeds the pod's memory limit (1Gi)" in out, out
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {"pool": pool["spec"]}
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert "warning: spec.sandbox.pool.workersPerPod (4)" in out and "(1Gi)" in out, out
+    del pool["spec"]["podTemplate"]  # the default 8Gi holds 4 x 1 GiB
+    rc, out, _ = _validate(tmp_path, capsys, pool)
+    assert "exceeds the pod" not in out
+
+
+def test_a_reference_resolves_in_its_own_namespace_only(tmp_path: Any, capsys: Any) -> None:
+    """A fleet of another namespace in the same file is not the one the job will get: no
+    context-length verdict from it, and the reference is reported as not checked."""
+    fleet = _fleet(4096)
+    fleet["metadata"]["namespace"] = "other"
+    rc, out, _ = _validate(tmp_path, capsys, fleet, _job(fleetRef="gen"))
+    assert rc == 0, out
+    assert "not checked: spec.rollout.fleetRef names RolloutFleet 'gen', which is not in this file (namespace default)" in out
+
+
+def test_two_resources_that_would_create_the_same_object_are_refused(tmp_path: Any, capsys: Any) -> None:
+    """Job ``train``'s inline pool is SandboxPool ``train-sandbox`` (with its Deployment, Service,
+    ...): a standalone pool of that name in the same file would have two owners."""
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {"pool": {"replicas": 1}}
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "train-sandbox"}}
+    rc, _, err = _validate(tmp_path, capsys, job, pool)
+    assert rc == 1
+    assert "SandboxPool/train-sandbox is also created by AgenticRLJob/train in this file" in err
+    pool["metadata"]["name"] = "tools"
+    rc, _, err = _validate(tmp_path, capsys, job, pool)
+    assert rc == 0, err
+    rc, _, err = _validate(tmp_path, capsys, pool, pool)
+    assert rc == 1 and "SandboxPool/tools is also created by SandboxPool/tools" in err

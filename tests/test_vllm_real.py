@@ -138,6 +138,25 @@ async def test_server_logprobs_match_the_trainers_recomputation(vllm_url, smollm
     assert stats.outside_clip < 0.05, stats
 
 
+async def test_the_server_scores_what_it_sampled_and_what_the_trainer_scores(vllm_url, smollm2_dir):
+    """The asynchronous spot check's probe on the real server: prompt_logprobs of a sampled
+    sequence agree with its sampling log-probs and with the trainer's recomputation within the
+    measured bf16/fp32 mismatch."""
+    tok = _tok(smollm2_dir)
+    engine = VLLMEngine(vllm_url)
+    prompt = tok.encode(f"{IM_START}user\nWhat is 17 times 23?{IM_END}\n{IM_START}assistant\n")
+    try:
+        out = await engine.generate(GenerateRequest(prompt, 48, temperature=1.0, stop_token_ids=(tok.eos_id,), seed=5))
+        scored = await engine.score(prompt + out.output_ids, len(prompt))
+    finally:
+        await engine.close()
+    assert len(scored.logprobs) == len(out.output_ids) > 10
+    model = load_hf_policy(smollm2_dir).eval()
+    trainer = trainer_token_logprobs(model, prompt, out.output_ids)
+    assert mismatch_stats([scored.logprobs], [trainer]).mean_abs < MEAN_ABS_TOLERANCE
+    assert mismatch_stats([scored.logprobs], [out.output_logprobs]).mean_abs < MEAN_ABS_TOLERANCE
+
+
 async def test_multi_turn_tool_calling_rollout_through_the_real_sandbox(vllm_url, smollm2_dir):
     from kuberl.sandbox.client import SandboxClient
     from kuberl.sandbox.local import running_sandbox

@@ -302,10 +302,11 @@ def run_job(
             weights_path = weights_path or str(out / "weights")
         shared = weights_dir(out, weights_path).resolve() / job.metadata.name if fleet is not None else None
         payload = store.load() if main else None
-        if payload is not None and not (out / "events.jsonl").exists():
-            # a restarted pod's run folder is new: continue the run's events, kept beside the
-            # checkpoints, rather than replace them with this pod's alone at the next checkpoint
-            store.get_file("events.jsonl", out / "events.jsonl")
+        for name in ("events.jsonl", "metrics.jsonl"):
+            if payload is not None and not (out / name).exists():
+                # a restarted pod's run folder is new: continue the run's events and step records,
+                # kept beside the checkpoints, rather than replace them with this pod's alone
+                store.get_file(name, out / name)
         # Rank 0 settles the tokenizer (trained, cached or from the checkpoint) and fetches an
         # HF model into the cache before the other ranks read them.
         tok_json = None
@@ -440,23 +441,25 @@ def _run_pipeline(
         result = pipe.run()
     result.evals["wall_seconds"] = time.time() - t_start
     if main:
-        _write_report(out, console)
+        _write_report(out, console, store)
     if console is not None:
         console.print(summary_table(result, algorithm))
     return result
 
 
-def _write_report(out: Path, console) -> None:
-    """report.html beside metrics.jsonl; a run that trained is not failed by its report."""
+def _write_report(out: Path, console, store: CheckpointStore | None = None) -> None:
+    """report.html beside metrics.jsonl, and beside the checkpoints (a trainer pod's run folder
+    dies with the pod); a run that trained is not failed by its report."""
     from kuberl.trainer.report import write_report
 
     try:
         path = write_report(out)
+        kept = store.put_file(path, "report.html") if store is not None else None
     except Exception as err:  # noqa: BLE001 - the checkpoints and metrics are what matter
         print(f"warning: could not write the run report: {err}", file=sys.stderr)
         return
     if console is not None:
-        console.print(f"report: {path}")
+        console.print(f"report: {path}" + (f" (kept at {kept})" if kept and not kept.startswith(str(out)) else ""))
 
 
 def _ui(quiet: bool):

@@ -26,9 +26,11 @@ from typing import Any, Protocol
 from prometheus_client import Counter, Gauge, start_http_server
 
 from kuberl.rollout.engine import GENERATED_TOKENS
-from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT
+from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT, REQUESTS_WAITING
 
 RUN_INFO = "run.json"
+KEPT_RUN_FILES = ("events.jsonl", "metrics.jsonl", RUN_INFO)
+"""Run-folder files also kept beside the checkpoints (a trainer pod's run folder dies with it)."""
 _GAUGES: dict[str, Gauge] = {}
 _SERVER_PORT: int | None = None
 _SERVER_ADDR: str | None = None
@@ -213,6 +215,8 @@ class RolloutMirror:
             name = row["engine"]
             KV_UTILIZATION.labels(engine=name).set(row["kv_cache_utilization"])
             REQUESTS_INFLIGHT.labels(engine=name).set(row["requests_inflight"])
+            if "requests_waiting" in row:
+                REQUESTS_WAITING.set(row["requests_waiting"])
             total = row.get("generated_tokens")
             if total is None:
                 continue

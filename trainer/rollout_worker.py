@@ -24,15 +24,37 @@ from kuberl.trainer.grpo import Scored
 from kuberl.trainer.tool_stats import ToolTally
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """The cores of a cpuset string ("0", "0,2", "1-3"); a malformed one names itself."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"KUBERL_ROLLOUT_CPUS={spec!r}: expected cores like '0', '0,2' or '1-3'") from None
+    return cpus
+
+
 def pin_to_cpus(spec: str | None) -> None:
-    """Restrict this process to the cores of ``spec`` ("0", "0,2", "1-3"); None or "" leaves it."""
+    """Restrict every thread of this process to the cores of ``spec``; None or "" leaves it.
+
+    ``sched_setaffinity(0, ...)`` moves only the calling thread. In a Ray actor that is one
+    executor thread; the process's main thread (which receives every call), Ray's gRPC and IO
+    threads and the GC thread keep the mask the actor was started with, which in a bench is the
+    trainer's core. Those threads take the GIL: preempted on a fully busy trainer core while
+    holding it, they stall the engine's decode thread for a scheduler slice each time
+    (bench/async_rl.py measured batches generated during an update at 1.5-1.7x the time alone).
+    Threads started later inherit the mask of the thread that starts them.
+    """
     if not spec:
         return
-    cpus: set[int] = set()
-    for part in spec.split(","):
-        lo, _, hi = part.strip().partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    os.sched_setaffinity(0, cpus)
+    cpus = parse_cpus(spec)
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended since the listing
+            pass
 
 
 class RolloutWorker:
@@ -262,17 +284,48 @@ class RolloutWorker:
 
         async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
             engines = {e.name: e for e in self.scheduler.engines}
+            waiting = self.scheduler.waiting
             return [
                 {
                     "engine": st["engine"],
                     "kv_cache_utilization": st["utilization"],
                     "requests_inflight": st["inflight"],
+                    "requests_waiting": waiting,  # the scheduler's, repeated on every row
                     "generated_tokens": getattr(engines.get(st["engine"]), "generated_tokens", None),
                 }
                 for st in self.scheduler.snapshot()
             ]
 
         return self._run(snap())
+
+    def score_on_engines(self, seqs: list[list[int]], starts: list[int]) -> list[dict[str, Any]]:
+        """Every engine of the fleet scores sequences with the weights it serves now.
+
+        Sequence i goes to engine ``i % len(engines)`` (engines in name order), so a handful of
+        sequences looks at every engine. Returns one record per sequence: ``engine``,
+        ``logprobs`` (of ``seq[start:]``), ``version`` (what the engine served), or ``error``
+        for an engine that could not score (it is reported, the step goes on). The spot check
+        of asynchronous runs: the trainer compares these with its own pi_old of the same
+        sequences, valid whatever version sampled them (paper-free; INTELLECT-2's TOPLOC checks
+        untrusted workers the same way, by recomputation).
+        """
+
+        async def run() -> list[dict[str, Any]]:
+            engines = sorted(self.scheduler.engines, key=lambda e: e.name)
+            if not engines:
+                return []
+
+            async def one(i: int) -> dict[str, Any]:
+                engine = engines[i % len(engines)]
+                try:
+                    out = await engine.score(seqs[i], starts[i])
+                except Exception as err:  # noqa: BLE001 - one engine's failure is a finding, not a crash
+                    return {"engine": engine.name, "error": f"{type(err).__name__}: {err}"}
+                return {"engine": engine.name, "logprobs": out.logprobs, "version": out.weight_version}
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(seqs)))))
+
+        return self._run(run())
 
     def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
         from kuberl.trainer.data import build_sft_traces

@@ -44,9 +44,10 @@ from kuberl.trainer.grpo import (
     trained_engines,
 )
 from kuberl.trainer.loss import LossConfig
-from kuberl.trainer.metrics import MetricsSink
+from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
+from kuberl.trainer.spot_check import probe_engines
 from kuberl.trainer.weight_sync import LocalWeights
 
 log = logging.getLogger("kuberl.trainer")
@@ -294,13 +295,19 @@ class Pipeline:
         return self.result
 
     def _keep_events(self) -> None:
-        """events.jsonl next to the checkpoints too: a trainer pod's run folder dies with the pod."""
+        """events.jsonl, metrics.jsonl and run.json next to the checkpoints too: a trainer pod's run
+        folder dies with the pod, and they are what `kuberl report` and `kuberl status` read."""
         path = self.sink.events_path
-        if path is not None and path.is_file():
+        if path is None:
+            return
+        for name in KEPT_RUN_FILES:
+            src = path.with_name(name)
+            if not src.is_file():
+                continue
             try:
-                self.store.put_file(path, "events.jsonl")
+                self.store.put_file(src, name)
             except Exception as err:  # noqa: BLE001 - the checkpoint is saved; annotations can wait
-                log.warning("could not copy events.jsonl to %s: %s", self.store.uri, err)
+                log.warning("could not copy %s to %s: %s", name, self.store.uri, err)
 
     def _sft_data(self, stage: StageSpec) -> tuple[list[list[int]], list[list[int]]]:
         if stage.name not in self._sft_cache:  # each SFT stage may read its own data
@@ -521,7 +528,16 @@ class Pipeline:
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
         # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
         # rescores rollouts of the other engines only, before the update changes the weights.
-        if spot and not self.ctx.enabled:
+        if spot and k > 0:  # sampled by older versions: the engines score pi_old's rows instead
+            target = sb
+            if not any(map(any, sb.masks)) and not self.ctx.enabled:  # nothing trained: any rollouts
+                target = spot_rows(groups, None, n_check)
+                if target.seqs:
+                    recompute_old_logprobs(self.model, target, **sizes)
+            probe = probe_engines(self.call, target, gstep, n_check)
+            self._probe_findings(stage, probe)
+            gaps = probe.gaps
+        elif spot and not self.ctx.enabled:
             probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
             if probe.seqs:
                 recompute_old_logprobs(self.model, probe, **sizes)
@@ -542,7 +558,7 @@ class Pipeline:
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
         if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
-            gaps = {**gaps, **engine_gaps(sb)}
+            gaps = {**engine_gaps(sb), **gaps}
         self.model.eval()
         self.state.cursor = (self.state.cursor + batch) % len(pool)
         rec = {
@@ -586,6 +602,21 @@ class Pipeline:
                     self._out_of_step.discard(name)
                     text = f"engine {name} is back within tolerance ({gap:.3f} <= {tol:g} nats/token)"
                 self.sink.event("engine", text, stage.name, self.state.global_step)
+
+    def _probe_findings(self, stage: StageSpec, probe: Any) -> None:
+        """Events for engines that claim another version than was pushed, or cannot score."""
+        for name, served in sorted(probe.versions.items()):
+            text = (
+                f"engine {name} serves version {served}, not {self.state.global_step} that was pushed to it"
+            )
+            self.sink.event("engine", text, stage.name, self.state.global_step)
+        for name, err in sorted(probe.errors.items()):
+            self.sink.event(
+                "engine",
+                f"engine {name} could not score for the spot check: {err}",
+                stage.name,
+                self.state.global_step,
+            )
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1

@@ -8,7 +8,12 @@ names the extra to install.
 
 A resumed run continues the same tracked run: the W&B run id and the MLflow run id are kept in
 ``tracking.json`` in the run folder and next to the checkpoints (a trainer pod's run folder
-dies with the pod, its checkpoints do not). Steps logged after the checkpoint a run resumes
+dies with the pod, its checkpoints do not). The trackers' local stores (MLflow's default file
+store, TensorBoard's default log dir, W&B's offline runs) live in the run folder, or in
+``$KUBERL_TRACKING_DIR``, which the operator points at the checkpoint volume: a restarted
+trainer pod then finds the MLflow run it resumes into, and the event files it continues. A kept
+run id that the store no longer holds (a local store lost with its pod) starts a new tracked run
+with a warning instead of failing the run. Steps logged after the checkpoint a run resumes
 from are logged again by the resumed run: TensorBoard is told to drop the old ones
 (``purge_step``), W&B plots against ``global_step`` (a metric, so a repeated step is allowed),
 MLflow keeps both values of such a step.
@@ -20,6 +25,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -31,6 +37,8 @@ from kuberl.api.loader import ManifestError
 from kuberl.api.tracking import MlflowSpec, TensorBoardSpec, WandbSpec
 
 STATE_FILE = "tracking.json"
+DIR_ENV = "KUBERL_TRACKING_DIR"
+"""Where the trackers' local stores go instead of the run folder (set by the operator)."""
 EXTRA = "pip install 'kuberl[tracking]'"
 
 # record key -> the Prometheus series it is exported as (trainer/metrics.py, DESIGN.md)
@@ -209,6 +217,13 @@ class MlflowTracker(_Tracker):
         exp = self.client.get_experiment_by_name(name)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
         run_id = state.get("mlflow_run_id")
+        if run_id is not None and not self._holds(run_id):
+            print(
+                f"[kuberl] tracking: MLflow run {run_id} is not in {uri} (a store lost with its pod?); "
+                "logging to a new run",
+                file=sys.stderr,
+            )
+            run_id = None
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
         else:
@@ -225,6 +240,15 @@ class MlflowTracker(_Tracker):
             )
             state.put("mlflow_run_id", run_id)
         self.run_id = run_id
+
+    def _holds(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_run(run_id)
+        except MlflowException:
+            return False
+        return True
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -301,7 +325,8 @@ def open_trackers(
     """The trackers ``job.spec.tracking`` names, started for the run folder ``out``, or with
     ``resume`` (the run resumes from a checkpoint) continuing the tracked runs it logged to.
 
-    ``store`` (a CheckpointStore) keeps ``tracking.json`` beside the checkpoints. If one tracker
+    ``store`` (a CheckpointStore) keeps ``tracking.json`` beside the checkpoints. The trackers'
+    default local stores go under ``$KUBERL_TRACKING_DIR`` when set, else ``out``. If one tracker
     fails to start, those already started are closed before the error is raised.
     """
     tracking = job.spec.tracking
@@ -309,10 +334,12 @@ def open_trackers(
         return []
     out = Path(out)
     state = TrackingState(out, store, resume)
+    root = Path(os.environ.get(DIR_ENV) or out)
+    root.mkdir(parents=True, exist_ok=True)
     opened: list[_Tracker] = []
     try:
         for name in tracking.enabled():
-            opened.append(TRACKERS[name](getattr(tracking, name), job, out, state))
+            opened.append(TRACKERS[name](getattr(tracking, name), job, root, state))
     except BaseException:
         for t in opened:
             t.close()

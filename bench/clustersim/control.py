@@ -52,6 +52,8 @@ class PoolController:
         self.pods: list[SandboxPod] = []
         self.history: tuple[autoscale.Recommendation, ...] = ()
         self.log = ScaleLog()
+        self.blind_history: tuple[autoscale.Recommendation, ...] = ()
+        self.blind_log = ScaleLog()  # dry run: the same decisions without the trainer's backlog
         self._names = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -158,6 +160,8 @@ class FleetController:
         self.starting = 0
         self.history: tuple[autoscale.Recommendation, ...] = ()
         self.log = ScaleLog()
+        self.blind_history: tuple[autoscale.Recommendation, ...] = ()
+        self.blind_log = ScaleLog()  # dry run: the same decisions without the trainer's backlog
         self.observed: list[tuple[float, float, int]] = []  # time, mean KV usage, rollouts waiting
         self._names = len(scheduler.engines)
         self._tasks: set[asyncio.Task] = set()
@@ -203,26 +207,38 @@ class FleetController:
                 continue
             load = await st.engine.load_metrics()
             texts.append(f"{usage_name} {load.kv_cache_utilization}\n{queue_name} {load.queued}\n")
-        fload = autoscale.fleet_load(texts)
-        rec = autoscale.recommend_fleet(self.replicas, fload, auto) if fload is not None else None
-        decision = autoscale.decide(
-            self.replicas,
-            rec,
-            self.history,
-            min_replicas=auto.min_replicas,
-            max_replicas=auto.max_replicas,
-            stabilization_s=auto.scale_down_stabilization_seconds,
-            now=now,
-        )
+        # the trainer's /metrics as the operator scrapes it: its scheduler's backlog and in-flight
+        inflight = sum(st.inflight for st in self.scheduler.stats)
+        trainer = f"{autoscale.TRAINER_WAITING} {self.scheduler.waiting}\n{autoscale.TRAINER_INFLIGHT} {inflight}\n"
+        fload = autoscale.fleet_load(texts, [trainer])
+        decision = self._decide(fload, self.history, now)
         self.history = decision.history
         self.log.decisions.append(
             (now, self.replicas, decision.desired, decision.recommendation, decision.reason)
         )
+        if self.dry_run:  # before issue 18's fix, side by side: the engines' gauges only
+            blind = self._decide(autoscale.fleet_load(texts), self.blind_history, now)
+            self.blind_history = blind.history
+            self.blind_log.decisions.append((now, self.replicas, blind.desired, blind.recommendation, blind.reason))
         self.observed.append((now, fload.mean_token_usage if fload else 0.0, self.scheduler.waiting))
         if self.dry_run:
             return
         self.replicas = decision.desired
         self.reconcile()
+
+    def _decide(self, fload: autoscale.FleetLoad | None, history: tuple, now: float) -> autoscale.Decision:
+        auto = self.autoscaling
+        assert auto is not None
+        rec = autoscale.recommend_fleet(self.replicas, fload, auto) if fload is not None else None
+        return autoscale.decide(
+            self.replicas,
+            rec,
+            history,
+            min_replicas=auto.min_replicas,
+            max_replicas=auto.max_replicas,
+            stabilization_s=auto.scale_down_stabilization_seconds,
+            now=now,
+        )
 
     async def stop(self) -> None:
         for t in list(self._tasks):

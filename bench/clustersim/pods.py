@@ -19,8 +19,9 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from kuberl.sandbox.app import make_app
 from kuberl.sandbox.server import SandboxService as _RealService
-from kuberl.sandbox.server import ServiceConfig, WorkerProc, make_app
+from kuberl.sandbox.server import ServiceConfig, WorkerProc
 
 from .workload import decode_cost
 

@@ -92,6 +92,7 @@ class SimResult:
     pool_decisions: list[tuple]
     fleet_decisions: list[tuple]
     fleet_observed: list[tuple[float, float, int]]
+    fleet_blind_decisions: list[tuple] = field(default_factory=list)  # engines' gauges only (before)
 
 
 def _pct(xs: np.ndarray, q: float) -> float:
@@ -290,6 +291,7 @@ async def _run(cfg: SimConfig) -> SimResult:
         pool.log.decisions,
         fleet.log.decisions,
         fleet.observed,
+        fleet.blind_log.decisions,
     )
 
 

@@ -1,0 +1,265 @@
+"""The sandbox's HTTP face and process entry point, split from ``server.py`` (the service):
+``make_app`` (the aiohttp routes: /v1/execute, /v1/verify, /readyz, /healthz, /metrics, with
+the pool's bearer token on /v1/*), and ``serve`` (`kuberl sandbox serve`: process-wide guards,
+the service, a progress line per window).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import sys
+import uuid
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kuberl.api.sandbox_pool import SandboxLimits
+from kuberl.sandbox.auth import require_token, token_from_env
+from kuberl.sandbox.idempotency import Conflict, Key
+from kuberl.sandbox.progress import every_seconds, format_window
+from kuberl.sandbox.server import (
+    QUEUE_DEPTH,
+    WORKERS_BUSY,
+    SandboxService,
+    ServiceConfig,
+    ServiceUnavailable,
+)
+
+
+def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
+    code = item.get("code")
+    if not isinstance(code, str):
+        raise web.HTTPBadRequest(text="each call needs a string 'code' field")
+    stdin = item.get("stdin", "")
+    if not isinstance(stdin, str):
+        raise web.HTTPBadRequest(text="'stdin' must be a string")
+    timeout = item.get("timeout", lim.timeout_seconds)
+    if not isinstance(timeout, int | float) or timeout <= 0:
+        raise web.HTTPBadRequest(text="'timeout' must be a positive number of seconds")
+    return {"op": "exec", "code": code, "stdin": stdin, "timeout": min(float(timeout), lim.timeout_seconds)}
+
+
+def make_app(svc: SandboxService) -> web.Application:
+    lim = svc.cfg.lim
+
+    async def body(request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
+
+    def too_busy() -> web.Response:
+        return web.json_response({"error": "queue full"}, status=429, headers={"Retry-After": "0.05"})
+
+    def unavailable(why: str) -> web.Response:
+        return web.json_response({"error": why}, status=503, headers={"Retry-After": "1"})
+
+    async def run_many(items: list[tuple[Key, dict[str, Any]]]) -> list[Any] | web.Response:
+        if not svc.ready:
+            return unavailable("not ready")
+        # check the whole request before admitting any of it: a conflict or a full queue
+        # leaves nothing half-submitted
+        conflicts: list[str] = []
+        new: dict[Key, str] = {}  # keys this request would add to the queue, by digest
+        for key, payload in items:
+            try:
+                state, digest = svc.lookup(key, payload)
+            except Conflict as err:
+                conflicts.append(str(err))
+                continue
+            if state == "new" and new.setdefault(key, digest) != digest:
+                conflicts.append(f"{key[0]} id {key[1]!r} appears twice in the request with different calls")
+        if conflicts:
+            body = {"error": "an idempotency id was reused for a different call", "conflicts": conflicts}
+            return web.json_response(body, status=409)
+        if len(new) > svc.capacity_left():
+            return too_busy()
+        futs = [svc.submit(key, payload) for key, payload in items]
+        try:
+            return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
+        except ServiceUnavailable as err:
+            return unavailable(str(err))
+
+    def call_key(op: str, item: dict[str, Any]) -> Key:
+        cid = item.get("id")
+        return (op, str(cid) if cid is not None else uuid.uuid4().hex)
+
+    async def execute(request: web.Request) -> web.StreamResponse:
+        item = await body(request)
+        if not isinstance(item, dict):
+            raise web.HTTPBadRequest(text="expected a JSON object")
+        res = await run_many([(call_key("exec", item), _exec_payload(item, lim))])
+        return res if isinstance(res, web.Response) else web.json_response(res[0])
+
+    async def execute_batch(request: web.Request) -> web.StreamResponse:
+        data = await body(request)
+        calls = data.get("calls") if isinstance(data, dict) else None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+            raise web.HTTPBadRequest(text="expected {'calls': [{'code': ..., 'stdin': ..., 'id': ...}, ...]}")
+        res = await run_many([(call_key("exec", c), _exec_payload(c, lim)) for c in calls])
+        return res if isinstance(res, web.Response) else web.json_response({"results": res})
+
+    def verify_payload(item: dict[str, Any]) -> dict[str, Any]:
+        pred, gold = item.get("prediction"), item.get("gold")
+        if not isinstance(pred, str) or not isinstance(gold, str):
+            raise web.HTTPBadRequest(text="verify needs string 'prediction' and 'gold' fields")
+        return {"op": "verify", "prediction": pred, "gold": gold, "timeout": svc.cfg.verify_timeout_seconds}
+
+    async def verify(request: web.Request) -> web.StreamResponse:
+        item = await body(request)
+        if not isinstance(item, dict):
+            raise web.HTTPBadRequest(text="expected a JSON object")
+        res = await run_many([(call_key("verify", item), verify_payload(item))])
+        return res if isinstance(res, web.Response) else web.json_response(res[0])
+
+    async def verify_batch(request: web.Request) -> web.StreamResponse:
+        data = await body(request)
+        pairs = data.get("pairs") if isinstance(data, dict) else None
+        if not isinstance(pairs, list) or not all(isinstance(p, dict) for p in pairs):
+            raise web.HTTPBadRequest(
+                text="expected {'pairs': [{'prediction': ..., 'gold': ..., 'id': ...}, ...]}"
+            )
+        res = await run_many([(call_key("verify", p), verify_payload(p)) for p in pairs])
+        if isinstance(res, web.Response):
+            return res
+        return web.json_response(
+            {"correct": [r["correct"] for r in res], "timed_out": [r["timed_out"] for r in res]}
+        )
+
+    async def healthz(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"ok": True})
+
+    async def readyz(_: web.Request) -> web.StreamResponse:
+        ready = svc.is_ready()  # not while a lost worker is being replaced
+        uids = [svc.cfg.uid_base + w.slot for w in svc.workers] if svc.protections().get("uid") else []
+        info = {
+            "ready": ready,
+            "uids": uids,
+            "workers": len(svc.workers),
+            "workers_up": svc.workers_up(),
+            "server_pid": os.getpid(),
+            "worker_restarts": svc.restarts,
+            "worker_pids": [w.proc.pid for w in svc.workers if w.proc is not None],
+            "isolation": svc.cfg.isolation,
+            "pool": svc.cfg.pool,
+            "protections": svc.protections(),
+            "queue_depth": len(svc.queue),
+        }
+        return web.json_response(info, status=200 if ready else 503)
+
+    async def metrics(_: web.Request) -> web.StreamResponse:
+        QUEUE_DEPTH.labels(svc.cfg.pool).set(len(svc.queue))
+        WORKERS_BUSY.labels(svc.cfg.pool).set(svc.busy)
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application(client_max_size=256 * 2**20, middlewares=[require_token(svc.cfg.token)])
+    app.router.add_post("/v1/execute", execute)
+    app.router.add_post("/v1/execute_batch", execute_batch)
+    app.router.add_post("/v1/verify", verify)
+    app.router.add_post("/v1/verify_batch", verify_batch)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
+    svc = SandboxService(cfg)
+    QUEUE_DEPTH.labels(cfg.pool).set(0)
+    WORKERS_BUSY.labels(cfg.pool).set(0)
+    app = make_app(svc)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 -> the real port
+    print(f"kuberl sandbox listening on http://{host}:{bound}", flush=True)
+    try:
+        await svc.start()
+        print(f"kuberl sandbox ready; protections {json.dumps(svc.protections())}", flush=True)
+        await _log_progress(svc, every_seconds())
+    finally:
+        await svc.stop()
+        await runner.cleanup()
+
+
+async def _log_progress(svc: SandboxService, every: float) -> None:
+    """Print what the service did every ``every`` seconds while it runs (forever; 0: no lines)."""
+    if every <= 0:
+        await asyncio.Event().wait()
+    while True:
+        await asyncio.sleep(every)
+        line = format_window(
+            svc.window.take(), every, len(svc.queue), svc.busy, len(svc.workers), svc.restarts
+        )
+        if line is not None:
+            print(line, flush=True)
+
+
+_PR_SET_DUMPABLE = 4
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _guard_this_process(loop: asyncio.AbstractEventLoop) -> None:
+    """Process-wide settings of the service (not of a library user's process).
+
+    Subreaper: a dead worker's orphans come to us, not to init, so sweep_orphans can kill
+    them. Not dumpable: a call under our uid cannot open /proc/<us>/mem or fd. A pidfd child
+    watcher: asyncio's default one (Python < 3.12) runs a thread per worker, and every thread
+    id is one more pid a call could SIGKILL the whole server through."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with contextlib.suppress(Exception):
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
+        with contextlib.suppress(OSError):
+            os.close(os.pidfd_open(os.getpid()))
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(loop)
+            asyncio.set_child_watcher(watcher)
+
+
+def serve(
+    host: str,
+    port: int,
+    workers: int | None,
+    pool: str,
+    limits: SandboxLimits | None = None,
+    batch_size: int = 4,
+    flush_ms: float = 0.0,
+    queue_limit: int = 4096,
+    verify_timeout_seconds: float = 5.0,
+    isolation: str = "full",
+) -> int:
+    """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
+    import signal
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    n = workers if workers and workers > 0 else (os.cpu_count() or 1)
+    cfg = ServiceConfig(
+        workers=n,
+        pool=pool,
+        limits=limits,
+        batch_size=max(1, batch_size),
+        flush_ms=max(0.0, flush_ms),
+        queue_limit=max(1, queue_limit),
+        verify_timeout_seconds=verify_timeout_seconds,
+        isolation=isolation,
+        sweep_orphans=True,
+        token=token_from_env(),
+    )
+    loop = asyncio.new_event_loop()
+    _guard_this_process(loop)
+    main = loop.create_task(_serve(host, port, cfg))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, main.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        loop.run_until_complete(main)
+    loop.close()
+    return 0

@@ -1,0 +1,248 @@
+"""The zygote: a clean preloaded process that forks every call's child and never sees a call.
+
+Each tool call runs in a fork, and a fork inherits its parent's whole memory. The worker reads
+the calls (their code, stdin, a verification's gold answer) and their output, and freed memory
+keeps those bytes until it is reused: a child forked from the worker could read earlier calls
+in the heap it inherits. Scrubbing freed memory in the worker (glibc ``M_PERTURB``) closed that
+but cost ~25 % of calls/s. The zygote is forked from the worker right after preloading and
+building the slot, before the first request; it only ever receives commands (fork a child, the
+slot's current filter pids and directory), never a call, so a child forked from it holds
+nothing of any call, whatever the worker's allocator does.
+
+The child is nevertheless the *worker's* child (``clone`` with ``CLONE_PARENT``): the worker
+waits for it, kills and reaps it, reads its exit status and adopts its orphans exactly as if it
+had forked it itself. The zygote hands the worker the parent ends of the child's pipes over a
+``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``); it keeps none of them.
+
+:func:`fork_sibling` is ``os.fork`` with ``CLONE_PARENT``: the interpreter's own before/after-fork
+steps (import lock, ``os.register_at_fork`` hooks such as ``random``'s reseeding, thread
+state) run as they do in ``os.fork``. What it skips of glibc's ``fork`` matters only to a
+multi-threaded parent (the zygote has one thread) and to glibc's cached thread id of the
+child's main thread, which stays the zygote's: ``pthread_*`` calls that address the main thread
+by that id (affinity, scheduling, its CPU clock, its name) reach the zygote's thread or fail;
+the call's seccomp filter refuses the ones that act on another pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import platform
+import signal
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+from kuberl.sandbox.calls import Prepared
+from kuberl.sandbox.child import Pipes, run_prepared, set_name, use_call_environment
+
+if TYPE_CHECKING:
+    from kuberl.sandbox.worker import Slot, WorkerConfig
+
+CLONE_PARENT = 0x00008000
+_SIGCHLD = int(signal.SIGCHLD)
+_PR_SET_PDEATHSIG = 1
+# clone(2)'s number; with no stack, tid pointers or tls its argument order does not matter
+_SYS_CLONE = {"x86_64": 56, "amd64": 56, "aarch64": 220, "arm64": 220}
+# PyDLL: the GIL stays held across the call, as os.fork holds it across fork()
+_PYAPI = ctypes.PyDLL(None, use_errno=True)
+_PYAPI.syscall.restype = ctypes.c_long
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_MAX_MESSAGE = 1 << 20
+
+
+class ZygoteGone(RuntimeError):
+    """The zygote died or refused to fork; the worker cannot make clean children any more."""
+
+
+def fork_sibling() -> int:
+    """Like ``os.fork()``, but the child's parent is our parent (``CLONE_PARENT``); 0 in the child.
+
+    Raises OSError where the kernel or a container's seccomp profile refuses it."""
+    number = _SYS_CLONE.get(platform.machine().lower())
+    if number is None:
+        raise OSError(f"no clone syscall number known for {platform.machine()}")
+    ctypes.pythonapi.PyOS_BeforeFork()
+    zero = ctypes.c_long(0)
+    pid = _PYAPI.syscall(
+        ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | _SIGCHLD), zero, zero, zero, zero
+    )
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0
+    err = ctypes.get_errno()
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+    return pid
+
+
+class Zygote:
+    """The worker's handle on its zygote: ask for a child ahead, take it when a call comes.
+
+    Requests and state updates travel in order on one socket, so a child is always forked with
+    the filter pids and slot directory the worker had when it asked for it."""
+
+    scrub = False  # the worker need not scrub freed memory: no child inherits it
+
+    def __init__(self, pid: int, sock: socket.socket, generation: int) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.generation = generation  # of the slot state the zygote last heard of
+        self.asked: int | None = None  # generation of a child asked for and not yet taken
+
+    @classmethod
+    def start(
+        cls, slot: Slot, cfg: WorkerConfig, close: tuple[int, ...], preload: Callable[[], None] = lambda: None
+    ) -> Zygote:
+        """Fork the zygote from the worker (before the worker reads any call), have it run
+        ``preload`` (the libraries every call gets warm: loaded in the zygote only, the worker
+        stays small) and check that it can fork children for us. ``close``: the worker's
+        descriptors it must not hold (the protocol pipes: the server sees EOF when the worker
+        dies). Raises ZygoteGone."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        worker = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the zygote; coverage cannot follow the fork
+            try:
+                ours.close()
+                for fd in close:
+                    os.close(fd)
+                _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+                if os.getppid() != worker:  # the worker died before the line above
+                    os._exit(0)
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    signal.signal(sig, signal.SIG_IGN)  # the worker stops us (EOF, SIGKILL)
+                set_name(b"kuberl-zygote")
+                use_call_environment(slot.call_dir)  # inherited by every child
+                slot.add_own(os.getpid())
+                slot.ready_for_fork()
+                preload()
+                gc.collect()
+                gc.freeze()  # no collection touches (and so copies) the preloaded objects
+                _serve(theirs, slot, cfg)
+            finally:
+                os._exit(70)
+        theirs.close()
+        slot.add_own(pid)
+        self = cls(pid, ours, slot.generation)
+        try:
+            self._probe()
+        except (OSError, ZygoteGone):
+            self.close()
+            raise
+        return self
+
+    def _probe(self) -> None:
+        """One child that exits at once: it must be ours to wait for (CLONE_PARENT works)."""
+        self._send({"op": "probe"})
+        doc, fds = self._receive()
+        for fd in fds:
+            os.close(fd)
+        try:
+            os.waitpid(int(doc["pid"]), 0)
+        except ChildProcessError as err:
+            raise ZygoteGone("the zygote's children are not the worker's (CLONE_PARENT ignored)") from err
+
+    def _send(self, doc: dict) -> None:
+        try:
+            self.sock.send(json.dumps(doc).encode())
+        except OSError as err:
+            raise ZygoteGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
+
+    def _receive(self) -> tuple[dict, list[int]]:
+        try:
+            msg, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 8)
+        except OSError as err:
+            raise ZygoteGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
+        if not msg:
+            raise ZygoteGone(f"the zygote (pid {self.pid}) is gone")
+        doc = json.loads(msg)
+        if "error" in doc:
+            for fd in fds:
+                os.close(fd)
+            raise ZygoteGone(f"the zygote could not fork: {doc['error']}")
+        return doc, fds
+
+    def ask(self, slot: Slot) -> None:
+        """Have the next child forked now, with the slot's current state (returns at once)."""
+        if self.asked is not None:
+            return
+        if self.generation != slot.generation:
+            self._send({"op": "state", "protected": sorted(slot.protected), "dir": slot.dir})
+            self.generation = slot.generation
+        self._send({"op": "fork"})
+        self.asked = self.generation
+
+    def take(self, slot: Slot) -> Prepared:
+        """The child asked for (asking now if nobody did), forked with the slot's current state."""
+        while True:
+            self.ask(slot)
+            doc, fds = self._receive()
+            generation, self.asked = self.asked, None
+            request_w, out_r, err_r, meta_r = fds
+            pid = int(doc["pid"])
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:  # already gone and reaped: ask for another
+                for fd in fds:
+                    os.close(fd)
+                continue
+            prepared = Prepared(
+                pid, pidfd, Pipes((out_r, -1), (err_r, -1), (meta_r, -1)), request_w, generation
+            )
+            if generation == slot.generation:
+                return prepared
+            prepared.discard()  # forked with an older filter or directory
+
+    def close(self) -> None:
+        """Stop the zygote (EOF on its socket; SIGKILL as well) and reap it."""
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # pragma: no cover - zygote
+    """The zygote's loop: apply state updates, fork children, until the worker goes away."""
+    while True:
+        try:
+            msg = sock.recv(_MAX_MESSAGE)
+        except OSError:
+            msg = b""
+        if not msg:
+            os._exit(0)
+        cmd = json.loads(msg)
+        if cmd["op"] == "state":
+            slot.use_state(frozenset(cmd["protected"]), cmd["dir"])
+            continue
+        slot.ready_for_fork()
+        pipes = Pipes.open()
+        request_r, request_w = os.pipe()
+        set_name(b"kuberl-ready")  # the child is born with this name
+        try:
+            pid = fork_sibling()
+        except OSError as err:
+            set_name(b"kuberl-zygote")
+            for fd in (request_r, request_w, *pipes.out, *pipes.err, *pipes.meta):
+                os.close(fd)
+            sock.send(json.dumps({"error": str(err)}).encode())
+            continue
+        if pid == 0:
+            os.close(sock.detach())
+            os.close(request_w)
+            if cmd["op"] == "probe":
+                os._exit(0)
+            run_prepared(slot, cfg, pipes, request_r)
+        set_name(b"kuberl-zygote")
+        os.close(request_r)
+        pipes.close_write_ends()
+        parent_ends = [request_w, pipes.out[0], pipes.err[0], pipes.meta[0]]
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], parent_ends)
+        for fd in parent_ends:
+            os.close(fd)

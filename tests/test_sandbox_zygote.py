@@ -1,0 +1,110 @@
+"""The zygote (sandbox/zygote.py): calls' children are forked from a process that never saw a
+call, yet are the worker's own children."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+
+import pytest
+from sandbox_helpers import memory_probe
+
+from kuberl.sandbox.calls import OwnForks, run_call
+from kuberl.sandbox.worker import Slot, WorkerConfig
+from kuberl.sandbox.zygote import Zygote, fork_sibling
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def test_fork_sibling_makes_a_child_of_our_parent_with_a_working_interpreter():
+    """CLONE_PARENT: the grandchild is ours to wait for; the interpreter's after-fork steps ran
+    in it (threads start, ``random`` was reseeded: two siblings draw different numbers)."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            for _ in range(2):
+                if fork_sibling() == 0:
+                    import random
+
+                    t = threading.Thread(target=lambda: None)
+                    t.start()
+                    t.join()
+                    os.write(w, f"{os.getpid()} {os.getppid()} {random.random()}\n".encode())
+                    os._exit(7)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.waitpid(middle, 0)[1] == 0
+    rows = [line.split() for line in _read_all(r).decode().splitlines()]
+    assert len(rows) == 2
+    assert {int(ppid) for _, ppid, _ in rows} == {os.getpid()}
+    assert rows[0][2] != rows[1][2]
+    for pid, _, _ in rows:
+        _, status = os.waitpid(int(pid), 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
+
+
+@pytest.fixture
+def slot():
+    """A basic-isolation slot without Landlock, so that a call may read its own /proc/self/mem."""
+    s = Slot(WorkerConfig(slot=0, pool=f"zygote{os.getpid()}", isolation="basic", memory_mb=512), False)
+    if s.landlock is not None:
+        s.landlock.close()
+        s.landlock = None
+    yield s
+    s.remove()
+
+
+def _probe(slot: Slot, forker: Zygote | OwnForks, reversed_needles: list[str]) -> dict:
+    prepared = forker.take(slot)
+    call = {"op": "exec", "code": memory_probe(reversed_needles), "stdin": "", "timeout": 30.0}
+    result = run_call(slot, slot.cfg, prepared, call)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(prepared.pid, 0)
+    assert result.get("meta", {}).get("status") == "ok", result
+    return json.loads(result["stdout"])
+
+
+def test_zygote_children_hold_nothing_the_worker_read_after_the_zygote_started(slot):
+    """What the worker holds (a call it read, a gold answer) is not in a zygote's child; in a
+    child the worker forks itself (OwnForks, without scrubbing) it is: the probe can tell."""
+    zygote = Zygote.start(slot, slot.cfg, close=())
+    try:
+        assert zygote.pid in slot.protected and zygote.pid in slot.own_pids
+        secret = "kuberl-gold-" + os.urandom(8).hex()  # read by the "worker" after the zygote forked
+        # reversed only in the probe: its own copies and nothing else
+        held = [secret[::-1], os.urandom(8).hex() + "-lortnoc-lrebuk"]
+        out = _probe(slot, zygote, held)
+        assert out["how"] == "maps"
+        found, own = out["counts"]
+        assert own >= 1 and found <= own, out
+        # the next child too (forked ahead while the last call ran its course)
+        assert _probe(slot, zygote, held)["counts"][0] <= own
+    finally:
+        zygote.close()
+    own_forks = OwnForks(slot.cfg)
+    try:
+        found, own = _probe(slot, own_forks, held)["counts"]
+        assert found > own  # a fork of this process inherits the secret
+    finally:
+        own_forks.close()
+
+
+def test_a_dead_zygote_is_reported_not_waited_for(slot):
+    from kuberl.sandbox.zygote import ZygoteGone
+
+    zygote = Zygote.start(slot, slot.cfg, close=())
+    zygote.close()
+    with pytest.raises(ZygoteGone):
+        zygote.take(slot)
