@@ -17,6 +17,14 @@ Policies:
   contiguous chunks, one per engine, regardless of speed or load (call :meth:`start_batch`
   with the batch size first; without it, rollouts are dealt out modulo the engine count).
 
+``max_active`` caps the rollouts in flight over all engines (every policy). Admission is FIFO,
+so with the cap at one batch's size, a batch submitted ahead (asynchronous RL) takes the places
+the batch before it frees as its rollouts finish: it fills the older batch's tail instead of
+sharing the engines with all of it. Without the cap the two batches decode together from the
+start and the one the trainer needs next finishes only about when both do (measured on the
+quickstart: steps alternate between waiting for two batches and none, no faster than
+synchronous).
+
 The capacity-blind policies admit immediately unless ``max_inflight_per_engine`` is set, in
 which case they wait for a free slot. Reservations are tracked for every policy, so overflow
 (reserved > capacity) is observable; only ``kv-aware`` prevents it.
@@ -145,6 +153,7 @@ class Scheduler:
         self.policy = policy
         self.max_response_tokens_default = max_response_tokens_default
         self.max_inflight_per_engine = max_inflight_per_engine
+        self.max_active: int | None = None  # rollouts in flight over all engines (None: no cap)
         self.no_engine_timeout_s = no_engine_timeout_s
         self.load_refresh_s = load_refresh_s
         self.stats = [EngineStats(e.name, engine=e) for e in self.engines]
@@ -421,6 +430,8 @@ class Scheduler:
         n = len(active)
         if not n:
             return None  # every engine is draining: wait for add_engine
+        if self.max_active is not None and sum(st.inflight for st in self.stats) >= self.max_active:
+            return None  # a release admits the head of the FIFO
         cap = self.max_inflight_per_engine
         if self.policy == "kv-aware":
             fits = [i for i in active if self.stats[i].free >= need]

@@ -73,6 +73,36 @@ async def test_fifo_admission_releases_in_order():
     await asyncio.gather(*tasks)
 
 
+@pytest.mark.parametrize("policy", ["kv-aware", "least-requests"])
+async def test_max_active_lets_a_batch_submitted_ahead_fill_only_the_places_the_older_frees(policy):
+    """Asynchronous RL: batch B (submitted while A runs) starts one rollout per finished rollout
+    of A, so A never shares the engines with all of B."""
+    sched = Scheduler(_engines(10_000, 10_000), policy=policy)
+    sched.max_active = 3
+    running: set[str] = set()
+    seen: list[set[str]] = []
+    done = {f"{b}{i}": asyncio.Event() for b in "AB" for i in range(3)}
+
+    async def rollout(tag: str):
+        async with sched.session(10, 10):
+            running.add(tag)
+            seen.append(set(running))
+            await done[tag].wait()
+            running.discard(tag)
+
+    tasks = [asyncio.create_task(rollout(f"{b}{i}")) for b in "AB" for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert running == {"A0", "A1", "A2"}
+    done["A1"].set()
+    await asyncio.sleep(0.01)
+    assert running == {"A0", "A2", "B0"}  # B's first rollout takes the freed place, in order
+    for tag in ("A0", "A2", "B0", "B1", "B2"):
+        done[tag].set()
+        await asyncio.sleep(0.01)
+    await asyncio.gather(*tasks)
+    assert max(len(s) for s in seen) == 3 and not running
+
+
 async def test_static_partitions_contiguously_and_ignores_capacity():
     sched = Scheduler(_engines(10, 1000, 1000), policy="static")
     sched.start_batch(6)

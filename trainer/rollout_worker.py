@@ -182,9 +182,16 @@ class RolloutWorker:
         coro = self._rollouts(
             list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
         )
+        # At most one batch's rollouts in flight: a batch submitted ahead fills the tail of the
+        # one before it instead of halving its speed (Scheduler.max_active; FIFO admission).
+        self._run(self._limit_active(len(prompts) * n))
         ticket = next(self._tickets)
         self._inflight[ticket] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return ticket
+
+    async def _limit_active(self, rollouts: int) -> None:
+        if rollouts > 0:
+            self.scheduler.max_active = rollouts
 
     def collect_rollouts(self, ticket: int) -> list[list[Scored]]:
         """The groups of a :meth:`submit_rollouts` call (waits for them)."""

@@ -102,3 +102,45 @@ def probe_engines(call: Any, batch: StepBatch, version: int | None, count: int) 
         return ProbeResult()
     seqs, starts = probe_requests(batch, rows)
     return probe_gaps(batch, rows, starts, call("score_on_engines", seqs, starts), version)
+
+
+@dataclass
+class EngineWatch:
+    """Which engines the spot check holds out of tolerance, and the event texts of each change
+    (an event when an engine leaves ``tolerance``, another when it comes back; the gauge
+    ``kuberl_train_engine_logprob_gap`` carries every step's figure)."""
+
+    tolerance: float | None
+    out_of_step: set[str] = field(default_factory=set)
+
+    def update(self, gaps: dict[str, float]) -> list[str]:
+        if self.tolerance is None:
+            return []
+        tol, texts = self.tolerance, []
+        for name, gap in sorted(gaps.items()):
+            out = gap > tol
+            if out == (name in self.out_of_step):
+                continue
+            if out:
+                self.out_of_step.add(name)
+                texts.append(
+                    f"engine {name} samples {gap:.3f} nats/token away from the trained policy "
+                    f"(tolerance {tol:g}): it serves other weights than were pushed to it"
+                )
+            else:
+                self.out_of_step.discard(name)
+                texts.append(f"engine {name} is back within tolerance ({gap:.3f} <= {tol:g} nats/token)")
+        return texts
+
+
+def finding_texts(probe: ProbeResult, version: int | None) -> list[str]:
+    """Event texts for engines that claim another version than was pushed, or cannot score."""
+    texts = [
+        f"engine {name} serves version {served}, not {version} that was pushed to it"
+        for name, served in sorted(probe.versions.items())
+    ]
+    texts += [
+        f"engine {name} could not score for the spot check: {err}"
+        for name, err in sorted(probe.errors.items())
+    ]
+    return texts

@@ -47,7 +47,7 @@ from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.sft import sft_loss
-from kuberl.trainer.spot_check import probe_engines
+from kuberl.trainer.spot_check import EngineWatch, finding_texts, probe_engines
 from kuberl.trainer.weight_sync import LocalWeights
 
 log = logging.getLogger("kuberl.trainer")
@@ -125,7 +125,7 @@ class Pipeline:
             )
         self._saved_step: int | None = None  # global step of the newest checkpoint
         self._pools: dict[str, list[data_mod.Problem]] = {}
-        self._out_of_step: set[str] = set()  # engines the spot check flagged
+        self._engines = EngineWatch(self.spec.rollout.spot_check_tolerance)  # what the spot check flagged
         self._engine_busy_mark: float | None = None
         self._sft_cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
@@ -535,7 +535,7 @@ class Pipeline:
                 if target.seqs:
                     recompute_old_logprobs(self.model, target, **sizes)
             probe = probe_engines(self.call, target, gstep, n_check)
-            self._probe_findings(stage, probe)
+            self._engine_events(stage, finding_texts(probe, gstep))
             gaps = probe.gaps
         elif spot and not self.ctx.enabled:
             probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
@@ -574,7 +574,7 @@ class Pipeline:
         }
         if gaps:
             rec["engine_logprob_gap"] = gaps
-            self._spot_check(stage, gaps)
+            self._engine_events(stage, self._engines.update(gaps))
         if self.ctx.is_main:  # with k > 0: the calls finished since the last step, later batches' too
             rec.update(self.call("step_stats") or {})  # None: a worker that does not count them
         busy = self.call("busy_seconds") if self.ctx.is_main else None
@@ -583,40 +583,9 @@ class Pipeline:
         self._engine_busy_mark = busy
         self._after_step(stage, rec)
 
-    def _spot_check(self, stage: StageSpec, gaps: dict[str, float]) -> None:
-        """Flag engines whose log-probs leave ``rollout.spotCheckTolerance`` (an event per engine
-        when it goes out of tolerance, again when it comes back; the gauge every step)."""
-        tol = self.spec.rollout.spot_check_tolerance
-        if tol is None:
-            return
-        for name, gap in sorted(gaps.items()):
-            out = gap > tol
-            if out != (name in self._out_of_step):
-                if out:
-                    self._out_of_step.add(name)
-                    text = (
-                        f"engine {name} samples {gap:.3f} nats/token away from the trained policy "
-                        f"(tolerance {tol:g}): it serves other weights than were pushed to it"
-                    )
-                else:
-                    self._out_of_step.discard(name)
-                    text = f"engine {name} is back within tolerance ({gap:.3f} <= {tol:g} nats/token)"
-                self.sink.event("engine", text, stage.name, self.state.global_step)
-
-    def _probe_findings(self, stage: StageSpec, probe: Any) -> None:
-        """Events for engines that claim another version than was pushed, or cannot score."""
-        for name, served in sorted(probe.versions.items()):
-            text = (
-                f"engine {name} serves version {served}, not {self.state.global_step} that was pushed to it"
-            )
+    def _engine_events(self, stage: StageSpec, texts: list[str]) -> None:
+        for text in texts:
             self.sink.event("engine", text, stage.name, self.state.global_step)
-        for name, err in sorted(probe.errors.items()):
-            self.sink.event(
-                "engine",
-                f"engine {name} could not score for the spot check: {err}",
-                stage.name,
-                self.state.global_step,
-            )
 
     def _after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
         self.state.stage_step += 1
