@@ -232,8 +232,8 @@ print(len(masks), sorted({tuple(sorted(m)) for m in masks.values()}))
 
 
 def test_pinning_the_engine_side_moves_every_thread_of_its_process():
-    """A Ray actor's main, gRPC and GC threads run Python too: left on the trainer's core they
-    hold the GIL while preempted and stall the engine's decode (the async bench's slowdown)."""
+    """A Ray actor's main, gRPC and GC threads run Python too: left on the trainer's core, the
+    engine side of bench/async_rl.py would not be the one core it stands for."""
     import os
     import subprocess
     import sys

@@ -42,10 +42,9 @@ def pin_to_cpus(spec: str | None) -> None:
     ``sched_setaffinity(0, ...)`` moves only the calling thread. In a Ray actor that is one
     executor thread; the process's main thread (which receives every call), Ray's gRPC and IO
     threads and the GC thread keep the mask the actor was started with, which in a bench is the
-    trainer's core. Those threads take the GIL: preempted on a fully busy trainer core while
-    holding it, they stall the engine's decode thread for a scheduler slice each time
-    (bench/async_rl.py measured batches generated during an update at 1.5-1.7x the time alone).
-    Threads started later inherit the mask of the thread that starts them.
+    trainer's core, and they run Python (they take the GIL), so the engine side would not be
+    the cores it stands for in bench/async_rl.py. Threads started later inherit the mask of the
+    thread that starts them.
     """
     if not spec:
         return

@@ -17,7 +17,9 @@ dealt out over the fleet), and the mean absolute gap per engine is compared with
 ``rollout.spotCheckTolerance`` (0.15 nats/token by default; a correct bf16 vLLM server measured
 0.03, bench/mismatch.py).
 
-Pure functions; the I/O is ``RolloutWorker.score_on_engines``.
+The comparison is pure (``probe_rows``, ``probe_requests``, ``probe_gaps``, ``finding_texts``);
+``probe_engines`` is the thin shell that asks ``RolloutWorker.score_on_engines``, and
+``EngineWatch`` keeps which engines are out of tolerance between steps.
 """
 
 from __future__ import annotations

@@ -526,8 +526,6 @@ class Pipeline:
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
-        # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
-        # rescores rollouts of the other engines only, before the update changes the weights.
         if spot and k > 0:  # sampled by older versions: the engines score pi_old's rows instead
             target = sb
             if not any(map(any, sb.masks)) and not self.ctx.enabled:  # nothing trained: any rollouts
@@ -538,6 +536,8 @@ class Pipeline:
             self._engine_events(stage, finding_texts(probe, gstep))
             gaps = probe.gaps
         elif spot and not self.ctx.enabled:
+            # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
+            # rescores rollouts of the other engines only, before the update changes the weights.
             probe = spot_rows(groups, gstep, n_check, skip=trained_engines(sb))
             if probe.seqs:
                 recompute_old_logprobs(self.model, probe, **sizes)
