@@ -74,6 +74,9 @@ def rl_manifest(
     algo = spec["algorithm"]
     algo.update(name="grpo", groupSize=group, batchPrompts=prompts)
     algo.pop("oversample", None)
+    # TRL runs the update as one forward of the whole batch (gradient_accumulation_steps 1): so
+    # does this side, for a like-for-like time and peak (the gradient is the same either way)
+    spec.get("trainer", {}).pop("microBatchTokens", None)
     spec["checkpoint"] = dict(spec.get("checkpoint", {}), everySteps=max(steps + 1, 1))
     m["metadata"]["name"] = f"peers-{engine}-s{seed}"
     return m

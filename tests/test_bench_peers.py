@@ -45,6 +45,8 @@ def test_rl_manifest_keeps_only_the_rl_stage_as_plain_grpo_from_the_sft_folder()
     assert s.algorithm.oversample == 1.0  # plain GRPO keeps what it samples, as TRL does
     assert s.data.eval == ["/data/heldout.jsonl"]
     assert s.checkpoint.every_steps > 5  # no checkpoint inside the measured steps
+    # one forward of the whole batch, as TRL's gradient_accumulation_steps 1 (the example micro-batches)
+    assert peers.load_base()["spec"]["trainer"]["microBatchTokens"] and s.trainer.micro_batch_tokens is None
     # the real-model example's settings are kept
     assert (s.rollout.max_turns, s.rollout.max_response_tokens, s.algorithm.learning_rate) == (3, 160, 1e-5)
     local = peers.rl_manifest(peers.load_base(), "/m", steps=2, seed=0, engine="local", prompts=1, group=2)
