@@ -121,6 +121,51 @@ def _job(tmp_path, level: int, steps: int = 4) -> AgenticRLJob:
     return AgenticRLJob.model_validate(doc)
 
 
+@pytest.mark.parametrize(
+    ("level", "order"),
+    [
+        (1, ["S0", "C0", "S1", "C1", "S2", "C2", "S3", "C3"]),
+        (2, ["S0", "C0", "S1", "S2", "C1", "S3", "C2", "C3"]),
+    ],
+)
+def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path, monkeypatch, level, order):
+    """A batch submitted before the wait for the due one fills that batch's tail and ends with it,
+    leaving the engines idle through the update; submitted after it, a batch generates during
+    every update (k batches in flight then), and none beyond the stage's last step."""
+    from kuberl.trainer.rollout_worker import RolloutWorker
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    calls: list[str] = []
+    tickets: dict[int, int] = {}
+    submit, collect, whole = RolloutWorker.submit_rollouts, RolloutWorker.collect_rollouts, RolloutWorker.rollouts
+    evaluating = []
+
+    def submitting(self, *args, **kwargs):
+        ticket = submit(self, *args, **kwargs)
+        if not evaluating:
+            tickets[ticket] = len(tickets)
+            calls.append(f"S{tickets[ticket]}")
+        return ticket
+
+    def collecting(self, ticket):
+        if not evaluating:
+            calls.append(f"C{tickets[ticket]}")
+        return collect(self, ticket)
+
+    def evaluation(self, *args, **kwargs):  # evaluations submit and collect in one call
+        evaluating.append(1)
+        try:
+            return whole(self, *args, **kwargs)
+        finally:
+            evaluating.pop()
+
+    monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
+    monkeypatch.setattr(RolloutWorker, "collect_rollouts", collecting)
+    monkeypatch.setattr(RolloutWorker, "rollouts", evaluation)
+    run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    assert calls == order
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
@@ -135,7 +180,7 @@ def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path,
     assert len(rl) == 4
     # step i (0-based) trains on rollouts submitted while version (first RL step) + max(0, i - k)
     # was served: at most min(i, k) old (a batch whose first turns start after a later push is
-    # younger). Step 1's batch was submitted with step 0's, before any push: exactly 1 old.
+    # younger). Step 1's batch was submitted once step 0 had its batch, before the next push: 1 old.
     ages = [h["staleness_max"] for h in rl]
     assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
     assert ages[0] == 0 and ages[1] == 1, ages
