@@ -119,6 +119,22 @@ def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
     return []
 
 
+def _algorithm_notes(job: AgenticRLJob) -> list[str]:
+    """Settings that validate but were seen to make a run diverge."""
+    a = job.spec.algorithm
+    passes = a.ppo_epochs * a.mini_batches
+    if a.async_level >= 2 and passes > 1:
+        return [
+            f"warning: spec.algorithm.asyncLevel {a.async_level} with {passes} optimizer steps per batch "
+            f"(ppoEpochs {a.ppo_epochs} x miniBatches {a.mini_batches}): every step trains several times on "
+            "rollouts up to "
+            f"{a.async_level} versions old, which truncated importance sampling does not undo (a run of "
+            "the quickstart collapsed this way, bench/README.md); INTELLECT-2 trains one optimizer step "
+            "per batch: set ppoEpochs and miniBatches to 1, or asyncLevel to 1"
+        ]
+    return []
+
+
 def rendered_names(resource: Resource, namespace: str) -> set[tuple[str, str, str]]:
     """(kind, namespace, name) of ``resource`` and of every object it creates, inline children's
     children included."""
@@ -192,6 +208,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
             if r.spec.sandbox.pool is not None:
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
+            v.notes += _algorithm_notes(r)
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)

@@ -76,6 +76,23 @@ def test_per_call_memory_times_workers_above_the_pod_limit_warns(tmp_path: Any, 
     assert "warning: spec.workersPerPod (16) x limits.memoryMB (2048) = 32.0 GiB exceeds" in out
 
 
+@pytest.mark.parametrize(
+    ("level", "epochs", "minis", "warned"),
+    [(2, 2, 1, True), (3, 1, 2, True), (2, 1, 1, False), (1, 2, 2, False), (0, 4, 1, False)],
+)
+def test_several_optimizer_steps_on_rollouts_two_versions_old_warn(
+    tmp_path: Any, capsys: Any, level: int, epochs: int, minis: int, warned: bool
+) -> None:
+    job = _job(engine="local")
+    job["spec"]["sandbox"] = {}
+    job["spec"].setdefault("algorithm", {}).update(
+        asyncLevel=level, ppoEpochs=epochs, miniBatches=minis, batchPrompts=max(2, minis)
+    )
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert (f"warning: spec.algorithm.asyncLevel {level} with {epochs * minis} optimizer steps" in out) is warned
+
+
 def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, capsys: Any) -> None:
     job = _job(engine="local")
     job["spec"]["sandbox"] = {}
