@@ -147,7 +147,8 @@ def trl_settings(job, model_dir: str, sandbox_url: str, threads: int) -> dict[st
 def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
     """Per-step means of one run's step records, the warm-up step (the first) left out (pure).
 
-    Records carry ``step_seconds``, ``generation_seconds``, ``tool_seconds``, ``update_seconds``,
+    Records carry ``step_seconds``, ``generation_seconds``, ``tool_seconds``, ``update_seconds``
+    (``push_seconds``: the part of it spent pushing weights to the engines),
     ``rollouts``, ``tokens`` (trained, model-written tokens) and ``reward_mean``.
     """
     warm = steps[1:] if len(steps) > 1 else steps
@@ -165,6 +166,7 @@ def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
         "generation_s": mean("generation_seconds"),
         "tool_s": mean("tool_seconds"),
         "update_s": mean("update_seconds"),
+        "push_s": mean("push_seconds"),  # TRL generates with the model it trains: none
         "samples_per_s": sum(float(r.get("rollouts", 0)) for r in warm) / max(1e-9, step_s * n),
         "trainer_tok_per_s": sum(float(r.get("tokens", 0.0)) for r in warm) / upd_s
         if upd_s > 0
@@ -191,6 +193,7 @@ def kuberl_steps(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "generation_seconds": roll,
                 "tool_seconds": float(r.get("tool_seconds", 0.0)),
                 "update_seconds": r["step_seconds"] - roll,
+                "push_seconds": float(r.get("sync_seconds", 0.0)),  # part of update_seconds
                 "rollouts": r.get("rollouts", 0),
                 "tokens": 0.0 if r.get("skipped") else float(r.get("tokens", 0.0)),
                 "reward_mean": r.get("reward_mean", math.nan),
@@ -394,6 +397,7 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
         ("generation_s", "  generation s (tools inside)"),
         ("tool_s", "  tool calls s (sum of calls)"),
         ("update_s", "  update s (+push, +pi_old)"),
+        ("push_s", "    of it weight push s"),
         ("steps_per_s", "RL steps/s"),
         ("samples_per_s", "samples/s"),
         ("trainer_tok_per_s", "trainer tok/s (trained tokens / update s)"),

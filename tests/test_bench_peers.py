@@ -127,7 +127,7 @@ def test_step_figures_leave_out_the_warm_up_step_and_convert_kuberl_records():
         {"type": "eval", "accuracy": 0.5},
         {"type": "rl", "step": 1, "step_seconds": 50.0, "rollout_seconds": 40.0, "rollouts": 32, "tokens": 900.0},
         {"type": "rl", "step": 2, "step_seconds": 10.0, "rollout_seconds": 6.0, "rollouts": 32, "tokens": 800.0,
-         "tool_seconds": 3.0, "reward_mean": 0.5},
+         "tool_seconds": 3.0, "reward_mean": 0.5, "sync_seconds": 1.0},
         {"type": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 8.0, "rollouts": 32, "tokens": 1.0,
          "skipped": True},
     ]  # fmt: skip
@@ -137,6 +137,7 @@ def test_step_figures_leave_out_the_warm_up_step_and_convert_kuberl_records():
     f = peers.side_figures(steps)
     assert f["step_s"] == 10.0 and f["steps_per_s"] == 0.1
     assert f["generation_s"] == 7.0 and f["update_s"] == 3.0 and f["tool_s"] == 1.5
+    assert f["push_s"] == 0.5  # the push, part of the update, on its own (a record without it: 0)
     assert f["samples_per_s"] == 64 / 20.0
     assert f["trainer_tok_per_s"] == 800.0 / 6.0
     assert math.isnan(peers.side_figures([])["step_s"])

@@ -214,6 +214,7 @@ class RLStage:
             "rollout_logprob_gap": logprob_gap,
             "rollout_seconds": t_roll,  # waiting for this step's rollouts (all of their time when k = 0)
             "update_seconds": time.perf_counter() - t1 - t_roll,  # recompute + update
+            "sync_seconds": t1 - t0,  # the weight push to the engines (overlapping generation if k > 0)
             "step_seconds": time.perf_counter() - t0,
         }
         if gaps:
