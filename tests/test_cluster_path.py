@@ -133,6 +133,12 @@ def test_hf_policy_follows_the_gpt_forward_contract(tiny_model):
         plain, none = policy(ids, attention_mask=right, use_cache=False)
     assert none is None and len(present) == 2
     assert torch.allclose(plain[:, :6], cached[:, :6], atol=1e-6) and torch.allclose(plain[1], cached[1], atol=1e-6)
+    # logits from a column on only (grpo.policy_logprobs): HF's logits_to_keep, the same numbers
+    with torch.no_grad():
+        tail, _ = policy(ids, attention_mask=right, use_cache=False, logits_from=4)
+    assert tail.shape[1] == ids.shape[1] - 4 and torch.allclose(tail, plain[:, 4:], atol=1e-6)
+    with pytest.raises(ValueError, match="logits_from needs use_cache=False"):
+        policy(ids, attention_mask=right, logits_from=4)
     with pytest.raises(ValueError, match="attention_mask must be"):
         policy(ids, attention_mask=mask[:, :-1])
 

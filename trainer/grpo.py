@@ -233,6 +233,35 @@ def micro_batches(
     return split_evenly(list(idx), parts, weights=[lengths[i] for i in idx])
 
 
+def policy_logprobs(
+    model: nn.Module,
+    inp: torch.Tensor,
+    att: torch.Tensor,
+    tgt: torch.Tensor,
+    tm: torch.Tensor,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(target) [B, T-1] (and the entropy) of a :func:`pad_batch` micro-batch, with the
+    model's output layer run only from the first column any row trains on.
+
+    The columns before it (the shared prompt of a GRPO group, at least) have target mask 0 in
+    every row, so their log-probs are never used: they are returned as 0. The output layer
+    (hidden x vocabulary) is a fifth of SmolLM2-135M's FLOPs and its [B, T, V] logits the
+    largest tensor of the update; TRL likewise computes logits for completions only
+    (``logits_to_keep``). Models with the policy forward contract take ``logits_from``.
+    """
+    cols = torch.nonzero(tm.any(dim=0)).flatten()
+    start = int(cols[0]) if len(cols) else tm.shape[1] - 1  # nothing trained: one column, not none
+    kw = {"logits_from": start} if start > 0 else {}
+    logits, _ = model(inp, attention_mask=att, use_cache=False, **kw)
+    lp, ent = token_logprobs(logits, tgt[:, start:], with_entropy=with_entropy)
+    del logits
+    if start:
+        lp = torch.nn.functional.pad(lp, (start, 0))
+        ent = torch.nn.functional.pad(ent, (start, 0)) if ent is not None else None
+    return lp, ent
+
+
 @torch.no_grad()
 def recompute_old_logprobs(
     model: nn.Module,
@@ -265,9 +294,7 @@ def recompute_old_logprobs(
             inp, att, tgt, tm = pad_batch(
                 [batch.seqs[i] for i in part], [batch.masks[i] for i in part], device
             )
-            logits, _ = model(inp, attention_mask=att, use_cache=False)
-            lp, _ = token_logprobs(logits, tgt, with_entropy=False)
-            lp = lp.cpu()
+            lp = policy_logprobs(model, inp, att, tgt, tm)[0].cpu()
             for row, i in enumerate(part):
                 n = len(batch.seqs[i]) - 1
                 mask = tm[row, :n].cpu() > 0
@@ -276,7 +303,8 @@ def recompute_old_logprobs(
                 gap += row_gap
                 count += row_count
                 batch.gaps.append((row_gap, row_count))
-                batch.old_logprobs[i] = [0.0, *lp[row, :n].tolist()]
+                # untrained positions hold 0: their numbers would depend on the micro-batch's layout
+                batch.old_logprobs[i] = [0.0, *torch.where(mask, lp[row, :n], 0.0).tolist()]
     finally:
         model.train(was_training)
     return gap / count if count else 0.0
@@ -304,7 +332,7 @@ def _take_old_from_forward(
     kept = tm > 0
     diff = ((engine - lp).abs() * kept).sum(dim=1).cpu().tolist()
     counts = kept.sum(dim=1).cpu().tolist()
-    rows = lp.cpu()
+    rows = torch.where(kept, lp, 0.0).cpu()  # untrained positions: 0, as recompute_old_logprobs
     for row, i in enumerate(part):
         n = len(batch.seqs[i]) - 1
         batch.gaps[i] = (float(diff[row]), int(counts[row]))
@@ -384,9 +412,7 @@ def rl_update(
                 )
                 old = _shifted_rows(batch.old_logprobs, part, tm)
                 adv = torch.tensor([batch.advantages[i] for i in part], dtype=torch.float32, device=tm.device)
-                logits, _ = model(inp, attention_mask=att, use_cache=False)
-                lp, ent = token_logprobs(logits, tgt, with_entropy=cfg.entropy_coef > 0)
-                del logits
+                lp, ent = policy_logprobs(model, inp, att, tgt, tm, with_entropy=cfg.entropy_coef > 0)
                 if on_policy:  # pi_old := this forward, detached; ``old`` held the engine's numbers
                     old = _take_old_from_forward(batch, part, lp.detach(), old, tm)
                     totals["rollout_logprob_gap"] = totals.get("rollout_logprob_gap", 0.0) + sum(

@@ -60,9 +60,13 @@ class HFPolicy(nn.Module):
         past: KV | None = None,
         attention_mask: torch.Tensor | None = None,
         use_cache: bool = True,
+        logits_from: int = 0,
     ):
         """``use_cache=False`` (training and scoring forwards) builds no KV cache and returns None
-        for it: HF's cache holds a copy of every layer's keys and values (bench/update_memory.py)."""
+        for it: HF's cache holds a copy of every layer's keys and values (bench/update_memory.py).
+        ``logits_from``: logits of positions from there on only (HF's ``logits_to_keep``): the
+        output layer over a 49k vocabulary is a fifth of SmolLM2-135M's FLOPs, wasted on the
+        prompt's positions, which train nothing."""
         from transformers import DynamicCache
 
         B, T = input_ids.shape
@@ -73,8 +77,13 @@ class HFPolicy(nn.Module):
             raise ValueError(f"attention_mask must be [{B}, {t_past + T}], got {list(attention_mask.shape)}")
         positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, t_past:]
         if not use_cache and not past:
-            out = self.hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
+            keep = {"logits_to_keep": T - logits_from} if logits_from > 0 else {}
+            out = self.hf(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **keep
+            )
             return out.logits, None
+        if logits_from:
+            raise ValueError("logits_from needs use_cache=False (the training and scoring forwards)")
         cache = DynamicCache()
         for i, (k, v) in enumerate(past or []):
             cache.update(k, v, i)

@@ -124,7 +124,10 @@ class GPT(nn.Module):
         past: KV | None = None,
         attention_mask: torch.Tensor | None = None,
         use_cache: bool = True,
+        logits_from: int = 0,
     ):
+        """Logits [B, T - logits_from, V] of positions ``logits_from`` on (the training forwards
+        need none before the first trained token) and the KV cache (None without ``use_cache``)."""
         B, T = input_ids.shape
         t_past = past[0][0].shape[2] if past else 0
         device = input_ids.device
@@ -147,4 +150,4 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x, kv = block(x, past[i] if past else None, mask)
             present.append(kv)
-        return self.lm_head(self.ln_f(x)), present if use_cache else None
+        return self.lm_head(self.ln_f(x[:, logits_from:])), present if use_cache else None
