@@ -6,6 +6,13 @@ call through the real ``SandboxClient`` (retries, backoff) to the pool's pods (t
 ``SandboxService`` queue and handlers). When the last rollout is done the trainer updates
 and pushes the weights (modelled durations), then the next step starts. The operator's
 autoscaler runs throughout, across steps.
+
+``SimConfig.stream``: the fleet side of asynchronous RL (bench/async_sim.py). Every step's
+batch is submitted at once with ``Scheduler.max_active`` at one batch's rollouts, as the
+rollout worker sets it: admission is FIFO, so a batch takes the places the batch before it
+frees as its rollouts end (it fills that batch's tail) and batch n+2 cannot start before
+batch n has ended. No update or sync runs between batches; each record's ``rollouts_done`` is
+its batch's last rollout's end, ``start`` the common submission time.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class SimConfig:
     # durations, recorded by a closed-loop run. Tool latency is ~1/100 of a turn, so the calls'
     # arrival times barely depend on the pool; a replay prices other pools without the engines.
     replay: list[StepRecord] | None = None
+    stream: bool = False  # all batches submitted at once, one batch's rollouts in flight (above)
 
 
 @dataclass
@@ -200,24 +208,11 @@ async def _run(cfg: SimConfig) -> SimResult:
         await asyncio.sleep(max(0.0, rec.start + old.rollout_s - loop.time()))
         await asyncio.gather(*pending)
 
-    steps = len(cfg.replay) if cfg.replay else cfg.steps
-    for step in range(steps):
-        rec = StepRecord(start=loop.time())
+    async def run_batch(step: int, rec: StepRecord) -> list[RolloutPlan]:
+        """One batch's rollouts, each through the scheduler and the sandbox; fills ``rec``."""
         lat: list[float] = []
         disp: list[float] = []
         costs: list[float] = []
-        if cfg.replay:
-            old = cfg.replay[step]
-            await replay(rec, old, lat, disp, costs)
-            rec.rollouts_done = loop.time()
-            rec.calls = len(lat)
-            rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
-            rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
-            rec.update_s, rec.sync_s = old.update_s, old.sync_s
-            await asyncio.sleep(rec.update_s + rec.sync_s)
-            rec.end = loop.time()
-            records.append(rec)
-            continue
         plans = cfg.plans[step] if cfg.plans else make_plans(spec, cfg.seed * 1000 + step)
         per_rollout: list[tuple[float, float, float, float]] = []  # end, wait, gen, tools
 
@@ -270,6 +265,34 @@ async def _run(cfg: SimConfig) -> SimResult:
             "generation": arr[:, 2].mean(),
             "tools": arr[:, 3].mean(),
         }
+        return plans
+
+    if cfg.stream:
+        sched.max_active = spec.rollouts  # one batch in flight: the next fills its tail (FIFO)
+        stream_records = [StepRecord(start=loop.time()) for _ in range(cfg.steps)]
+        await asyncio.gather(*(run_batch(step, rec) for step, rec in enumerate(stream_records)))
+        for rec in stream_records:
+            rec.end = rec.rollouts_done
+        records.extend(stream_records)
+    steps = 0 if cfg.stream else len(cfg.replay) if cfg.replay else cfg.steps
+    for step in range(steps):
+        rec = StepRecord(start=loop.time())
+        lat: list[float] = []
+        disp: list[float] = []
+        costs: list[float] = []
+        if cfg.replay:
+            old = cfg.replay[step]
+            await replay(rec, old, lat, disp, costs)
+            rec.rollouts_done = loop.time()
+            rec.calls = len(lat)
+            rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
+            rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
+            rec.update_s, rec.sync_s = old.update_s, old.sync_s
+            await asyncio.sleep(rec.update_s + rec.sync_s)
+            rec.end = loop.time()
+            records.append(rec)
+            continue
+        plans = await run_batch(step, rec)
         rec.update_s = cfg.trainer.update_seconds(trained_tokens(plans, spec, cfg.trainer.kept_per_prompt))
         rec.sync_s = cfg.trainer.sync_seconds()
         await asyncio.sleep(rec.update_s + rec.sync_s)
