@@ -22,8 +22,9 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
     is collected, so it runs alone; in the stream the first batch is alone too, except for the
     tail filled by the second, which FIFO admission keeps from delaying it (all of batch 1 is
     admitted before any of batch 2; decode is below saturation at the KV reservation's ~96
-    sequences an engine, so sharing an engine does not slow a step, only the shared sandbox
-    pool could). That costs no extra run.
+    sequences an engine, so sharing an engine does not slow a decode step; the second batch's
+    prefills and tool calls do cost a little: 276 s vs 273 s alone at 4 engines and 64 prompts,
+    i.e. ~1 % pessimistic). That costs no extra run.
   - asyncLevel 2: generation = the mean interval between consecutive batches' ends in the
     stream: each batch fills its predecessor's tail, which is what a fleet that may run one
     batch ahead across a step does as long as the trainer keeps up (clustersim.asyncmodel).
@@ -32,6 +33,9 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
 * Not modelled: the operator starting pods, evaluation, checkpoints, stragglers among trainer
   ranks, a push's network contending with the sandbox, and the learning effect of staleness
   (the one-machine run, bench/README.md, found accuracy inside the synchronous spread).
+
+Cost: about linear in the rollouts simulated (sync steps + batches x splits): 9 s of CPU at
+``--gpus 4``, 33 s at ``--gpus 8`` (default splits, 3 batches).
 
 Prints the per-phase times, steps/hour and the ratio to synchronous for every split and level,
 then the best split per level with its ratio, the ideal (clustersim.asyncmodel.ideal_ratio)
@@ -68,7 +72,7 @@ from clustersim.workload import TOOL_MIXES, TrainerModel, WorkloadSpec, make_pla
 
 
 def parse_splits(text: str, gpus: int) -> list[tuple[int, int]]:
-    """"32/32,48/16" -> [(32, 32), (48, 16)] (engines / trainer GPUs), each summing to ``gpus``."""
+    """ "32/32,48/16" -> [(32, 32), (48, 16)] (engines / trainer GPUs), each summing to ``gpus``."""
     out = []
     for part in text.split(","):
         try:
@@ -130,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     sync_trainer = TrainerModel(gpus=args.gpus)
     sync = simulate(
-        replace(base, engines=args.gpus, steps=args.sync_steps, plans=plans[: args.sync_steps], trainer=sync_trainer)
+        replace(
+            base,
+            engines=args.gpus,
+            steps=args.sync_steps,
+            plans=plans[: args.sync_steps],
+            trainer=sync_trainer,
+        )
     )
     roll = float(np.mean([st.rollout_s for st in sync.steps]))
     upd = float(np.mean([st.update_s for st in sync.steps]))
@@ -141,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         f"synchronous colocated, {args.gpus} GPUs: rollout {roll:.0f} s + update {upd:.0f} s + sync {syn:.0f} s "
         f"= {sync_s:.0f} s a step, {steps_per_hour(sync_s):.2f} steps/h"
     )
-    tokens = float(np.mean([trained_tokens(p, spec, sync_trainer.kept_per_prompt) for p in plans[: args.batches]]))
+    tokens = float(
+        np.mean([trained_tokens(p, spec, sync_trainer.kept_per_prompt) for p in plans[: args.batches]])
+    )
     mem, gpu = TrainingMemory(params=sync_trainer.params), GpuSpec()
     rows: list[dict] = []
     print(
@@ -155,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"fleet": fleet, "trainer": trainer, "refused": refusal})
             continue
         t1 = time.perf_counter()
-        res = simulate(replace(base, engines=fleet, steps=args.batches, plans=plans[: args.batches], stream=True))
+        res = simulate(
+            replace(base, engines=fleet, steps=args.batches, plans=plans[: args.batches], stream=True)
+        )
         ends = [st.rollouts_done - st.start for st in res.steps]
         gen = {1: ends[0], 2: float(np.mean(np.diff(ends)))}
         tm = TrainerModel(gpus=trainer)
@@ -163,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         row = {"fleet": fleet, "trainer": trainer, "gb_per_gpu": mem.per_gpu_gb(trainer), "batch_ends_s": ends,
                "gen_k1_s": gen[1], "gen_k2_s": gen[2], "update_s": u, "push_s": p, "reload_s": r,
                "sim_cpu_s": time.perf_counter() - t1}  # fmt: skip
-        line = f"{fleet:>3}/{trainer:<3}{row['gb_per_gpu']:>8.0f}{gen[1]:>8.0f}{gen[2]:>8.0f}{u:>8.0f}{p:>6.0f}"
+        line = (
+            f"{fleet:>3}/{trainer:<3}{row['gb_per_gpu']:>8.0f}{gen[1]:>8.0f}{gen[2]:>8.0f}{u:>8.0f}{p:>6.0f}"
+        )
         for k in levels:
             g = gen[min(k, 2)]
             step = pipelined_step(g, u, p, r)
