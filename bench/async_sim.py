@@ -13,29 +13,26 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
   sync (2 GB/s write + read, 5 s reload), back to back.
 * Asynchronous, for each split F engines / T = G - F trainer GPUs: the training state must fit
   T GPUs (``clustersim.asyncmodel.split_refusal``: 16 bytes a parameter sharded, 40 GB a GPU
-  reserved; refused splits are printed with the reason). The fleet side is simulated: one
-  run of ``--batches`` batches on F engines in stream mode (``SimConfig.stream``: all batches
-  submitted at once with ``Scheduler.max_active`` at one batch, FIFO, as the rollout worker
-  does), through the real Scheduler, SandboxClient and SandboxService, so the tail of long
-  multi-turn rollouts is in it.
-  - asyncLevel 1: generation = the first batch's end. Batch n+1 is submitted only once batch n
-    is collected, so it runs alone; in the stream the first batch is alone too, except for the
-    tail filled by the second, which FIFO admission keeps from delaying it (all of batch 1 is
-    admitted before any of batch 2; decode is below saturation at the KV reservation's ~96
-    sequences an engine, so sharing an engine does not slow a decode step; the second batch's
-    prefills and tool calls do cost a little: 276 s vs 273 s alone at 4 engines and 64 prompts,
-    i.e. ~1 % pessimistic). That costs no extra run.
-  - asyncLevel 2: generation = the mean interval between consecutive batches' ends in the
-    stream: each batch fills its predecessor's tail, which is what a fleet that may run one
-    batch ahead across a step does as long as the trainer keeps up (clustersim.asyncmodel).
-  The trainer side is the model: update on T GPUs, then the push (the sync model, blocking the
-  trainer); the fleet pauses for the reload. Step = max(update + push, generation + reload).
+  reserved; refused splits are printed with the reason). The fleet side is simulated: a run
+  of ``--batches`` batches on F engines (``SimConfig.ahead`` = k: batch 0 at once, batches
+  1..k at its end, then batch i at batch i-k's end, ``Scheduler.max_active`` at one batch and
+  FIFO admission, as trainer/rl_stage.py and the rollout worker do with a trainer that keeps
+  up), through the real Scheduler, SandboxClient and SandboxService, so the tail of long
+  multi-turn rollouts is in it (``clustersim.asyncmodel.fleet_generation``):
+  - asyncLevel 1: generation = batch 0's end; it runs alone, as every batch does at level 1
+    (batch n+1 is submitted once batch n is collected). No extra run.
+  - asyncLevel k >= 2 (one run each): the mean interval between batch ends after the first,
+    each batch filling its predecessor's tail: the fleet running ahead across a step.
+  The trainer side is the model: update on T GPUs (the mean trained tokens of the simulated
+  batches), then the push (the sync model, blocking the trainer); the fleet pauses for the
+  reload. Step = max(update + push, generation + reload).
 * Not modelled: the operator starting pods, evaluation, checkpoints, stragglers among trainer
   ranks, a push's network contending with the sandbox, and the learning effect of staleness
   (the one-machine run, bench/README.md, found accuracy inside the synchronous spread).
 
-Cost: about linear in the rollouts simulated (sync steps + batches x splits): 9 s of CPU at
-``--gpus 4``, 33 s at ``--gpus 8`` (default splits, 3 batches).
+Cost: about linear in the rollouts simulated ((sync steps + batches x splits) x prompts): 44 s
+of CPU at ``--gpus 8`` (2 + 3 x 4 batches of 2,048 rollouts), so ~2 min at ``--gpus 16`` and
+~7-10 min at 64 GPUs (2 + 4 x 4 batches of 16,384).
 
 Prints the per-phase times, steps/hour and the ratio to synchronous for every split and level,
 then the best split per level with its ratio, the ideal (clustersim.asyncmodel.ideal_ratio)
@@ -60,6 +57,7 @@ from clustersim.asyncmodel import (  # noqa: E402
     GpuSpec,
     TrainingMemory,
     bound_side,
+    fleet_generation,
     ideal_ratio,
     max_staleness,
     pipelined_step,
@@ -98,15 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--splits", help="ENGINES/TRAINER GPUs, comma separated (default: 1/2..7/8 of --gpus)")
     ap.add_argument("--levels", default="1,2", help="asyncLevels to report (1 or 2 and up)")
     ap.add_argument("--sync-steps", type=int, default=2)
-    ap.add_argument("--batches", type=int, default=3, help="batches of each stream run (>= 2)")
+    ap.add_argument("--batches", type=int, default=4, help="batches of each fleet run (>= 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tool-mix", choices=sorted(TOOL_MIXES), default="measured")
     ap.add_argument("--workers-per-pod", type=int, default=32)
     ap.add_argument("--pool-cores-per-gpu", type=float, default=2.0, help="fixed sandbox pool, of all GPUs")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
-    if args.gpus < 2 or args.sync_steps < 1 or args.batches < 2:
-        ap.error("--gpus >= 2, --sync-steps >= 1 and --batches >= 2 are needed")
+    if args.gpus < 2 or args.sync_steps < 1 or args.batches < 3:
+        ap.error("--gpus >= 2, --sync-steps >= 1 and --batches >= 3 are needed")
     try:
         splits = parse_splits(args.splits or default_splits(args.gpus), args.gpus)
         levels = [int(x) for x in args.levels.split(",")]
@@ -157,9 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     mem, gpu = TrainingMemory(params=sync_trainer.params), GpuSpec()
     rows: list[dict] = []
     print(
-        f"\n{'F/T':>7}{'GB/GPU':>8}{'gen k1':>8}{'gen k2':>8}{'update':>8}{'push':>6}"
+        f"\n{'F/T':>7}{'GB/GPU':>8}"
+        + "".join(f"{f'gen k{k}':>8}" for k in levels)
+        + f"{'update':>8}{'push':>6}"
         + "".join(f"{f'step k{k}':>9}{'steps/h':>9}{'x sync':>8}{'bound':>9}" for k in levels)
     )
+    # One fleet run per asyncLevel >= 2; batch 0 of any of them is asyncLevel 1's batch alone
+    runs = sorted({k for k in levels if k >= 2}) or [1]
     for fleet, trainer in splits:
         refusal = split_refusal(args.gpus, fleet, mem, gpu)
         if refusal:
@@ -167,31 +169,32 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"fleet": fleet, "trainer": trainer, "refused": refusal})
             continue
         t1 = time.perf_counter()
-        res = simulate(
-            replace(base, engines=fleet, steps=args.batches, plans=plans[: args.batches], stream=True)
-        )
-        ends = [st.rollouts_done - st.start for st in res.steps]
-        gen = {1: ends[0], 2: float(np.mean(np.diff(ends)))}
+        ends: dict[int, list[float]] = {}
+        for ahead in runs:
+            n = args.batches if ahead > 1 else 1
+            res = simulate(replace(base, engines=fleet, steps=n, plans=plans[:n], ahead=ahead))
+            ends[ahead] = [st.rollouts_done - res.steps[0].start for st in res.steps]
+        gen = {k: fleet_generation(ends[k if k > 1 else runs[0]], k) for k in levels}
         tm = TrainerModel(gpus=trainer)
         u, p, r = tm.update_seconds(tokens), tm.sync_seconds(), tm.reload_s
         row = {"fleet": fleet, "trainer": trainer, "gb_per_gpu": mem.per_gpu_gb(trainer), "batch_ends_s": ends,
-               "gen_k1_s": gen[1], "gen_k2_s": gen[2], "update_s": u, "push_s": p, "reload_s": r,
+               "generation_s": gen, "update_s": u, "push_s": p, "reload_s": r,
                "sim_cpu_s": time.perf_counter() - t1}  # fmt: skip
-        line = (
-            f"{fleet:>3}/{trainer:<3}{row['gb_per_gpu']:>8.0f}{gen[1]:>8.0f}{gen[2]:>8.0f}{u:>8.0f}{p:>6.0f}"
+        line = f"{fleet:>3}/{trainer:<3}{row['gb_per_gpu']:>8.0f}" + "".join(
+            f"{gen[k]:>8.0f}" for k in levels
         )
+        line += f"{u:>8.0f}{p:>6.0f}"
         for k in levels:
-            g = gen[min(k, 2)]
-            step = pipelined_step(g, u, p, r)
+            step = pipelined_step(gen[k], u, p, r)
             row[f"k{k}"] = {"step_s": step, "steps_per_hour": steps_per_hour(step), "ratio": sync_s / step,
-                            "bound": bound_side(g, u, p, r)}  # fmt: skip
+                            "bound": bound_side(gen[k], u, p, r)}  # fmt: skip
             line += f"{step:>9.0f}{steps_per_hour(step):>9.2f}{sync_s / step:>8.2f}{row[f'k{k}']['bound']:>9}"
         print(line + f"   [{row['sim_cpu_s']:.0f} s]")
         rows.append(row)
     ideal = ideal_ratio(roll, upd, syn)
     print(
-        "\n(gen k1: one batch alone on F engines; gen k2: interval between batches that fill each other's "
-        "tail; push blocks the trainer, the fleet pauses its reload)"
+        "\n(gen k1: one batch alone on F engines; gen k2+: steady interval between batches that fill each "
+        "other's tail; push blocks the trainer, the fleet pauses its reload)"
     )
     for k in levels:
         ok = [r for r in rows if "refused" not in r]

@@ -1,5 +1,5 @@
 """bench/async_sim.py: the arithmetic of synchronous vs asynchronous steps, split feasibility and
-the stream mode of the simulation, on tiny configurations (virtual time: simulated seconds)."""
+the fleet side of asynchronous RL in the simulation, on tiny configurations (virtual time: simulated seconds)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from clustersim.asyncmodel import (  # noqa: E402
     GpuSpec,
     TrainingMemory,
     bound_side,
+    fleet_generation,
     ideal_ratio,
     max_staleness,
     pipelined_step,
@@ -84,26 +85,45 @@ def _cfg(**kw) -> SimConfig:
     return SimConfig(**(base | kw))
 
 
-def test_stream_fills_each_batchs_tail_with_one_batch_in_flight() -> None:
-    plans = [make_plans(SPEC, s) for s in range(3)]
+def test_fleet_run_submits_as_the_trainer_and_fills_each_batchs_tail() -> None:
+    plans = [make_plans(SPEC, s) for s in range(4)]
     alone = simulate(_cfg(steps=1, plans=plans[:1]))
-    stream = simulate(_cfg(steps=3, plans=plans, stream=True))
-    ends = [st.rollouts_done - st.start for st in stream.steps]
+    res = simulate(_cfg(steps=4, plans=plans, ahead=2))
+    st = res.steps
+    ends = [r.rollouts_done - st[0].start for r in st]
     assert ends == sorted(ends)
-    # the first batch is admitted whole before any of the second (FIFO) and decode is below
-    # saturation, so it ends as it does alone: asyncLevel 1's generation time
-    assert ends[0] == pytest.approx(alone.steps[0].rollout_s, rel=0.02)
-    # the later batches started in their predecessor's tail: they end sooner after it than a
-    # batch takes alone (asyncLevel 2's generation time)
-    assert max(ends[1] - ends[0], ends[2] - ends[1]) < 0.9 * ends[0]
+    # asyncLevel 2's submissions: batch 0 at once, batches 1 and 2 at its end, batch 3 at batch 1's
+    assert [r.start for r in st] == [
+        st[0].start,
+        st[0].rollouts_done,
+        st[0].rollouts_done,
+        st[1].rollouts_done,
+    ]
+    # batch 0 runs alone: asyncLevel 1's generation time is a synchronous rollout phase
+    assert ends[0] == pytest.approx(alone.steps[0].rollout_s, rel=1e-9)
+    # the later batches start in their predecessor's tail: they end sooner after it than a batch
+    # takes alone (asyncLevel 2's generation time)
+    assert fleet_generation(ends, 2) < 0.9 * ends[0]
     # never more than one batch's rollouts on the engines (Scheduler.max_active)
-    assert max(s["rollouts_active"] for s in stream.timeline) <= SPEC.rollouts
-    # without the cap the batches would all start at once
-    assert sum(st.calls for st in stream.steps) == sum(len(p.tool_costs) for b in plans for p in b)
+    assert max(s["rollouts_active"] for s in res.timeline) <= SPEC.rollouts
+    assert sum(r.calls for r in st) == sum(len(p.tool_costs) for b in plans for p in b)
+    # asyncLevel 1: every batch alone, back to back
+    seq = simulate(_cfg(steps=2, plans=plans[:2], ahead=1)).steps
+    assert seq[1].start == seq[0].rollouts_done
+
+
+def test_fleet_generation_per_level() -> None:
+    ends = [100.0, 190.0, 250.0, 320.0]
+    assert fleet_generation(ends, 1) == 100.0  # batch 0, alone
+    assert fleet_generation(ends, 2) == pytest.approx(65.0)  # (60 + 70) / 2: the first interval skipped
+    with pytest.raises(ValueError, match=">= 3 batch ends"):
+        fleet_generation(ends[:2], 2)
+    with pytest.raises(ValueError, match="asyncLevel"):
+        fleet_generation(ends, 0)
 
 
 def test_main_prints_refusals_and_the_best_split(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--gpus", "4", "--prompts", "2", "--splits", "2/2,3/1", "--batches", "2", "--sync-steps", "1"]
+    argv = ["--gpus", "4", "--prompts", "2", "--splits", "2/2,3/1", "--batches", "3", "--sync-steps", "1"]
     assert async_sim.main(argv) == 0
     out = capsys.readouterr().out
     assert "3/1    refused: training state needs" in out

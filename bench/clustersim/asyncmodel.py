@@ -13,13 +13,12 @@ loads). In steady state each side does one batch a step, so
 
     step = max(update + push, generation + reload)
 
-where ``generation`` is what the fleet needs per batch: at asyncLevel 1 an isolated batch's
-whole rollout phase (batch n+1 is submitted only once batch n is in hand, so it never fills
-n's tail); at asyncLevel >= 2 the interval between batches of a stream in which each batch
-fills the tail of the one before (``Scheduler.max_active`` = one batch, FIFO): batch n+2 is
-submitted when batch n is collected, exactly when the first place for it frees, so the fleet
-never idles in the tail while the trainer keeps up. More than 2 adds nothing to the fleet
-side under that cap; it only buffers trainer jitter.
+where ``generation`` is what the fleet needs per batch, from a simulated run of the fleet side
+(``SimConfig.ahead``): at asyncLevel 1 a batch alone (batch n+1 is submitted only once batch n
+is collected, so it never fills n's tail; batch 0 of any run is alone); at asyncLevel k >= 2
+the steady interval between batch ends when batch i is submitted at batch i-k's end and fills
+the tail of batch i-1 (``Scheduler.max_active`` = one batch, FIFO) - the fleet running ahead
+across a step, as long as the trainer keeps up (else the step is the trainer's anyway).
 """
 
 from __future__ import annotations
@@ -82,6 +81,21 @@ def pipelined_step(generation_s: float, update_s: float, push_s: float, reload_s
 
 def bound_side(generation_s: float, update_s: float, push_s: float, reload_s: float) -> str:
     return "trainer" if update_s + push_s >= generation_s + reload_s else "fleet"
+
+
+def fleet_generation(ends: list[float], level: int) -> float:
+    """Generation seconds per batch at asyncLevel ``level`` from the batch end times of a run
+    with ``ahead=level`` (batch 0 submitted at time 0): level 1, batch 0 alone; level >= 2, the
+    mean interval between ends after the first (batch 1 starts alone at batch 0's end, the later
+    ones in their predecessor's tail, as in steady state)."""
+    if level < 1:
+        raise ValueError(f"asyncLevel must be >= 1, got {level}")
+    if level == 1:
+        return ends[0]
+    if len(ends) < 3:
+        raise ValueError(f"a steady interval needs >= 3 batch ends, got {len(ends)}")
+    steady = [b - a for a, b in zip(ends[1:-1], ends[2:], strict=True)]
+    return sum(steady) / len(steady)
 
 
 def steps_per_hour(step_s: float) -> float:

@@ -7,12 +7,13 @@ call through the real ``SandboxClient`` (retries, backoff) to the pool's pods (t
 and pushes the weights (modelled durations), then the next step starts. The operator's
 autoscaler runs throughout, across steps.
 
-``SimConfig.stream``: the fleet side of asynchronous RL (bench/async_sim.py). Every step's
-batch is submitted at once with ``Scheduler.max_active`` at one batch's rollouts, as the
-rollout worker sets it: admission is FIFO, so a batch takes the places the batch before it
-frees as its rollouts end (it fills that batch's tail) and batch n+2 cannot start before
-batch n has ended. No update or sync runs between batches; each record's ``rollouts_done`` is
-its batch's last rollout's end, ``start`` the common submission time.
+``SimConfig.ahead`` = k >= 1: the fleet side of asynchronous RL at asyncLevel k
+(bench/async_sim.py), with a trainer that keeps up. As the trainer submits them
+(trainer/rl_stage.py ``_rl_step``): batch 0 at once, batches 1..k when batch 0 ends (is
+collected), then batch i when batch i-k ends; ``Scheduler.max_active`` is one batch's rollouts,
+as the rollout worker sets it, and admission is FIFO, so a batch submitted ahead takes the
+places the batch before it frees as its rollouts end (it fills that batch's tail). No update
+or sync runs; each record's ``start`` is its batch's submission, ``end`` its last rollout's end.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class SimConfig:
     # durations, recorded by a closed-loop run. Tool latency is ~1/100 of a turn, so the calls'
     # arrival times barely depend on the pool; a replay prices other pools without the engines.
     replay: list[StepRecord] | None = None
-    stream: bool = False  # all batches submitted at once, one batch's rollouts in flight (above)
+    ahead: int = 0  # 0: synchronous steps; k >= 1: the fleet side at asyncLevel k (above)
 
 
 @dataclass
@@ -267,14 +268,22 @@ async def _run(cfg: SimConfig) -> SimResult:
         }
         return plans
 
-    if cfg.stream:
+    if cfg.ahead:
         sched.max_active = spec.rollouts  # one batch in flight: the next fills its tail (FIFO)
-        stream_records = [StepRecord(start=loop.time()) for _ in range(cfg.steps)]
-        await asyncio.gather(*(run_batch(step, rec) for step, rec in enumerate(stream_records)))
-        for rec in stream_records:
-            rec.end = rec.rollouts_done
-        records.extend(stream_records)
-    steps = 0 if cfg.stream else len(cfg.replay) if cfg.replay else cfg.steps
+        done = [asyncio.Event() for _ in range(cfg.steps)]
+        batch_records = [StepRecord(start=0.0) for _ in range(cfg.steps)]
+
+        async def submit(i: int) -> None:
+            if i:  # Event.set wakes its waiters in order: batch i's rollouts queue before i+1's
+                await done[max(0, i - cfg.ahead)].wait()
+            batch_records[i].start = loop.time()
+            await run_batch(i, batch_records[i])
+            batch_records[i].end = batch_records[i].rollouts_done
+            done[i].set()
+
+        await asyncio.gather(*(submit(i) for i in range(cfg.steps)))
+        records.extend(batch_records)
+    steps = 0 if cfg.ahead else len(cfg.replay) if cfg.replay else cfg.steps
     for step in range(steps):
         rec = StepRecord(start=loop.time())
         lat: list[float] = []
