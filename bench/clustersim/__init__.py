@@ -10,5 +10,7 @@ modelled duration), pod start-up, the update and the weight sync.
 
 Modules: ``workload`` (seeded rollout plans), ``pods`` (sandbox pods and the Service that
 routes to them), ``control`` (the autoscaler loop and pod/engine life cycle), ``step``
-(one run of several RL steps and what it records).
+(one run of several RL steps and what it records; or, with ``ahead``, the fleet side of
+asynchronous RL), ``asyncmodel`` (pure arithmetic of synchronous vs asynchronous steps,
+bench/async_sim.py).
 """

@@ -6,6 +6,14 @@ call through the real ``SandboxClient`` (retries, backoff) to the pool's pods (t
 ``SandboxService`` queue and handlers). When the last rollout is done the trainer updates
 and pushes the weights (modelled durations), then the next step starts. The operator's
 autoscaler runs throughout, across steps.
+
+``SimConfig.ahead`` = k >= 1: the fleet side of asynchronous RL at asyncLevel k
+(bench/async_sim.py), with a trainer that keeps up. As the trainer submits them
+(trainer/rl_stage.py ``_rl_step``): batch 0 at once, batches 1..k when batch 0 ends (is
+collected), then batch i when batch i-k ends; ``Scheduler.max_active`` is one batch's rollouts,
+as the rollout worker sets it, and admission is FIFO, so a batch submitted ahead takes the
+places the batch before it frees as its rollouts end (it fills that batch's tail). No update
+or sync runs; each record's ``start`` is its batch's submission, ``end`` its last rollout's end.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ class SimConfig:
     # durations, recorded by a closed-loop run. Tool latency is ~1/100 of a turn, so the calls'
     # arrival times barely depend on the pool; a replay prices other pools without the engines.
     replay: list[StepRecord] | None = None
+    ahead: int = 0  # 0: synchronous steps; k >= 1: the fleet side at asyncLevel k (above)
 
 
 @dataclass
@@ -200,24 +209,11 @@ async def _run(cfg: SimConfig) -> SimResult:
         await asyncio.sleep(max(0.0, rec.start + old.rollout_s - loop.time()))
         await asyncio.gather(*pending)
 
-    steps = len(cfg.replay) if cfg.replay else cfg.steps
-    for step in range(steps):
-        rec = StepRecord(start=loop.time())
+    async def run_batch(step: int, rec: StepRecord) -> list[RolloutPlan]:
+        """One batch's rollouts, each through the scheduler and the sandbox; fills ``rec``."""
         lat: list[float] = []
         disp: list[float] = []
         costs: list[float] = []
-        if cfg.replay:
-            old = cfg.replay[step]
-            await replay(rec, old, lat, disp, costs)
-            rec.rollouts_done = loop.time()
-            rec.calls = len(lat)
-            rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
-            rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
-            rec.update_s, rec.sync_s = old.update_s, old.sync_s
-            await asyncio.sleep(rec.update_s + rec.sync_s)
-            rec.end = loop.time()
-            records.append(rec)
-            continue
         plans = cfg.plans[step] if cfg.plans else make_plans(spec, cfg.seed * 1000 + step)
         per_rollout: list[tuple[float, float, float, float]] = []  # end, wait, gen, tools
 
@@ -270,6 +266,42 @@ async def _run(cfg: SimConfig) -> SimResult:
             "generation": arr[:, 2].mean(),
             "tools": arr[:, 3].mean(),
         }
+        return plans
+
+    if cfg.ahead:
+        sched.max_active = spec.rollouts  # one batch in flight: the next fills its tail (FIFO)
+        done = [asyncio.Event() for _ in range(cfg.steps)]
+        batch_records = [StepRecord(start=0.0) for _ in range(cfg.steps)]
+
+        async def submit(i: int) -> None:
+            if i:  # Event.set wakes its waiters in order: batch i's rollouts queue before i+1's
+                await done[max(0, i - cfg.ahead)].wait()
+            batch_records[i].start = loop.time()
+            await run_batch(i, batch_records[i])
+            batch_records[i].end = batch_records[i].rollouts_done
+            done[i].set()
+
+        await asyncio.gather(*(submit(i) for i in range(cfg.steps)))
+        records.extend(batch_records)
+    steps = 0 if cfg.ahead else len(cfg.replay) if cfg.replay else cfg.steps
+    for step in range(steps):
+        rec = StepRecord(start=loop.time())
+        lat: list[float] = []
+        disp: list[float] = []
+        costs: list[float] = []
+        if cfg.replay:
+            old = cfg.replay[step]
+            await replay(rec, old, lat, disp, costs)
+            rec.rollouts_done = loop.time()
+            rec.calls = len(lat)
+            rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
+            rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
+            rec.update_s, rec.sync_s = old.update_s, old.sync_s
+            await asyncio.sleep(rec.update_s + rec.sync_s)
+            rec.end = loop.time()
+            records.append(rec)
+            continue
+        plans = await run_batch(step, rec)
         rec.update_s = cfg.trainer.update_seconds(trained_tokens(plans, spec, cfg.trainer.kept_per_prompt))
         rec.sync_s = cfg.trainer.sync_seconds()
         await asyncio.sleep(rec.update_s + rec.sync_s)
