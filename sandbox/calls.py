@@ -116,6 +116,7 @@ class OwnForks:
     ~25 % of calls/s) and reads calls unbuffered."""
 
     pid = None
+    pids: tuple[int, ...] = ()
     scrub = True
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -126,7 +127,8 @@ class OwnForks:
         if self.pending is None:
             self.pending = prepare(slot, self.cfg)
 
-    def take(self, slot: Slot) -> Prepared:
+    def take(self, slot: Slot, kind: str = "full") -> Prepared:
+        """The child forked ahead (one image here: ``kind`` changes nothing)."""
         self.ask(slot)
         prepared, self.pending = self.pending, None
         assert prepared is not None
