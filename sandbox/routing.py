@@ -94,14 +94,20 @@ class Zygotes:
     def __init__(self, full: Zygote, light: Zygote | None) -> None:
         self.full: Zygote | None = full
         self.light = light
-        self.pid = full.pid  # the worker's hello names the full one as "zygote_pid"
         self.started = tuple(z for z in (full, light) if z is not None)
 
     @property
     def pids(self) -> tuple[int, ...]:
-        """The zygotes alive (as far as we know): the worker's children that are not calls'.
-        A lost one's pid is not kept: a later call's process could be given it."""
+        """The zygotes alive (as far as we know). A lost one's pid is dropped: a later call's
+        process could be given it."""
         return tuple(z.pid for z in self._alive("full"))
+
+    @property
+    def keep(self) -> tuple[int, ...]:
+        """The worker's children that are not calls': the zygotes and the children they forked
+        ahead that the worker has received (clearing the slot after a call spares them)."""
+        ready = tuple(z.ready.pid for z in self._alive("full") if z.ready is not None)
+        return self.pids + ready
 
     def _alive(self, kind: Kind) -> list[Zygote]:
         order = [self.light, self.full] if kind == "light" else [self.full, self.light]
@@ -133,9 +139,16 @@ class Zygotes:
         """A child of the zygote for ``kind`` (of the other one, if that one is gone)."""
         while zygotes := self._alive(kind):
             try:
-                return zygotes[0].take(slot)
+                prepared = zygotes[0].take(slot)
             except ZygoteGone as err:
                 self._lose(zygotes[0], err)
+                continue
+            for other in zygotes[1:]:  # its child forked ahead must survive this call's cleanup
+                try:
+                    other.collect()
+                except ZygoteGone as err:
+                    self._lose(other, err)
+            return prepared
         raise ZygoteGone("no zygote left")
 
     def close(self) -> None:

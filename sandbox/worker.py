@@ -537,7 +537,6 @@ def main(argv: list[str]) -> int:
         "ready": True,
         "slot": cfg.slot,
         "pid": os.getpid(),
-        "zygote_pid": forker.pid,
         "zygote_pids": list(forker.pids),
         "protections": {**slot.protections, "zygote": not forker.scrub, "light_zygote": len(forker.pids) == 2},
         # if we die uncleanly (a private root is an empty directory outside our mount namespace)
@@ -557,7 +556,7 @@ def main(argv: list[str]) -> int:
                 result = run_call(slot, cfg, forker.take(slot, kind), frame["call"])
             _write_line(proto_out, {"result": result})
             del frame, result  # (matters only without a zygote: OwnForks)
-            slot.keep_alive = frozenset(forker.pids)  # a lost zygote's pid may be a call's next
+            slot.keep_alive = frozenset(forker.keep)  # the zygotes and the other's child forked ahead
             slot.after_call()
             forker.ask(slot)  # the next child is forked while we wait for the next call
     except ZygoteGone as err:  # the server answers the call with an error and starts a new worker

@@ -137,7 +137,7 @@ def _call(slot: Slot, pair: Zygotes, code: str, kind: str) -> dict:
     result = run_call(slot, slot.cfg, prepared, _exec(code))
     with contextlib.suppress(ChildProcessError):
         os.waitpid(prepared.pid, 0)
-    slot.keep_alive = frozenset(pair.pids)  # as the worker does: its zygotes are not a call's
+    slot.keep_alive = frozenset(pair.keep)  # as the worker does: not a call's processes
     slot.after_call()
     return result
 
@@ -181,3 +181,28 @@ def test_with_both_zygotes_gone_the_worker_is_told(slot, zygotes):
         os.kill(z.pid, signal.SIGKILL)
     with pytest.raises(ZygoteGone):
         zygotes.take(slot, "light")
+
+
+def _alive_process(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_other_zygotes_child_forked_ahead_survives_a_calls_cleanup(slot, zygotes):
+    """Without a pids cgroup (basic isolation) the worker clears the slot by killing every
+    child of its own but the ones it keeps: the child the other zygote forked ahead is kept,
+    so the next call of that kind does not wait for a fork."""
+    assert not slot.cgroup.pids
+    zygotes.ask(slot)
+    r = _call(slot, zygotes, "print(1)", "light")
+    assert r["stdout"] == "1\n", r
+    waiting = zygotes.full.ready
+    assert waiting is not None and _alive_process(waiting.pid)
+    prepared = zygotes.take(slot, "full")
+    assert prepared.pid == waiting.pid
+    result = run_call(slot, slot.cfg, prepared, _exec("print(2)"))
+    os.waitpid(prepared.pid, 0)
+    assert result["stdout"] == "2\n", result
