@@ -459,7 +459,7 @@ class SandboxService:
         with contextlib.suppress(OSError):
             pids |= {int(t) for t in os.listdir("/proc/self/task")}
         for w in self.workers:
-            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, *w.zygote_pids) if p}
+            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, *getattr(w, "zygote_pids", ())) if p}
         return sorted(pids)
 
     async def _work_or_death(self, w: WorkerProc) -> bool:
