@@ -169,7 +169,11 @@ class Zygote:
         return doc, fds
 
     def ask(self, slot: Slot) -> None:
-        """Have the next child forked now, with the slot's current state (returns at once)."""
+        """Have the next child forked now, with the slot's current state (returns at once);
+        a child received earlier that died while it waited is replaced."""
+        if self.ready is not None and self.ready.exited():
+            self.ready.discard()
+            self.ready = None
         if self.asked is not None or self.ready is not None:
             return
         if self.generation != slot.generation:

@@ -206,3 +206,20 @@ def test_the_other_zygotes_child_forked_ahead_survives_a_calls_cleanup(slot, zyg
     result = run_call(slot, slot.cfg, prepared, _exec("print(2)"))
     os.waitpid(prepared.pid, 0)
     assert result["stdout"] == "2\n", result
+
+
+def test_a_child_forked_ahead_that_died_while_it_waited_is_replaced_before_it_is_needed(slot, zygotes):
+    """Another call of the same uid (basic isolation) can kill a child waiting for its call: the
+    worker's next ask replaces it, so no call is handed a dead child."""
+    zygotes.ask(slot)
+    _call(slot, zygotes, "print(1)", "light")  # the full zygote's child is received, waits on
+    dead = zygotes.full.ready
+    assert dead is not None
+    os.kill(dead.pid, signal.SIGKILL)
+    os.waitpid(dead.pid, 0)  # as the slot's sweep would (it reaps every zombie)
+    zygotes.ask(slot)
+    prepared = zygotes.take(slot, "full")
+    assert prepared.pid != dead.pid
+    result = run_call(slot, slot.cfg, prepared, _exec("print(2)"))
+    os.waitpid(prepared.pid, 0)
+    assert result["stdout"] == "2\n", result
