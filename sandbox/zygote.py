@@ -7,7 +7,9 @@ in the heap it inherits. Scrubbing freed memory in the worker (glibc ``M_PERTURB
 but cost ~25 % of calls/s. The zygote is forked from the worker right after preloading and
 building the slot, before the first request; it only ever receives commands (fork a child, the
 slot's current filter pids and directory), never a call, so a child forked from it holds
-nothing of any call, whatever the worker's allocator does.
+nothing of any call, whatever the worker's allocator does. A worker starts two: the full one
+(numpy, scipy, sympy, math-verify) and a light one (the standard library), and
+:mod:`kuberl.sandbox.routing` picks one per call.
 
 The child is nevertheless the *worker's* child (``clone`` with ``CLONE_PARENT``): the worker
 waits for it, kills and reaps it, reads its exit status and adopts its orphans exactly as if it
