@@ -124,7 +124,6 @@ class OwnForks:
 
     pid = None
     pids: tuple[int, ...] = ()
-    keep: tuple[int, ...] = ()  # no child forked ahead is pending while a call is cleared up
     scrub = True
 
     def __init__(self, cfg: WorkerConfig) -> None:

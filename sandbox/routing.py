@@ -136,7 +136,8 @@ class Zygotes:
                 self._lose(zygote, err)
 
     def take(self, slot: Any, kind: Kind = "full") -> Prepared:
-        """A child of the zygote for ``kind`` (of the other one, if that one is gone)."""
+        """A child of the zygote for ``kind`` (of the other one, if that one is gone); the
+        slot's ``keep_alive`` becomes the zygotes and the other's child forked ahead."""
         while zygotes := self._alive(kind):
             try:
                 prepared = zygotes[0].take(slot)
@@ -148,6 +149,8 @@ class Zygotes:
                     other.collect()
                 except ZygoteGone as err:
                     self._lose(other, err)
+            # from now on (the call may be killed, its slot cleared) the slot spares these
+            slot.keep_alive = frozenset(self.keep)
             return prepared
         raise ZygoteGone("no zygote left")
 

@@ -191,7 +191,7 @@ class Slot:
         self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=root is not None)
         self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
-        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (the zygote)
+        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -556,7 +556,6 @@ def main(argv: list[str]) -> int:
                 result = run_call(slot, cfg, forker.take(slot, kind), frame["call"])
             _write_line(proto_out, {"result": result})
             del frame, result  # (matters only without a zygote: OwnForks)
-            slot.keep_alive = frozenset(forker.keep)  # the zygotes and the other's child forked ahead
             slot.after_call()
             forker.ask(slot)  # the next child is forked while we wait for the next call
     except ZygoteGone as err:  # the server answers the call with an error and starts a new worker
