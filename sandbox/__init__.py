@@ -1,7 +1,8 @@
 """The code environment of rStar2-Agent (paper section 3.1): run model-written Python safely.
 
-- ``worker``: a warm fork-server per core (numpy, sympy, scipy, math-verify preloaded and
-  frozen); every call is one fork into a contained child (setsid, rlimits, seccomp, slot uid,
+- ``worker``: a warm fork-server per core; its zygotes (``zygote``) preload and freeze numpy,
+  sympy, scipy and math-verify (full) or the standard library only (light; ``routing`` picks one
+  per call); every call is one fork into a contained child (setsid, rlimits, seccomp, slot uid,
   slot cgroup from ``cgroups``, writes confined by ``landlock``), with a wall deadline, a disk
   quota and a sweep of whatever it left behind.
 - ``server``: the service (``kuberl sandbox serve``): bounded queue, batching dispatch,

@@ -77,12 +77,19 @@ class Prepared:
     request_w: int
     generation: int  # the slot's filter generation it was forked with
 
+    def exited(self) -> bool:
+        """Whether the child is gone (killed while it waited: another call of its uid can)."""
+        return bool(select.select([self.pidfd], [], [], 0)[0])
+
     def discard(self) -> None:
-        """Kill and reap a child that will not run a call (the worker stops, or the filter changed)."""
+        """Kill and reap a child that will not run a call (the worker stops, or the filter changed).
+
+        Signalled through its pidfd: a child forked ahead can wait across calls, and the slot's
+        sweep may have reaped it meanwhile, so its pid may be another process's by now."""
         with contextlib.suppress(OSError):
             os.close(self.request_w)
         with contextlib.suppress(OSError):
-            os.kill(self.pid, signal.SIGKILL)
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
         for fd in (self.pidfd, self.pipes.out[0], self.pipes.err[0], self.pipes.meta[0]):
@@ -116,6 +123,7 @@ class OwnForks:
     ~25 % of calls/s) and reads calls unbuffered."""
 
     pid = None
+    pids: tuple[int, ...] = ()
     scrub = True
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -126,7 +134,8 @@ class OwnForks:
         if self.pending is None:
             self.pending = prepare(slot, self.cfg)
 
-    def take(self, slot: Slot) -> Prepared:
+    def take(self, slot: Slot, kind: str = "full") -> Prepared:
+        """The child forked ahead (one image here: ``kind`` changes nothing)."""
         self.ask(slot)
         prepared, self.pending = self.pending, None
         assert prepared is not None

@@ -175,7 +175,7 @@ class WorkerProc:
         self.cfg = cfg
         self.proc: asyncio.subprocess.Process | None = None
         self.pid: int | None = None  # the worker itself (proc is `unshare` in a namespace)
-        self.zygote_pid: int | None = None  # the worker's zygote (forks its calls' children)
+        self.zygote_pids: tuple[int, ...] = ()  # the worker's zygotes (fork its calls' children)
         self.up = False
         self.protections: dict[str, bool] = {}
         self.leftovers: dict[str, Any] = {}
@@ -218,7 +218,7 @@ class WorkerProc:
         self.leftovers = hello.get("leftovers", {})
         self.pid = self.proc.pid if ns else int(hello.get("pid", self.proc.pid))
         # inside a PID namespace its pid means nothing here (and no call of another slot sees it)
-        self.zygote_pid = None if ns or not hello.get("zygote_pid") else int(hello["zygote_pid"])
+        self.zygote_pids = () if ns else tuple(int(p) for p in hello.get("zygote_pids") or [] if p)
         self.up = True
 
     async def run(self, calls: list[dict[str, Any]], protect: list[int]) -> AsyncIterator[dict[str, Any]]:
@@ -459,7 +459,7 @@ class SandboxService:
         with contextlib.suppress(OSError):
             pids |= {int(t) for t in os.listdir("/proc/self/task")}
         for w in self.workers:
-            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, getattr(w, "zygote_pid", None)) if p}
+            pids |= {p for p in (w.pid, w.proc.pid if w.proc else None, *getattr(w, "zygote_pids", ())) if p}
         return sorted(pids)
 
     async def _work_or_death(self, w: WorkerProc) -> bool:

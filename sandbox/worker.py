@@ -4,9 +4,10 @@ Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
 ``unshare --net --pid --ipc --fork --mount-proc --kill-child`` when available) with an
 allowlisted environment, it builds the filesystem view its calls get
 (:mod:`kuberl.sandbox.fsview`: a private read-only root with a per-call tmpfs, or a Landlock
-read allowlist), forks its zygote (:mod:`kuberl.sandbox.zygote`), which preloads and warms
-numpy, sympy, scipy and math-verify and then forks every call's child, so no child inherits
-memory that held an earlier call, and then reads one length-prefixed frame (a call) at a time
+read allowlist), forks its two zygotes (:mod:`kuberl.sandbox.zygote`): the full one preloads and
+warms numpy, sympy, scipy and math-verify, the light one only the standard library; they fork
+every call's child (:mod:`kuberl.sandbox.routing` picks which), so no child inherits memory that
+held an earlier call. It then reads one length-prefixed frame (a call) at a time
 on its protocol pipe and answers one JSON line per call, as soon as that call is done (so the
 server knows which call was running if the worker dies). Per call the cost is one ``fork`` (of
 the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs the code; its
@@ -44,6 +45,7 @@ from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 from kuberl.sandbox.child import use_call_environment
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
 from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
+from kuberl.sandbox.routing import Zygotes, zygote_for
 from kuberl.sandbox.seccomp import SeccompProgram
 from kuberl.sandbox.zygote import Zygote, ZygoteGone
 
@@ -118,13 +120,18 @@ def _hide_home_keep_python() -> bool:
     return True
 
 
-def preload() -> None:
-    """Import and exercise the heavy libraries once so each fork inherits them warm (in the
-    zygote; the worker itself never loads them)."""
+def preload_light() -> None:
+    """The light zygote's preload: the standard library modules calls use most."""
     import importlib
 
     for name in PRELOAD_STDLIB:
         importlib.import_module(name)
+
+
+def preload() -> None:
+    """Import and exercise the heavy libraries once so each fork inherits them warm (in the
+    full zygote; the worker itself never loads them)."""
+    preload_light()
     import numpy  # noqa: F401
     import scipy  # noqa: F401
     import scipy.special  # noqa: F401
@@ -184,7 +191,7 @@ class Slot:
         self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=root is not None)
         self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
-        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (the zygote)
+        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -525,13 +532,13 @@ def main(argv: list[str]) -> int:
     gc.collect()
     gc.freeze()
     forker = _start_forker(slot, cfg, (proto_in, proto_out))
-    slot.keep_alive = frozenset({forker.pid} if forker.pid else ())
+    slot.keep_alive = frozenset(forker.pids)
     hello = {
         "ready": True,
         "slot": cfg.slot,
         "pid": os.getpid(),
-        "zygote_pid": forker.pid,
-        "protections": {**slot.protections, "zygote": not forker.scrub},
+        "zygote_pids": list(forker.pids),
+        "protections": {**slot.protections, "zygote": not forker.scrub, "light_zygote": len(forker.pids) == 2},
         # if we die uncleanly (a private root is an empty directory outside our mount namespace)
         "leftovers": {"dir": root.root if root else slot.dir, "cgroups": slot.cgroup.dirs()},
     }
@@ -540,12 +547,13 @@ def main(argv: list[str]) -> int:
     try:
         while (frame := _read_frame(proto_in)) is not None:
             slot.protect(frame.get("protect", []))
-            prepared = forker.take(slot)  # forked while we were idle (or answering the last call)
+            kind = zygote_for(frame["call"])
+            prepared = forker.take(slot, kind)  # forked while we were idle (or answering the last call)
             try:
                 result = run_call(slot, cfg, prepared, frame["call"])
             except ChildGone as err:  # e.g. killed by another slot's call on an old kernel
                 print(f"kuberl sandbox worker: {err}; forking another", file=sys.stderr)
-                result = run_call(slot, cfg, forker.take(slot), frame["call"])
+                result = run_call(slot, cfg, forker.take(slot, kind), frame["call"])
             _write_line(proto_out, {"result": result})
             del frame, result  # (matters only without a zygote: OwnForks)
             slot.after_call()
@@ -560,13 +568,19 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Zygote | OwnForks:
-    """The zygote (children never inherit memory that held a call), or where the kernel or the
-    container refuses ``clone(CLONE_PARENT)``, this worker forking its children itself with
-    freed memory scrubbed (so a call forked from it finds no trace of earlier calls' code,
-    stdin, output or gold answers in the heap it inherits; ~25 % of calls/s)."""
+def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Zygotes | OwnForks:
+    """The full and the light zygote (children never inherit memory that held a call), both
+    before the first call; without a light one the full one forks every call. Where the kernel
+    refuses ``clone(CLONE_PARENT)``, this worker forks its children itself with freed memory
+    scrubbed (so a call finds no trace of earlier calls in the heap it inherits; ~25 % of calls/s)."""
     try:
-        return Zygote.start(slot, cfg, close=protocol, preload=preload)
+        full = Zygote.start(slot, cfg, close=protocol, preload=preload)
+        light = None
+        try:  # it must not hold the full one's socket (nor could any of its children use it)
+            light = Zygote.start(slot, cfg, close=(*protocol, full.sock.fileno()), preload=preload_light)
+        except (OSError, ZygoteGone) as err:
+            print(f"kuberl sandbox worker: no light zygote ({err}); the full one forks all", file=sys.stderr)
+        return Zygotes(full, light)
     except (OSError, ZygoteGone) as err:
         print(f"kuberl sandbox worker: no zygote ({err}); scrubbing freed memory instead", file=sys.stderr)
     _LIBC.mallopt(M_PERTURB, 0xA5)

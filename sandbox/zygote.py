@@ -7,7 +7,9 @@ in the heap it inherits. Scrubbing freed memory in the worker (glibc ``M_PERTURB
 but cost ~25 % of calls/s. The zygote is forked from the worker right after preloading and
 building the slot, before the first request; it only ever receives commands (fork a child, the
 slot's current filter pids and directory), never a call, so a child forked from it holds
-nothing of any call, whatever the worker's allocator does.
+nothing of any call, whatever the worker's allocator does. A worker starts two: the full one
+(numpy, scipy, sympy, math-verify) and a light one (the standard library), and
+:mod:`kuberl.sandbox.routing` picks one per call.
 
 The child is nevertheless the *worker's* child (``clone`` with ``CLONE_PARENT``): the worker
 waits for it, kills and reaps it, reads its exit status and adopts its orphans exactly as if it
@@ -92,7 +94,8 @@ class Zygote:
         self.pid = pid
         self.sock = sock
         self.generation = generation  # of the slot state the zygote last heard of
-        self.asked: int | None = None  # generation of a child asked for and not yet taken
+        self.asked: int | None = None  # generation of a child asked for and not yet received
+        self.ready: Prepared | None = None  # a child received (its pid known) and not yet taken
 
     @classmethod
     def start(
@@ -168,8 +171,12 @@ class Zygote:
         return doc, fds
 
     def ask(self, slot: Slot) -> None:
-        """Have the next child forked now, with the slot's current state (returns at once)."""
-        if self.asked is not None:
+        """Have the next child forked now, with the slot's current state (returns at once);
+        a child received earlier that died while it waited is replaced."""
+        if self.ready is not None and self.ready.exited():
+            self.ready.discard()
+            self.ready = None
+        if self.asked is not None or self.ready is not None:
             return
         if self.generation != slot.generation:
             self._send({"op": "state", "protected": sorted(slot.protected), "dir": slot.dir})
@@ -181,25 +188,37 @@ class Zygote:
         """The child asked for (asking now if nobody did), forked with the slot's current state."""
         while True:
             self.ask(slot)
-            doc, fds = self._receive()
-            generation, self.asked = self.asked, None
-            request_w, out_r, err_r, meta_r = fds
-            pid = int(doc["pid"])
-            try:
-                pidfd = os.pidfd_open(pid)
-            except OSError:  # already gone and reaped: ask for another
-                for fd in fds:
-                    os.close(fd)
+            self.collect()
+            prepared, self.ready = self.ready, None
+            if prepared is None:  # already gone and reaped: ask for another
                 continue
-            prepared = Prepared(
-                pid, pidfd, Pipes((out_r, -1), (err_r, -1), (meta_r, -1)), request_w, generation
-            )
-            if generation == slot.generation:
+            if prepared.generation == slot.generation:
                 return prepared
             prepared.discard()  # forked with an older filter or directory
 
+    def collect(self) -> None:
+        """Receive the child asked for, if any (forked by now or in a moment), without taking it:
+        the worker then knows its pid and spares it when it clears the slot after a call."""
+        if self.asked is None or self.ready is not None:
+            return
+        doc, fds = self._receive()
+        generation, self.asked = self.asked, None
+        request_w, out_r, err_r, meta_r = fds
+        try:
+            pidfd = os.pidfd_open(int(doc["pid"]))
+        except OSError:  # already gone and reaped
+            for fd in fds:
+                os.close(fd)
+            return
+        pipes = Pipes((out_r, -1), (err_r, -1), (meta_r, -1))
+        self.ready = Prepared(int(doc["pid"]), pidfd, pipes, request_w, generation)
+
     def close(self) -> None:
-        """Stop the zygote (EOF on its socket; SIGKILL as well) and reap it."""
+        """Stop the zygote (EOF on its socket; SIGKILL as well) and reap it (and a child it
+        forked that was not taken)."""
+        if self.ready is not None:
+            self.ready.discard()
+            self.ready = None
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(OSError):

@@ -21,6 +21,7 @@ from sandbox_helpers import alive, exec_code, memory_probe, readyz, unprivileged
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.fsview import readonly_paths
 from kuberl.sandbox.local import running_sandbox
+from kuberl.sandbox.routing import zygote_for
 from kuberl.sandbox.worker import CLEAN_BUDGET_SECONDS
 
 LIMITS = SandboxLimits(timeout_seconds=3, memoryMB=256, max_output_bytes=4096, max_processes=16, diskMB=64)
@@ -61,13 +62,27 @@ def svc(request):
         HOST_SECRETS_DIR.rmdir()
 
 
-def _run(url: str, code: str):
-    return exec_code(url, code)
+def _run(url: str, code: str, zygote: str | None = None):
+    """One call; with ``zygote``, on that zygote (the code must route there, or be sent there
+    by a leading comment that names a heavy library: routing reads comments too)."""
+    return exec_code(url, code if zygote is None else _routed(code, zygote))
+
+
+ZYGOTES = ("light", "full")
+TO_FULL = "# numpy: a comment that sends this call to the full zygote\n"
+
+
+def _routed(code: str, zygote: str) -> str:
+    code = TO_FULL + code if zygote == "full" else code
+    assert zygote_for({"op": "exec", "code": code}) == zygote, code
+    return code
 
 
 def _healthy_after(url: str, before: dict) -> None:
-    """The same server and workers answer a plain call after the case."""
+    """The same server and workers answer a plain call after the case, on both zygotes."""
     alive(url)
+    r = _run(url, "print('alive')", "full")
+    assert (r.outcome, r.output) == ("stdout", "alive\n"), r
     status, info = readyz(url)
     assert status == 200, info
     assert info["server_pid"] == before["server_pid"]
@@ -77,7 +92,8 @@ def _healthy_after(url: str, before: dict) -> None:
 # ---- what a call sees ---------------------------------------------------------------------------
 
 
-def test_the_environment_is_an_allowlist(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_the_environment_is_an_allowlist(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
     code = (
@@ -89,7 +105,7 @@ def test_the_environment_is_an_allowlist(svc):
         "    except OSError as e:\n"
         "        print(p, type(e).__name__)\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "stdout", r
     assert SECRET not in r.output and "AWS_SECRET" not in r.output, r.output
     names = set(eval(r.output.splitlines()[0]))  # noqa: S307 - our own printed list
@@ -119,7 +135,8 @@ def _host_paths() -> list[str]:
     ]
 
 
-def test_host_files_are_out_of_sight(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_host_files_are_out_of_sight(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
     paths = _host_paths()
@@ -136,7 +153,7 @@ def test_host_files_are_out_of_sight(svc):
         "    except OSError as e:\n"
         "        print('denied', p, type(e).__name__)\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "stdout", r
     assert SECRET not in r.output
     # a call's own scratch space may be listed (it is empty), and the directories on the way
@@ -152,7 +169,8 @@ def test_host_files_are_out_of_sight(svc):
     _healthy_after(url, before)
 
 
-def test_proc_shows_no_host_mounts_or_processes(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_proc_shows_no_host_mounts_or_processes(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
     code = (
@@ -167,7 +185,7 @@ def test_proc_shows_no_host_mounts_or_processes(svc):
         "except OSError as e:\n"
         "    print('denied', type(e).__name__)\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "stdout", r
     assert str(REPO) not in r.output and "/work" not in r.output, r.output
     _healthy_after(url, before)
@@ -203,7 +221,8 @@ def test_the_python_tools_still_work(svc):
 # ---- what a call can leave behind ---------------------------------------------------------------
 
 
-def test_the_service_reads_no_file_the_call_chose(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_the_service_reads_no_file_the_call_chose(svc, zygote):
     """A call that swaps the paths a service might read its output from gets its own output."""
     mode, url = svc
     before = readyz(url)[1]
@@ -218,7 +237,7 @@ def test_the_service_reads_no_file_the_call_chose(svc):
         "        pass\n"
         f"    os.symlink({str(HOST_TMP_FILE)!r}, name)\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert (r.outcome, r.output) == ("stdout", "mine\n"), r
     fifo = (
         "import os\n"
@@ -231,7 +250,7 @@ def test_the_service_reads_no_file_the_call_chose(svc):
         "print('fifos')\n"
     )
     started = time.monotonic()
-    r = _run(url, fifo)
+    r = _run(url, fifo, zygote)
     assert (r.outcome, r.output) == ("stdout", "fifos\n"), r
     assert time.monotonic() - started < LIMITS.timeout_seconds
     _healthy_after(url, before)
@@ -275,12 +294,13 @@ LEFTOVERS = {
 }
 
 
+@pytest.mark.parametrize("zygote", ZYGOTES)
 @pytest.mark.parametrize("name", sorted(LEFTOVERS))
-def test_what_a_call_leaves_is_gone_for_the_next(svc, name):
+def test_what_a_call_leaves_is_gone_for_the_next(svc, name, zygote):
     mode, url = svc
     before = readyz(url)[1]
     started = time.monotonic()
-    r = _run(url, LEFTOVERS[name])
+    r = _run(url, LEFTOVERS[name], zygote)
     # making the tree may run out of time (Landlock checks every level of a deep path) or of
     # inodes; removing it must not take long whatever it is
     assert r.outcome in ("stdout", "timeout", "error"), r
@@ -320,7 +340,8 @@ def test_kernel_objects_die_with_the_call(svc):
     _healthy_after(url, before)
 
 
-def test_only_unix_sockets(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_only_unix_sockets(svc, zygote):
     """No network, and none of the families that reach the host or the kernel without one."""
     mode, url = svc
     before = readyz(url)[1]
@@ -338,7 +359,7 @@ def test_only_unix_sockets(svc):
         "a, b = socket.socketpair()\n"
         "a.sendall(b'x'); print(b.recv(1))\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "stdout", r
     opened = {ln.split()[1] for ln in r.output.splitlines() if ln.startswith("open")}
     # without a private root a unix socket could reach the host's by path: socket pairs only
@@ -404,11 +425,12 @@ def test_no_new_user_namespaces(svc):
 # ---- failing fast and bounded output -------------------------------------------------------------
 
 
-def test_runaway_recursion_fails_fast(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_runaway_recursion_fails_fast(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
     code = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)\n"
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "error" and "RecursionError" in r.output, r
     assert r.duration_s < 1.0, r
     ok = _run(url, "import sys\nsys.setrecursionlimit(10**5)\ndef f(n):\n    return 0 if n == 0 else f(n - 1)\n"
@@ -417,18 +439,20 @@ def test_runaway_recursion_fails_fast(svc):
     _healthy_after(url, before)
 
 
-def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
-    r = _run(url, "import sys\nfor i in range(200000):\n    print(i)\nprint('end', file=sys.stderr)")
+    r = _run(url, "import sys\nfor i in range(200000):\n    print(i)\nprint('end', file=sys.stderr)", zygote)
     assert r.outcome == "stdout" and r.truncated, r
     assert r.output.startswith("0\n1\n2\n") and "Errno" not in r.output, r.output[-200:]
-    r = _run(url, "for i in range(200000):\n    print(i)\n1 / 0")
+    r = _run(url, "for i in range(200000):\n    print(i)\n1 / 0", zygote)
     assert r.outcome == "error" and r.truncated and "ZeroDivisionError" in r.output, r.output[-300:]
     _healthy_after(url, before)
 
 
-def test_files_unlinked_while_open_count_against_the_quota(svc):
+@pytest.mark.parametrize("zygote", ZYGOTES)
+def test_files_unlinked_while_open_count_against_the_quota(svc, zygote):
     mode, url = svc
     before = readyz(url)[1]
     code = (
@@ -447,7 +471,7 @@ def test_files_unlinked_while_open_count_against_the_quota(svc):
         "finally:\n"
         "    print('written MB', written)\n"
     )
-    r = _run(url, code)
+    r = _run(url, code, zygote)
     assert r.outcome == "error", r
     lines = [ln for ln in r.output.splitlines() if ln.startswith("written MB")]
     assert not lines or int(lines[0].split()[-1]) <= LIMITS.disk_mb + 16, r.output
@@ -501,15 +525,20 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
             ours |= frontier
         return [int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-ready"]]
 
-    deadline = time.monotonic() + 5  # a worker forks ahead once it has cleaned up after the last call
-    while len(ready := ready_children()) < len(before["worker_pids"]) and time.monotonic() < deadline:
+    # a worker forks ahead once it has cleaned up after the last call: one child per zygote
+    wanted = len(before["worker_pids"]) * (2 if before["protections"].get("light_zygote") else 1)
+    deadline = time.monotonic() + 5
+    while len(ready := ready_children()) < wanted and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(ready) == len(before["worker_pids"]), ready
+        alive(url)  # a worker replaces a child forked ahead that died since (earlier cases)
+    assert len(ready) == wanted, ready
     for pid in ready:
         os.kill(pid, signal.SIGKILL)
     time.sleep(0.2)
     for _ in range(3):
         alive(url)
+        r = _run(url, "print('alive')", "full")
+        assert (r.outcome, r.output) == ("stdout", "alive\n"), r
     status, info = readyz(url)
     assert status == 200 and info["worker_pids"] == before["worker_pids"] and info["worker_restarts"] == 0
 
@@ -746,3 +775,142 @@ def test_files_the_worker_cannot_easily_see_count_against_the_quota(svc, name):
     r = _run(url, code)
     assert r.outcome == "error" and "quota" in r.output or "No space" in r.output, r
     _healthy_after(url, before)
+
+
+# ---- the two zygotes ------------------------------------------------------------------------------
+
+# Everything the sandbox sets up for a call, as the call sees it: written to route to the light
+# zygote (no heavy name, nothing that imports by a computed name); TO_FULL sends it to the full
+# one. Not compared: pids, and RLIMIT_AS (the memory budget on top of the image, which differs).
+SANDBOX_STATE = (
+    "import json, os, resource, signal, sys, tempfile\n"
+    "def read(path):\n"
+    "    try:\n"
+    "        with open(path) as fh:\n"
+    "            return fh.read()\n"
+    "    except OSError as e:\n"
+    "        return type(e).__name__\n"
+    "def link(path):\n"
+    "    try:\n"
+    "        return os.readlink(path)\n"
+    "    except OSError as e:\n"
+    "        return type(e).__name__\n"
+    "status = [ln for ln in read('/proc/self/status').splitlines()\n"
+    "          if ln.split(':')[0] in ('Uid', 'Gid', 'Groups', 'NoNewPrivs', 'Seccomp', 'Seccomp_filters',\n"
+    "                                  'CapInh', 'CapPrm', 'CapEff', 'CapBnd', 'CapAmb')]\n"
+    "limits = {n: resource.getrlimit(r) for n, r in (('cpu', resource.RLIMIT_CPU), ('fsize', resource.RLIMIT_FSIZE),\n"
+    "          ('nofile', resource.RLIMIT_NOFILE), ('core', resource.RLIMIT_CORE), ('nproc', resource.RLIMIT_NPROC),\n"
+    "          ('stack', resource.RLIMIT_STACK), ('data', resource.RLIMIT_DATA))}\n"
+    "fds = []\n"
+    "for fd in range(64):\n"
+    "    try:\n"
+    "        os.fstat(fd)\n"
+    "        fds.append(fd)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "sys.setrecursionlimit(10**7)\n"
+    "print(json.dumps({\n"
+    "    'ids': [os.getuid(), os.geteuid(), os.getgid(), os.getgroups()], 'status': status,\n"
+    "    'ns': {n: link('/proc/self/ns/' + n) for n in ('ipc', 'mnt', 'net', 'pid', 'uts', 'cgroup', 'user')},\n"
+    "    'cgroup': read('/proc/self/cgroup'), 'mounts': read('/proc/self/mountinfo'),\n"
+    "    'env': dict(os.environ), 'cwd': os.getcwd(), 'tmp': tempfile.gettempdir(), 'umask': os.umask(0o22),\n"
+    "    'limits': limits, 'fds': fds, 'session_leader': os.getsid(0) == os.getpid(),\n"
+    "    'recursion': sys.getrecursionlimit(), 'listing': sorted(os.listdir('.')),\n"
+    "    'signals': [str(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ)],\n"
+    f"    'host_file': read({str(HOST_TMP_FILE)!r}), 'checkout': read({str(REPO / 'pyproject.toml')!r}),\n"
+    "}, sort_keys=True))\n"
+)
+
+
+def _comparable(output: str, mode: str) -> str:
+    """A call's sandbox state without what varies from call to call by design: under one
+    shared uid (basic) the process cap is the uid's task count at the call's start plus the
+    slot's allowance, so only its being finite compares."""
+    state = json.loads(output)
+    if mode == "basic":
+        soft, hard = state["limits"].pop("nproc")
+        assert 0 < soft == hard < 2**31, state
+    return json.dumps(state, sort_keys=True)
+
+
+def test_both_zygotes_give_their_calls_the_same_sandbox(svc):
+    """The light zygote's children enter the sandbox by the same code as the full one's: the
+    same ids, capabilities, filter, namespaces (IPC included), cgroup, mounts, environment,
+    rlimits (the stack one included), descriptors and recursion cap; no host file either way."""
+    mode, url = svc
+    before = readyz(url)[1]
+    # each worker (slot) has its own uid, namespaces and directory: what the light zygote's
+    # calls see on some worker, the full one's see on that worker. Light, full, full, light:
+    # whichever way the server spreads calls over the workers, both kinds reach the same ones
+    seen: dict[str, set[str]] = {"light": set(), "full": set()}
+    for i in range(12):
+        for zygote in ("light", "full", "full", "light"):
+            r = _run(url, SANDBOX_STATE, zygote)
+            assert r.outcome == "stdout", r
+            seen[zygote].add(_comparable(r.output, mode))
+        if i >= 2 and seen["light"] == seen["full"]:
+            break
+    assert seen["light"] == seen["full"], seen
+    state = json.loads(sorted(seen["light"])[0])
+    assert SECRET not in json.dumps(state) and state["recursion"] <= 100_000
+    assert state["session_leader"] and state["listing"] == [] and state["fds"][:3] == [0, 1, 2], state
+    assert len(state["fds"]) == 4, state  # and the result record's pipe
+    if mode == "full" and os.geteuid() == 0:
+        assert state["ns"]["ipc"] != os.readlink("/proc/self/ns/ipc") and state["ids"][0] != 0, state
+    _healthy_after(url, before)
+
+
+def test_calls_run_on_the_zygote_their_code_asks_for_and_a_stray_import_works(svc):
+    """Only the full zygote's children start with numpy loaded. A call whose code slips past
+    the scan and imports numpy anyway (here through ``warnings``, which imports a category's
+    module by name) runs on the light zygote all the same: it merely imports numpy cold."""
+    mode, url = svc
+    before = readyz(url)[1]
+    witness = "import sys\ntable = sys\nprint(sum(k.endswith('_multiarray_umath') for k in table.modules))\n"
+    for _ in range(2):  # whichever worker answers
+        assert _run(url, witness, "light").output == "0\n"
+        assert _run(url, witness, "full").output == "1\n"
+    stray = "import warnings\nw = warnings._getcategory('nu' + 'mpy.exceptions.ComplexWarning')\nprint(w.__name__)\n"
+    r = _run(url, stray + witness, "light")
+    assert (r.outcome, r.output) == ("stdout", "ComplexWarning\n1\n"), r
+    _healthy_after(url, before)
+
+
+def _zygote_processes(worker_pids: list[int]) -> dict[str, list[int]]:
+    """This service's zygotes by kind (only the full one maps numpy's extension)."""
+    import subprocess
+
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+    rows = [ln.split() for ln in ps.splitlines()]
+    ours, frontier = set(), set(worker_pids)
+    while frontier:
+        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
+        ours |= frontier
+    found: dict[str, list[int]] = {"light": [], "full": []}
+    for r in rows:
+        if int(r[0]) in ours and r[2:] == ["kuberl-zygote"]:
+            maps = Path(f"/proc/{r[0]}/maps").read_text()
+            found["full" if "_multiarray_umath" in maps else "light"].append(int(r[0]))
+    return found
+
+
+def test_a_lost_light_zygote_costs_no_call():
+    """Killed (out of memory, say), a light zygote costs no call: the full one forks every call
+    from then on, in the same workers."""
+    import signal
+
+    mode = "full" if os.geteuid() == 0 else "basic"
+    args = ["--isolation", mode]
+    with running_sandbox(workers=2, limits=LIMITS, pool="lost-zygote", extra_args=args) as url:
+        before = readyz(url)[1]
+        assert before["protections"]["light_zygote"], before
+        zygotes = _zygote_processes(before["worker_pids"])
+        assert len(zygotes["light"]) == len(zygotes["full"]) == 2, zygotes
+        for pid in zygotes["light"]:
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(3):
+            for zygote in ZYGOTES:
+                r = _run(url, "print(6 * 7)", zygote)
+                assert (r.outcome, r.output) == ("stdout", "42\n"), (zygote, r)
+        _healthy_after(url, before)
+        assert _zygote_processes(before["worker_pids"]) == {"light": [], "full": zygotes["full"]}
