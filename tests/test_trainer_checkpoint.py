@@ -156,7 +156,8 @@ spec:
 """
 # wall-clock fields, and the engine's batch-dependent float noise (its log-probs vs the trainer's)
 TIMING = {
-    "time", "step_seconds", "sync_seconds", "rollout_seconds", "update_seconds", "engine_busy_seconds", "tool_seconds",
+    "time", "step_seconds", "rollout_seconds", "update_seconds", "engine_busy_seconds", "tool_seconds",
+    "sync_seconds", "pi_old_seconds", "spot_check_seconds", "optimizer_seconds",
     "tool_latency_p50", "tool_latency_p95", "tool_latency_max", "kv_cache_utilization",
     # the engine's log-probs depend on how requests shared its batches (noise at 1e-7)
     "rollout_logprob_gap", "engine_logprob_gap",

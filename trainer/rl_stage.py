@@ -164,9 +164,11 @@ class RLStage:
         on_policy = a.ppo_epochs == 1 and mini_batches == 1 and k == 0
         logprob_gap = 0.0
         sizes = {"micro_batch_tokens": self.spec.trainer.micro_batch_tokens, "device": self.device}
+        t_old = time.perf_counter()
         if not on_policy:
             logprob_gap = recompute_old_logprobs(self.model, sb, dist=self.ctx, **sizes) if sb.seqs else 0.0
             logprob_gap = self.ctx.all_reduce([logprob_gap])[0] / self.ctx.world_size
+        t_spot = time.perf_counter()
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
@@ -186,6 +188,7 @@ class RLStage:
             if probe.seqs:
                 recompute_old_logprobs(self.model, probe, **sizes)
                 gaps = engine_gaps(probe)
+        t_opt = time.perf_counter()
         upd = rl_update(
             self.model,
             self.optimizer,
@@ -199,6 +202,7 @@ class RLStage:
             on_policy=on_policy,
             **sizes,
         )
+        t_opt_end = time.perf_counter()
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
         if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
@@ -214,6 +218,11 @@ class RLStage:
             "rollout_logprob_gap": logprob_gap,
             "rollout_seconds": t_roll,  # waiting for this step's rollouts (all of their time when k = 0)
             "update_seconds": time.perf_counter() - t1 - t_roll,  # recompute + update
+            # where the update's time goes: pi_old's forward, the spot check (engines scoring
+            # when k > 0: a request the busy engines answer), the optimizer steps
+            "pi_old_seconds": t_spot - t_old,
+            "spot_check_seconds": t_opt - t_spot,
+            "optimizer_seconds": t_opt_end - t_opt,
             "sync_seconds": t1 - t0,  # the weight push to the engines (overlapping generation if k > 0)
             "step_seconds": time.perf_counter() - t0,
         }
