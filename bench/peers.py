@@ -29,6 +29,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -366,8 +367,12 @@ def prepare(out: Path) -> tuple[Path, float]:
 
 
 def run_side(kind: str, manifest: Path, out: Path, settings: Path | None = None) -> dict[str, Any]:
-    """One side's run in its own subprocess; its step records and summary."""
-    out.mkdir(parents=True, exist_ok=True)
+    """One side's run in its own subprocess; its step records and summary.
+
+    ``out`` starts empty: a kuberl run finds an earlier run's checkpoints there and resumes it,
+    so a second invocation with the same ``--out`` would report the first one's steps."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     if kind == "trl":
         args = ["--child", "trl", str(settings), str(out), str(manifest)]
     else:
