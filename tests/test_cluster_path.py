@@ -506,6 +506,16 @@ DIST_JOB = {
 }
 
 
+def _failure_text(proc: subprocess.CompletedProcess) -> str:
+    """What a failed torchrun printed: every rank's error lines from the whole stderr (a rank's
+    traceback may lie far above the launcher's summary), then the tail."""
+    keys = ("Traceback", "Error", "error:", "terminate called", "Exception", "Assertion")
+    lines = proc.stderr.splitlines()
+    hits = sorted({j for i, line in enumerate(lines) if any(k in line for k in keys) for j in range(i, i + 6)})
+    found = "\n".join(lines[j] for j in hits if j < len(lines))
+    return f"{found[-6000:]}\n--- tail ---\n{proc.stderr[-3000:]}"
+
+
 def _dist_run(tmp_path: Path, name: str, ranks: int, job: dict) -> tuple[dict, dict]:
     import yaml
 
@@ -518,7 +528,7 @@ def _dist_run(tmp_path: Path, name: str, ranks: int, job: dict) -> tuple[dict, d
     proc = subprocess.run(
         [*launcher, str(HERE / "dist_run.py"), str(spec), str(out)], capture_output=True, text=True, env=env
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure_text(proc)
     import json
 
     result = json.loads((out / "result.json").read_text())
@@ -584,7 +594,7 @@ def test_fsdp_updates_equal_the_whole_batch_update():
          str(HERE / "dist_grads.py")],
         capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure_text(proc)
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert out["sft"] < 1e-6 and out["rl"] < 1e-6, out
     got, want = out["rl_stats"]
@@ -628,7 +638,7 @@ def test_fsdp_ranks_other_than_0_receive_the_hf_weights_instead_of_reading_them(
          str(HERE / "dist_hf_load.py"), str(tiny_model)],
         capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure_text(proc)
     out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert out["ranks_built_on_meta"] == 1  # rank 1 never held the weights
     assert out["buffers"] > 0 and out["buffer_diff"] == 0.0
