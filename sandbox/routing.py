@@ -94,7 +94,6 @@ class Zygotes:
     def __init__(self, full: Zygote, light: Zygote | None) -> None:
         self.full: Zygote | None = full
         self.light = light
-        self.started = tuple(z for z in (full, light) if z is not None)
 
     @property
     def pids(self) -> tuple[int, ...]:

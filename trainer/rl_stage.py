@@ -74,8 +74,8 @@ class RLStage:
         """GRPO-RoC steps; with ``algorithm.asyncLevel`` k > 0 the rollouts of the next k steps
         generate while this one trains (INTELLECT-2 section 2.1).
 
-        Step n's batch is submitted at step n-k once version n-k reached the engines and step
-        n-k's own batch is in hand (so a batch generates during every update), so it is at most
+        Step n's batch is submitted at step n-k, once version n-k reached the engines and step
+        n-k's own batch is in hand (a batch then generates during every update): it is at most
         k versions old when trained on; the weight push of each new version overlaps the
         generation in flight. A turn is one engine request, and a request finishes on the
         weights it started with (vLLM: ``pause?mode=wait``; LocalEngine: reports the version it
@@ -135,17 +135,19 @@ class RLStage:
                 args, kwargs = request(0)
                 groups = self.call("rollouts", *args, **kwargs)
             else:
-                if gstep not in pending:  # the stage's first step: nothing was submitted ahead
-                    args, kwargs = request(0)
-                    pending[gstep] = self.call("submit_rollouts", *args, **kwargs)
+
+                def submit(ahead: int) -> None:
+                    if gstep + ahead not in pending:
+                        args, kwargs = request(ahead)
+                        pending[gstep + ahead] = self.call("submit_rollouts", *args, **kwargs)
+
+                submit(0)  # only at the stage's first step: later ones were submitted ahead
                 groups = self.call("collect_rollouts", pending.pop(gstep))
                 # Only now the next k batches: submitted before the wait, the batch ahead filled
                 # this batch's tail, ended with it and left the engines idle during the update
                 # (bench/README.md, asynchronous RL)
                 for ahead in range(1, min(k + 1, stage.steps - self.state.stage_step)):
-                    if gstep + ahead not in pending:
-                        args, kwargs = request(ahead)
-                        pending[gstep + ahead] = self.call("submit_rollouts", *args, **kwargs)
+                    submit(ahead)
             sb = prepare_batch(
                 groups,
                 a.group_size,
