@@ -44,16 +44,38 @@ def vllm_url(smollm2_dir, tmp_path_factory):
     server.stop()
 
 
+def _copy_source(repo: Path, dest: Path) -> None:
+    """The checkout's source files only: what git tracks plus new files it does not ignore.
+
+    Copying the whole folder took CI's vLLM virtualenv (.venv-vllm, 6 GB) and every run folder
+    along, and once filled the disk a real-model test then needed for its checkpoint.
+    """
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=repo,
+        capture_output=True,
+        check=False,
+    )
+    if listed.returncode != 0:  # not a git checkout (an unpacked sdist): skip the usual suspects
+        skip = shutil.ignore_patterns(
+            ".venv*", ".git", "runs", "build", "dist", "models", "*.egg-info", "__pycache__"
+        )
+        shutil.copytree(repo, dest, ignore=skip)
+        return
+    for rel in filter(None, listed.stdout.decode().split("\0")):
+        path = repo / rel
+        if path.is_file():  # a deleted-but-tracked file is listed too
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest / rel)
+
+
 @pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory) -> Path:
     """kuberl built as a wheel from a copy of this checkout and unpacked the way pip lays a
     wheel into site-packages: what a user who runs `pip install kuberl` gets."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
-    skip = shutil.ignore_patterns(
-        ".venv", ".git", "runs", "build", "*.egg-info", "__pycache__", ".benchmarks"
-    )
-    shutil.copytree(REPO, src, ignore=skip)
+    _copy_source(REPO, src)
     subprocess.run(
         [
             sys.executable,

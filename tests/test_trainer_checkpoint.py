@@ -79,6 +79,54 @@ def _moto_s3(monkeypatch, bucket: str):
         server.stop()
 
 
+def test_a_full_disk_is_named_and_the_checkpoints_already_there_survive(tmp_path, monkeypatch):
+    """A disk without room for the blob fails with the folder and the space it needs, before
+    writing (the tensors' bytes are known), or after torch's zip writer stops short ("unexpected
+    pos", how ENOSPC surfaces from torch.save); no partial file stays and older ones are intact."""
+    from collections import namedtuple
+
+    import kuberl.trainer.checkpoint as ckpt
+
+    m, opt = _model_opt(0)
+    payload = make_payload(m, opt, TrainState(), "{}", m.config.to_dict())
+    store = CheckpointStore(str(tmp_path), keep=2)
+    store.save(payload, 1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda _p: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(
+        ckpt.CheckpointSpaceError,
+        match=rf"ckpt-00000002.pt does not fit: it needs at least .* in {tmp_path} .*spec.checkpoint.keep",
+    ):
+        store.save(payload, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]
+
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda _p: usage(10**12, 0, 10**12))
+    real_save = torch.save
+
+    def short_write(obj, f, *a, **kw):  # writes part of the blob, then the disk is full
+        real_save({"part": torch.zeros(10)}, f)
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 224603904 vs 224603792"
+        )
+
+    monkeypatch.setattr(ckpt.torch, "save", short_write)
+    with pytest.raises(
+        ckpt.CheckpointSpaceError, match="stopped short .*unexpected pos.*disk is likely full"
+    ):
+        store.save(payload, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt"]
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    assert store.load()["state"] == payload["state"]
+
+    def other_failure(obj, f, *a, **kw):  # not a space problem: the original error, unchanged
+        raise RuntimeError("cannot pickle 'generator' object")
+
+    monkeypatch.setattr(ckpt.torch, "save", other_failure)
+    with pytest.raises(RuntimeError, match="cannot pickle") as err:
+        store.save(payload, 2)
+    assert not isinstance(err.value, ckpt.CheckpointSpaceError)
+
+
 def test_s3_store_on_moto_server(monkeypatch):
     with _moto_s3(monkeypatch, "ckpts"):
         store = CheckpointStore("s3://ckpts/runs/a", keep=2)

@@ -356,7 +356,7 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
                     {"name": "rl", "type": "rl", "steps": 1},
                 ],
                 "trainer": {"device": "cpu", "threads": 1},
-                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 1},
+                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 1, "keep": 1},
             },
         }
     )

@@ -9,9 +9,11 @@ Only the newest ``keep`` are kept. S3 uses the endpoint in ``AWS_ENDPOINT_URL`` 
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,53 @@ class TrainState:
     global_step: int = 0
     cursor: int = 0  # next training example / prompt index
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested payload: a lower bound on its checkpoint's size."""
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint did not fit on its disk; the message says how much it needs and where."""
+
+
+def _write_blob(payload: dict[str, Any], path: Path, name: str) -> None:
+    """``torch.save`` to ``path``, or a clear error that names the folder and the space missing.
+
+    A full disk surfaces from torch's zip writer as ``unexpected pos N vs M``, which says nothing
+    about disks. The space is checked first (the tensors' bytes are a lower bound), and a failed
+    write removes its partial file, so the checkpoints already there are untouched.
+    """
+    need = tensor_bytes(payload)
+    folder = path.parent
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        raise CheckpointSpaceError(_space_message(name, folder, need, free))
+    try:
+        torch.save(payload, path)
+    except (OSError, RuntimeError) as err:
+        path.unlink(missing_ok=True)
+        free = shutil.disk_usage(folder).free
+        if free < need or "unexpected pos" in str(err) or getattr(err, "errno", None) == errno.ENOSPC:
+            raise CheckpointSpaceError(_space_message(name, folder, need, free, err)) from err
+        raise
+
+
+def _space_message(name: str, folder: Path, need: int, free: int, err: BaseException | None = None) -> str:
+    gib = 1024**3
+    what = f"stopped short ({err}); the disk is likely full" if err else "does not fit"
+    return (
+        f"checkpoint {name} {what}: it needs at least {need / gib:.2f} GiB in {folder} and "
+        f"{free / gib:.2f} GiB is free there. Free space on that disk, lower spec.checkpoint.keep, "
+        "or point spec.checkpoint.uri at a larger volume (the checkpoints already written are untouched)"
+    )
 
 
 class CheckpointStore:
@@ -98,12 +147,11 @@ class CheckpointStore:
         name = f"ckpt-{step:08d}.pt"
         if self._s3 is None:
             tmp = Path(self.uri) / f".{name}.tmp"
-            torch.save(payload, tmp)
+            _write_blob(payload, tmp, name)
             tmp.replace(Path(self.uri) / name)  # atomic: a crash never leaves a torn checkpoint
         else:
             with tempfile.NamedTemporaryFile(suffix=".pt") as f:
-                torch.save(payload, f)
-                f.flush()
+                _write_blob(payload, Path(f.name), name)
                 # S3 objects appear whole or not at all, so no rename is needed.
                 self._s3.upload_file(f.name, self.bucket, self._key(name))
         for old in self.names()[: -self.keep]:
