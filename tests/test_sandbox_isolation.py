@@ -877,20 +877,33 @@ def test_calls_run_on_the_zygote_their_code_asks_for_and_a_stray_import_works(sv
 
 
 def _zygote_processes(worker_pids: list[int]) -> dict[str, list[int]]:
-    """This service's zygotes by kind (only the full one maps numpy's extension)."""
-    import subprocess
+    """This service's zygotes by kind (only the full one maps numpy's extension).
 
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
-    rows = [ln.split() for ln in ps.splitlines()]
-    ours, frontier = set(), set(worker_pids)
-    while frontier:
-        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
-        ours |= frontier
+    A zygote is named kuberl-ready for the moment it forks a child (the child is born with that
+    name), so one look can miss it: the names are read a few times and the zygotes seen alive
+    in any of them are kept."""
+    import subprocess
+    import time
+
+    seen: set[int] = set()
+    for _ in range(5):
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+        rows = [ln.split() for ln in ps.splitlines()]
+        ours, frontier = set(), set(worker_pids)
+        while frontier:
+            frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
+            ours |= frontier
+        seen |= {int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-zygote"]}
+        time.sleep(0.02)
     found: dict[str, list[int]] = {"light": [], "full": []}
-    for r in rows:
-        if int(r[0]) in ours and r[2:] == ["kuberl-zygote"]:
-            maps = Path(f"/proc/{r[0]}/maps").read_text()
-            found["full" if "_multiarray_umath" in maps else "light"].append(int(r[0]))
+    for pid in sorted(seen):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # dead, not yet reaped
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone since
+            continue
+        found["full" if "_multiarray_umath" in maps else "light"].append(pid)
     return found
 
 
