@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import time
 
@@ -26,6 +27,40 @@ def _children_by_parent() -> dict[int, list[int]]:
             ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # comm may contain spaces and ")"
             children.setdefault(ppid, []).append(int(name))
     return children
+
+
+def wait_for_exit(pids: list[int], timeout: float) -> None:
+    """Return once every process in ``pids`` has exited (zombies count as exited), or after
+    ``timeout`` seconds; wakes on the exit itself (pidfds), not on a polling interval.
+
+    A killed call still exiting holds its cgroup place until its exit ends (a trivial call's
+    exit takes ~0.8 ms of unmapping); sleeping a fixed 2 ms per look, as before, cost the
+    worker ~2 ms after nearly every call, in which it could not take the next."""
+    fds = []
+    try:
+        for pid in pids[:64]:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:  # gone already
+                continue
+            except OSError:  # no pidfds here (Linux < 5.3, a seccomp profile): a plain wait
+                time.sleep(timeout)
+                return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
+        waiting = len(fds)
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            for fd, _ in poller.poll(left * 1000):
+                poller.unregister(fd)
+                waiting -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _children_of(pid: int) -> list[int]:

@@ -44,7 +44,14 @@ from kuberl.sandbox.calls import ChildGone, OwnForks, run_call
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 from kuberl.sandbox.child import use_call_environment
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
-from kuberl.sandbox.procs import descendants, kill_children, reap_zombies, uid_has_processes, unlinked_bytes
+from kuberl.sandbox.procs import (
+    descendants,
+    kill_children,
+    reap_zombies,
+    uid_has_processes,
+    unlinked_bytes,
+    wait_for_exit,
+)
 from kuberl.sandbox.routing import Zygotes, zygote_for
 from kuberl.sandbox.seccomp import SeccompProgram
 from kuberl.sandbox.zygote import Zygote, ZygoteGone
@@ -319,7 +326,7 @@ class Slot:
             if not pids:
                 emptied = True
                 break
-            time.sleep(0.002)
+            wait_for_exit(pids, 0.002)
         tracked = emptied and self.cgroup.pids
         if not tracked:
             kill_children(self.keep_alive)
