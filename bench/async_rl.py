@@ -6,11 +6,15 @@ worker (a Ray actor: the engine and the scheduler) pinned to core 0 and the trai
 each side stands for its own hardware as trainer and fleet pods do on a cluster. Per arm: wall
 time per RL step, trainer busy fraction (recompute + update over wall time), engine busy fraction
 (time with a batch generating over wall time), held-out sampled accuracy after the stage and the
-mean reward of the last steps. ``--ppo-epochs`` makes the update heavier, to find the
-configuration where generation and update take similar time in the synchronous run (the one
-where overlap can win most: ideal speed-up = (gen + update) / max(gen, update)).
+mean reward of the last steps, and each core's busy fraction over the arm (SFT included in the
+synchronous arm). ``--ppo-epochs``, ``--mini-batches`` and ``--oversample`` change the balance
+of update and generation, to find the configuration where they take similar time in the
+synchronous run (the one where overlap can win most: ideal speed-up = (gen + update) /
+max(gen, update)); ``--oversample 1 --mini-batches 1`` is one such, with one optimizer step
+per batch (what INTELLECT-2 trains with, and what `kuberl validate` asks for at asyncLevel 2).
 
-    python bench/async_rl.py [--steps 20] [--seeds 1] [--ppo-epochs 1] [--out /tmp/async-rl]
+    python bench/async_rl.py [--steps 20] [--seeds 1] [--first-seed 0] [--levels 0,1,2]
+        [--ppo-epochs 1] [--mini-batches N] [--oversample N] [--out /tmp/async-rl]
 """
 
 from __future__ import annotations
@@ -28,11 +32,30 @@ from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.local import run_job
 
 REPO = Path(__file__).resolve().parent.parent
-LEVELS = (0, 1, 2)
 
 
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def cpu_times() -> dict[str, tuple[int, int]]:
+    """(busy, total) jiffies per core from /proc/stat."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *vals = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            v = [int(x) for x in vals]
+            out[name] = (sum(v) - v[3] - v[4], sum(v))
+    return out
+
+
+def core_busy(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Busy fraction of each core between two :func:`cpu_times` (pure)."""
+    return {
+        f"{name}_busy": (after[name][0] - b[0]) / max(1, after[name][1] - b[1])
+        for name, b in before.items()
+        if name in ("cpu0", "cpu1")
+    }
 
 
 def arm_summary(records: list[dict]) -> dict[str, float]:
@@ -62,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("manifest", nargs="?", default=str(REPO / "examples" / "quickstart.yaml"))
     ap.add_argument("--steps", type=int, default=20, help="RL steps per arm")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=0, help="seed offset of the first seed (to add seeds to a run)")
     ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--mini-batches", type=int, default=None, help="algorithm.miniBatches (default: the manifest's)")
+    ap.add_argument("--oversample", type=int, default=None, help="algorithm.oversample (default: the manifest's)")
+    ap.add_argument("--levels", default="0,1,2", help="asyncLevels to run; 0 always runs (the SFT and the baseline)")
     ap.add_argument("--out", default="/tmp/kuberl-async-rl")
     args = ap.parse_args(argv)
     base = find_one(load_manifests(args.manifest), AgenticRLJob)
@@ -78,16 +105,21 @@ def main(argv: list[str] | None = None) -> int:
     sandbox = running_sandbox(workers=2, wrapper=["taskset", "-c", "0"])
     os.environ["KUBERL_SANDBOX_URL"] = sandbox.__enter__()
     pin_to_cpus("1")  # the trainer: every thread of this process (Ray workers set their own)
-    results: dict[int, list[dict[str, float]]] = {k: [] for k in LEVELS}
-    for seed in range(args.seeds):
+    levels = sorted({0, *(int(k) for k in args.levels.split(","))})
+    results: dict[int, list[dict[str, float]]] = {k: [] for k in levels}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         doc = base.model_dump(by_alias=True, exclude_none=True)
         spec = doc["spec"]
         spec["seed"] = base.spec.seed + seed
         spec["stages"][-1]["steps"] = args.steps
         spec["algorithm"]["ppoEpochs"] = args.ppo_epochs
+        if args.mini_batches is not None:
+            spec["algorithm"]["miniBatches"] = args.mini_batches
+        if args.oversample is not None:
+            spec["algorithm"]["oversample"] = args.oversample
         spec["trainer"]["threads"] = 1
         spec["checkpoint"].update(everySteps=10_000, keep=2, uri="checkpoints")  # in each run folder
-        for k in LEVELS:
+        for k in levels:
             spec["algorithm"]["asyncLevel"] = k
             job = AgenticRLJob.model_validate(doc)
             run = out / f"seed{seed}" / f"async{k}"
@@ -96,25 +128,28 @@ def main(argv: list[str] | None = None) -> int:
                 src = out / f"seed{seed}" / "async0" / "checkpoints" / f"ckpt-{sft:08d}.pt"
                 (run / "checkpoints").mkdir(parents=True)
                 shutil.copy(src, run / "checkpoints" / src.name)
+            before = cpu_times()
             run_job(job, run, use_ray=True, quiet=True)
-            s = arm_summary(_records(run))
+            s = arm_summary(_records(run)) | core_busy(before, cpu_times())
             results[k].append(s)
             print(
                 f"seed {seed} asyncLevel {k}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
                 flush=True,
             )
-    print(f"\n{'':<28}" + "".join(f"{'asyncLevel ' + str(k):>22}" for k in LEVELS))
+    print(f"\n{'':<28}" + "".join(f"{'asyncLevel ' + str(k):>22}" for k in levels))
     for key in (
         "step_s",
         "steps_per_hour",
         "trainer_busy",
         "engine_busy",
+        "cpu0_busy",
+        "cpu1_busy",
         "accuracy",
         "reward_last5",
         "staleness_mean",
     ):
         cells = []
-        for k in LEVELS:
+        for k in levels:
             vals = [r[key] for r in results[k]]
             sd = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
             cells.append(f"{statistics.fmean(vals):.3f}{sd}")
@@ -123,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = statistics.fmean(r["gen_s_sync"] for r in sync)
     upd = statistics.fmean(r["update_s"] for r in sync)
     ideal = (gen + upd) / max(gen, upd)
-    for k in (1, 2):
+    for k in levels[1:]:
         speed = statistics.fmean(r["steps_per_hour"] for r in results[k]) / statistics.fmean(
             r["steps_per_hour"] for r in sync
         )

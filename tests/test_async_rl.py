@@ -167,6 +167,75 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
 
 
 @pytest.mark.parametrize("level", [1, 2])
+def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(tmp_path, monkeypatch, level):
+    """Weights that engines load from a folder (``prepare``: copy now, push later) go out on a
+    thread while the trainer updates; the batches ahead are submitted only once that version is
+    on the engines, so the staleness bound holds; the stage's first batch waits for its push."""
+    import threading
+    import time as time_mod
+
+    from kuberl.trainer import rl_stage
+    from kuberl.trainer.rollout_worker import RolloutWorker
+    from kuberl.trainer.weight_sync import LocalWeights
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    events: list[str] = []
+    lock = threading.Lock()
+    steps = {"update": 0, "push": 0, "submit": 0}
+
+    def log(kind: str, suffix: str = "") -> int:
+        with lock:
+            n = steps[kind]
+            steps[kind] += 1
+            events.append(f"{kind}{n}{suffix}")
+            return n
+
+    class FolderLikeWeights(LocalWeights):  # a slow push, as writing a folder and reloading is
+        def prepare(self, model, version):
+            sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+            def push():
+                n = log("push", "-start")
+                time_mod.sleep(0.4)
+                self.call("set_weights", sd, version)
+                with lock:
+                    events.append(f"push{n}-end")
+
+            return push
+
+    update = rl_stage.rl_update
+
+    def updating(*args, **kwargs):
+        log("update")
+        return update(*args, **kwargs)
+
+    submit = RolloutWorker.submit_rollouts
+
+    def submitting(self, *args, **kwargs):
+        log("submit")
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr("kuberl.trainer.stages.LocalWeights", FolderLikeWeights)
+    monkeypatch.setattr(rl_stage, "rl_update", updating)
+    monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
+    res = run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    # the first RL step pushes in line (its batch needs the version at once); steps 1-3 beside the update
+    assert steps["push"] == 3, events
+    for n in range(3):
+        start, end = events.index(f"push{n}-start"), events.index(f"push{n}-end")
+        assert f"update{n + 1}" in events[start:end], events  # the trainer did not wait for the push
+        later = [e for e in events[end:] if e.startswith("submit")]
+        before = [e for e in events[:start] if e.startswith("submit")]
+        # every submission either before the push began or after it ended: none during it
+        assert len(later) + len(before) == steps["submit"], events
+    rl = [h for h in res.history if h.get("type") == "rl"]
+    ages = [h["staleness_max"] for h in rl]
+    assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
+    assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 8 for h in rl), rl
+    assert all(h["push_wait_seconds"] >= 0 for h in rl)
+
+
+@pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
     res = run_job(

@@ -1,6 +1,6 @@
-"""The on-policy update (one epoch, one mini-batch, asyncLevel 0) takes pi_old from its own
+"""The on-policy update (one epoch, one mini-batch, at any asyncLevel) takes pi_old from its own
 forward instead of a separate recomputation: the same loss, gradients and metrics, one policy
-forward less per RL step (bench/README.md, "Side by side with TRL")."""
+forward less per RL step (bench/README.md, "Side by side with TRL" and "Asynchronous RL")."""
 
 from __future__ import annotations
 
@@ -109,6 +109,7 @@ RUNS = {
     "ppoEpochs 2": {"ppoEpochs": 2},
     "miniBatches 2": {"miniBatches": 2},
     "asyncLevel 1": {"asyncLevel": 1},
+    "asyncLevel 1, miniBatches 2": {"asyncLevel": 1, "miniBatches": 2},
 }
 
 
@@ -174,7 +175,8 @@ def test_the_on_policy_step_skips_the_pi_old_forward_and_no_other_does(runs, nam
     epochs, minis = a.get("ppoEpochs", 1), a.get("miniBatches", 1)
     for s in steps:
         assert s["update"] == epochs * minis  # one micro-batch per mini-batch at this size
-        assert s["pi_old"] == (0 if name == "on-policy" else 1), (name, steps)
+        # one optimizer step per batch, stale rollouts or not: pi_old is the update's forward
+        assert s["pi_old"] == (0 if epochs * minis == 1 else 1), (name, steps)
         # the spot check (on: rollout.spotCheckRollouts 8) reads the one engine's gap from the
         # trained rows when they are fresh, and has no fresh rollout to rescore when they are not
         assert s["probe"] == 0, (name, steps)
@@ -191,6 +193,13 @@ def test_both_paths_report_the_same_metrics(runs):
         for k in ("clip_low", "clip_high", "ratio_max", "approx_kl", "grad_norm", "loss"):
             assert k in h, k
     assert all(h["ratio_max"] == pytest.approx(1.0) for h in on)
+    # asynchronous, pi_old from the update's forward: the engines are asked to score after the
+    # update, still serving the weights pi_old was taken at (gap: float noise, not a step's change)
+    _, stale = runs["asyncLevel 1"]
+    for h in stale:
+        assert {"engine_logprob_gap", "rollout_logprob_gap", "tis_mean", "staleness_mean"} <= set(h), h
+    assert all(h["engine_logprob_gap"]["local-0"] < 1e-3 for h in stale), stale
+    assert all(h["ratio_max"] == pytest.approx(1.0) for h in stale)
     # step 1: the same weights and rollouts on both paths, so the same measured gap
     assert on[0]["rollout_logprob_gap"] == pytest.approx(off[0]["rollout_logprob_gap"], rel=1e-3)
 

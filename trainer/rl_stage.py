@@ -9,6 +9,7 @@ A mixin: it uses the pipeline's model, optimizer, state, sink and rollout worker
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ from kuberl.trainer.grpo import (
     trained_engines,
 )
 from kuberl.trainer.spot_check import finding_texts, probe_engines
+from kuberl.trainer.weight_sync import BackgroundPush
 
 
 class RLStage:
@@ -82,6 +84,12 @@ class RLStage:
         started with), so a multi-turn rollout that spans a push carries the version of each turn
         and counts as old as its oldest turn: nothing is trained on with a staleness it does not
         have. Batches submitted ahead are not checkpointed: a resumed run generates them afresh.
+
+        Engines behind HTTP load each version from a published folder; with k > 0 the trainer
+        copies the weights and goes on to the update while a thread writes the folder, has the
+        engines load it and only then submits the batches ahead (the staleness bound needs the
+        version on the engines first): the push leaves the trainer's critical path as in
+        INTELLECT-2, where the trainer hands its checkpoint off and keeps training.
         """
         a = self.spec.algorithm
         k = a.async_level
@@ -108,7 +116,11 @@ class RLStage:
                     self.result.stopped_early = True
                     break
                 self._rl_step(stage, request, pending, k, batch, pool)
+            self._join_background()  # the last push (its errors raise here)
         finally:
+            if self._background is not None:  # failed mid-step: settle the thread (that error comes first)
+                with contextlib.suppress(Exception):
+                    self._join_background()
             for ticket in pending.values():  # stopped early or failed: not trained on
                 self.call("discard_rollouts", ticket)
         if self.result.stopped_early:
@@ -119,13 +131,28 @@ class RLStage:
             self.evaluate(stage, stage.name)
         self._checkpoint_unless_saved(stage)
 
+    def _probe(self, stage: StageSpec, target, version: int, count: int) -> dict[str, float]:
+        """The engines score ``target``'s rows against its pi_old (spot check, asyncLevel > 0)."""
+        probe = probe_engines(self.call, target, version, count)
+        self._engine_events(stage, finding_texts(probe, version))
+        return probe.gaps
+
     def _rl_step(self, stage: StageSpec, request, pending: dict[int, Any], k: int, batch: int, pool) -> None:
         a = self.spec.algorithm
         t0 = time.perf_counter()
         gstep = self.state.global_step
+        push_wait = self._join_background()  # the step before's push and batches ahead
         self._seed_step()
         lr = self._set_lr(stage, self.state.stage_step)
-        self._sync_weights()  # version gstep reaches the engines (overlapping generation if k > 0)
+        # version gstep reaches the engines (overlapping generation if k > 0); a folder push runs
+        # on a thread beside the wait and the update, except at the stage's first step, whose
+        # batch needs the version at once
+        if k > 0 and hasattr(self.weights, "prepare") and (gstep in pending or not self.ctx.is_main):
+            push = self.weights.prepare(self.model, gstep)
+            if push is not None:
+                self._background = BackgroundPush(push)
+        else:
+            self._sync_weights()
         t1 = time.perf_counter()
         parts = None
         groups: list = []
@@ -146,8 +173,12 @@ class RLStage:
                 # Only now the next k batches: submitted before the wait, the batch ahead filled
                 # this batch's tail, ended with it and left the engines idle during the update
                 # (bench/README.md, asynchronous RL)
-                for ahead in range(1, min(k + 1, stage.steps - self.state.stage_step)):
-                    submit(ahead)
+                aheads = range(1, min(k + 1, stage.steps - self.state.stage_step))
+                if self._background is None:
+                    for ahead in aheads:
+                        submit(ahead)
+                else:  # once this step's version is on the engines
+                    self._background.release([lambda ahead=ahead: submit(ahead) for ahead in aheads])
             sb = prepare_batch(
                 groups,
                 a.group_size,
@@ -161,9 +192,11 @@ class RLStage:
         t_roll = time.perf_counter() - t1
         sb = self.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
         mini_batches = min(a.mini_batches, max(1, len(sb.seqs)))
-        # One optimizer step on fresh rollouts: pi_old is the update's own forward (rl_update's
-        # on_policy), no separate recomputation. Equal on every rank (equal row counts).
-        on_policy = a.ppo_epochs == 1 and mini_batches == 1 and k == 0
+        # One optimizer step per batch: pi_old, the policy at the start of the optimisation step,
+        # is the update's own forward (rl_update's on_policy), no separate recomputation; with
+        # k > 0 the engines' sampling log-probs still enter as the behaviour policy of the
+        # truncated IS weights. Equal on every rank (equal row counts).
+        on_policy = a.ppo_epochs == 1 and mini_batches == 1
         logprob_gap = 0.0
         sizes = {"micro_batch_tokens": self.spec.trainer.micro_batch_tokens, "device": self.device}
         t_old = time.perf_counter()
@@ -174,15 +207,18 @@ class RLStage:
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
-        if spot and k > 0:  # sampled by older versions: the engines score pi_old's rows instead
+        trained = any(map(any, sb.masks))
+        # sampled by older versions (k > 0): the engines score pi_old's rows instead; with pi_old
+        # from the update's forward, after the update (the engines serve version gstep until the
+        # next step pushes)
+        probe_after = spot and k > 0 and on_policy and trained
+        if spot and k > 0 and not probe_after:
             target = sb
-            if not any(map(any, sb.masks)) and not self.ctx.enabled:  # nothing trained: any rollouts
+            if not trained and not self.ctx.enabled:  # nothing trained: any rollouts
                 target = spot_rows(groups, None, n_check)
                 if target.seqs:
                     recompute_old_logprobs(self.model, target, **sizes)
-            probe = probe_engines(self.call, target, gstep, n_check)
-            self._engine_events(stage, finding_texts(probe, gstep))
-            gaps = probe.gaps
+            gaps = self._probe(stage, target, gstep, n_check)
         elif spot and not self.ctx.enabled:
             # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
             # rescores rollouts of the other engines only, before the update changes the weights.
@@ -207,6 +243,9 @@ class RLStage:
         t_opt_end = time.perf_counter()
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
+        if probe_after:
+            gaps = self._probe(stage, sb, gstep, n_check)
+        t_probe_end = time.perf_counter()
         if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
             gaps = {**engine_gaps(sb), **gaps}
         self.model.eval()
@@ -223,9 +262,12 @@ class RLStage:
             # where the update's time goes: pi_old's forward, the spot check (engines scoring
             # when k > 0: a request the busy engines answer), the optimizer steps
             "pi_old_seconds": t_spot - t_old,
-            "spot_check_seconds": t_opt - t_spot,
+            "spot_check_seconds": t_opt - t_spot + t_probe_end - t_opt_end,
             "optimizer_seconds": t_opt_end - t_opt,
-            "sync_seconds": t1 - t0,  # the weight push to the engines (overlapping generation if k > 0)
+            # the weight push on the trainer's critical path (with k > 0 the engines go on
+            # generating meanwhile; a folder push: the weights' copy and any wait for the last push)
+            "sync_seconds": t1 - t0,
+            "push_wait_seconds": push_wait,
             "step_seconds": time.perf_counter() - t0,
         }
         if gaps:

@@ -40,7 +40,7 @@ from kuberl.trainer.model import GPT
 from kuberl.trainer.rl_stage import RLStage
 from kuberl.trainer.sft import sft_loss
 from kuberl.trainer.spot_check import EngineWatch
-from kuberl.trainer.weight_sync import LocalWeights
+from kuberl.trainer.weight_sync import BackgroundPush, LocalWeights
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -119,6 +119,7 @@ class Pipeline(RLStage):
         self._pools: dict[str, list[data_mod.Problem]] = {}
         self._engines = EngineWatch(self.spec.rollout.spot_check_tolerance)  # what the spot check flagged
         self._engine_busy_mark: float | None = None
+        self._background: BackgroundPush | None = None  # a weight push beside the RL step (rl_stage)
         self._sft_cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------
@@ -144,7 +145,14 @@ class Pipeline(RLStage):
         return self.ctx.broadcast(self.deadline is not None and time.time() > self.deadline)
 
     def _sync_weights(self) -> None:
+        self._join_background()  # a push still running on its thread comes first
         self.weights.sync(self.model, self.state.global_step)
+
+    def _join_background(self) -> float:
+        """Wait for the background push of the RL step before, if any (its errors raise here);
+        returns the seconds waited."""
+        background, self._background = self._background, None
+        return background.join() if background is not None else 0.0
 
     def _pool(self, source: str, n: int, seed: int) -> list[data_mod.Problem]:
         key = f"{source}|{n}|{seed}"

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -133,13 +135,75 @@ class DiskWeights:
         self.dtype = None if dtype == "auto" else getattr(torch, dtype)
 
     def sync(self, model, version: int) -> None:
+        push = self.prepare(model, version)
+        if push is not None:
+            push()
+
+    def prepare(self, model, version: int) -> Callable[[], None] | None:
+        """Take version ``version``'s weights now (every rank: the gather is collective) and
+        return the push itself, to run later or on another thread: write the folder, engines
+        load it (rank 0; None elsewhere and when the version is already out).
+
+        The weights are copied: on CPU ``full_state_dict`` hands out the parameters themselves,
+        which the next optimizer step changes while a background push would still write them.
+        """
         if version == self.version:
-            return
+            return None
         from kuberl.trainer.hf import write_hf_folder
 
         sd = full_state_dict(model, self.ctx)
         self.version = version
         if not self.ctx.is_main:
-            return
-        path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
-        self.call("load_weights", path, version)
+            return None
+        sd = {k: v.clone() for k, v in sd.items()}
+
+        def push() -> None:
+            path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
+            self.call("load_weights", path, version)
+
+        return push
+
+
+class BackgroundPush:
+    """A weight push on a thread of its own from the RL step's start, and what must wait for it.
+
+    The push overlaps both the trainer's wait for the due batch (as an in-line push did) and
+    its update (which an in-line push delayed). The batches ahead may only be submitted once the
+    version is on the engines (the staleness bound) and once the trainer has the due batch (so
+    they do not fill its tail): :meth:`release` hands over those submissions, which the thread
+    runs after the push. :meth:`join` waits for all of it and raises what it raised; a push that
+    failed submits nothing.
+    """
+
+    def __init__(self, push: Callable[[], None], name: str = "kuberl-push"):
+        self._error: BaseException | None = None
+        self._released = threading.Event()
+        self._then: list[Callable[[], None]] = []
+
+        def run() -> None:
+            try:
+                push()
+                self._released.wait()
+                for fn in self._then:
+                    fn()
+            except BaseException as err:  # noqa: BLE001 - handed to whoever joins
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def release(self, then: Iterable[Callable[[], None]] = ()) -> None:
+        """Run ``then`` once the push is done (at once if it is)."""
+        if not self._released.is_set():
+            self._then = list(then)
+            self._released.set()
+
+    def join(self) -> float:
+        """Seconds waited; re-raises the push's (or a submission's) exception. Not released by
+        then (the step failed before its due batch arrived): nothing is submitted."""
+        self.release()
+        t = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return time.perf_counter() - t
