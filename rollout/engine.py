@@ -146,11 +146,15 @@ class Engine(abc.ABC):
     come with a different KV budget); the scheduler re-reads the capacity when it sees a new value.
     ``shared`` says the engine may also serve other clients (a fleet several jobs use), so its
     observed load, not only the scheduler's own reservations, limits what the scheduler admits.
+    ``pads_rows`` says a decode step costs every row the longest row's context (one padded KV
+    cache, as the in-process engine keeps), so rows of a new batch should not join an old
+    batch's long tail; paged KV caches (vLLM, SGLang) cost each row its own context.
     """
 
     name: str
     capacity_version: int = 0
     shared: bool = False
+    pads_rows: bool = False
 
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateOutput:

@@ -194,6 +194,8 @@ class LocalEngine(Engine):
     output reaches it.
     """
 
+    pads_rows = True  # one left-padded KV cache: a step attends over the longest row's columns
+
     def __init__(
         self,
         model: nn.Module,

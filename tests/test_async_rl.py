@@ -166,6 +166,44 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
     assert calls == order
 
 
+@pytest.mark.parametrize("pads_rows", [True, False])
+def test_on_engines_that_pad_rows_a_batch_ahead_starts_when_the_one_before_ends(tmp_path, monkeypatch, pads_rows):
+    """asyncLevel 2 on the local engine (one padded KV cache): the second batch ahead waits for
+    the first to end instead of filling its tail; on engines with paged caches it fills it."""
+    import threading
+
+    from kuberl.rollout.local_engine import LocalEngine
+    from kuberl.trainer.rollout_worker import RolloutWorker
+
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr(LocalEngine, "pads_rows", pads_rows)
+    events: list[tuple[str, int]] = []
+    lock = threading.Lock()
+    count = [0]
+    timed = RolloutWorker._timed_rollouts
+
+    async def timing(self, *args, **kwargs):
+        with lock:
+            n = count[0]
+            count[0] += 1
+            events.append(("start", n))
+        try:
+            return await timed(self, *args, **kwargs)
+        finally:
+            with lock:
+                events.append(("end", n))
+
+    monkeypatch.setattr(RolloutWorker, "_timed_rollouts", timing)
+    run_job(_job(tmp_path, 2), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    overlapping = [
+        n for n in range(count[0] - 1) if events.index(("start", n + 1)) < events.index(("end", n))
+    ]
+    if pads_rows:
+        assert overlapping == [], events
+    else:
+        assert overlapping, events  # batches ahead fill the tail of the one before
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(tmp_path, monkeypatch, level):
     """Weights that engines load from a folder (``prepare``: copy now, push later) go out on a

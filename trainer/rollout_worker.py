@@ -110,6 +110,7 @@ class RolloutWorker:
         self._tickets = itertools.count()
         self._inflight: dict[int, concurrent.futures.Future] = {}
         self._active = 0  # rollout batches in flight, and the time any was: the engine side's busy time
+        self._last_batch_end: asyncio.Future | None = None  # engines that pad rows: batches in turn
         self._busy_since = 0.0
         self.busy_total = 0.0
         self._kv_peak: float | None = None  # highest KV-cache use sampled since the last step_stats
@@ -182,7 +183,8 @@ class RolloutWorker:
             list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
         )
         # At most one batch's rollouts in flight: a batch submitted ahead fills the tail of the
-        # one before it instead of halving its speed (Scheduler.max_active; FIFO admission).
+        # one before it instead of halving its speed (Scheduler.max_active; FIFO admission), or on
+        # engines that pad rows waits for it to end (_batches_in_turn).
         self._run(self._limit_active(len(prompts) * n))
         ticket = next(self._tickets)
         self._inflight[ticket] = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -232,7 +234,37 @@ class RolloutWorker:
         """Wall time during which at least one rollout batch was generating (up to now)."""
         return self.busy_total + (time.monotonic() - self._busy_since if self._active else 0.0)
 
+    def _batches_in_turn(self) -> bool:
+        """Whether a batch submitted ahead waits for the one before it to end instead of filling
+        its tail: on engines that pad every row to the longest (``Engine.pads_rows``: the local
+        engine), fresh short rows beside an old batch's long ones pay for its long context in
+        every decode step. Measured on the quickstart at asyncLevel 2 (bench/README.md): 2.6 s a
+        step in turn against 3.2-3.6 s filling the tail, the engine's core saturated either way.
+        Paged KV caches (vLLM, SGLang) charge each row its own context: there the tail is filled."""
+        engines = self.scheduler.engines
+        return bool(engines) and all(getattr(e, "pads_rows", False) for e in engines)
+
     async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
+        before = done = None
+        if self._batches_in_turn():
+            before, done = self._last_batch_end, self.loop.create_future()
+            self._last_batch_end = done
+        try:
+            if before is not None:
+                await asyncio.shield(before)  # a batch cancelled while it waits leaves the one before alone
+            return await self._timed_rollouts(
+                prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
+            )
+        finally:
+            if done is not None:  # ends no earlier than the batch before it (a cancelled one included)
+                if before is None or before.done():
+                    done.set_result(None)
+                else:
+                    before.add_done_callback(lambda _f: done.done() or done.set_result(None))
+
+    async def _timed_rollouts(
+        self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
+    ):
         if self._active == 0:
             self._busy_since = time.monotonic()
         self._active += 1
