@@ -25,7 +25,11 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
     each batch filling its predecessor's tail: the fleet running ahead across a step.
   The trainer side is the model: update on T GPUs (the mean trained tokens of the simulated
   batches), then the push (the sync model, blocking the trainer); the fleet pauses for the
-  reload. Step = max(update + push, generation + reload).
+  reload. Step = max(update + push, generation + reload). This is the in-line push; the trainer
+  now pushes a folder on a thread beside its update (trainer/weight_sync.py ``BackgroundPush``),
+  so for trainer-bound splits these figures are a lower bound (modelling that is left to do:
+  the trainer side becomes update + the weights' copy, the push must end before the batches
+  ahead are submitted).
 * Not modelled: the operator starting pods, evaluation, checkpoints, stragglers among trainer
   ranks, a push's network contending with the sandbox, and the learning effect of staleness
   (the one-machine run, bench/README.md, found accuracy inside the synchronous spread).

@@ -247,13 +247,19 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
         log("update")
         return update(*args, **kwargs)
 
-    submit = RolloutWorker.submit_rollouts
+    submit, score = RolloutWorker.submit_rollouts, RolloutWorker.score_on_engines
 
     def submitting(self, *args, **kwargs):
         log("submit")
         return submit(self, *args, **kwargs)
 
+    def scoring(self, *args, **kwargs):  # the spot check asks the engines what they serve
+        with lock:
+            events.append("score")
+        return score(self, *args, **kwargs)
+
     monkeypatch.setattr("kuberl.trainer.stages.LocalWeights", FolderLikeWeights)
+    monkeypatch.setattr(RolloutWorker, "score_on_engines", scoring)
     monkeypatch.setattr(rl_stage, "rl_update", updating)
     monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
     res = run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
@@ -266,11 +272,15 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
         before = [e for e in events[:start] if e.startswith("submit")]
         # every submission either before the push began or after it ended: none during it
         assert len(later) + len(before) == steps["submit"], events
+        assert "score" not in events[start:end], events  # the spot check waits for the version
     rl = [h for h in res.history if h.get("type") == "rl"]
     ages = [h["staleness_max"] for h in rl]
     assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
     assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 8 for h in rl), rl
     assert all(h["push_wait_seconds"] >= 0 for h in rl)
+    assert events.count("score") >= 3, events  # the spot check ran on the pushed steps
+    gaps = [g for h in rl for g in (h.get("engine_logprob_gap") or {}).values()]
+    assert gaps and max(gaps) < 1e-3, rl  # the engines were asked once they had the version
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -132,7 +132,10 @@ class RLStage:
         self._checkpoint_unless_saved(stage)
 
     def _probe(self, stage: StageSpec, target, version: int, count: int) -> dict[str, float]:
-        """The engines score ``target``'s rows against its pi_old (spot check, asyncLevel > 0)."""
+        """The engines score ``target``'s rows against its pi_old (spot check, asyncLevel > 0),
+        once this step's push (on its thread, if any) has reached them."""
+        if self._background is not None:
+            self._background.wait_pushed()
         probe = probe_engines(self.call, target, version, count)
         self._engine_events(stage, finding_texts(probe, version))
         return probe.gaps
@@ -207,18 +210,17 @@ class RLStage:
         gaps: dict[str, float] = {}
         n_check = self.spec.rollout.spot_check_rollouts
         spot = self.ctx.is_main and n_check and self.spec.rollout.spot_check_tolerance is not None
-        trained = any(map(any, sb.masks))
-        # sampled by older versions (k > 0): the engines score pi_old's rows instead; with pi_old
-        # from the update's forward, after the update (the engines serve version gstep until the
-        # next step pushes)
-        probe_after = spot and k > 0 and on_policy and trained
-        if spot and k > 0 and not probe_after:
-            target = sb
-            if not trained and not self.ctx.enabled:  # nothing trained: any rollouts
-                target = spot_rows(groups, None, n_check)
-                if target.seqs:
-                    recompute_old_logprobs(self.model, target, **sizes)
-            gaps = self._probe(stage, target, gstep, n_check)
+        probe_target = None
+        if spot and k > 0:
+            # Sampled by older versions: the engines score rows against pi_old instead, after the
+            # update (pi_old is known by then, from the update's forward or recomputed before it;
+            # the engines serve version gstep until the next step pushes, and a push on its own
+            # thread has had the update's time to reach them).
+            probe_target = sb
+            if not any(map(any, sb.masks)) and not self.ctx.enabled:  # nothing trained: any rollouts
+                probe_target = spot_rows(groups, None, n_check)
+                if probe_target.seqs:
+                    recompute_old_logprobs(self.model, probe_target, **sizes)
         elif spot and not self.ctx.enabled:
             # The trained rows measure their engines (batch.gaps, from pi_old); the spot check
             # rescores rollouts of the other engines only, before the update changes the weights.
@@ -243,8 +245,8 @@ class RLStage:
         t_opt_end = time.perf_counter()
         if on_policy:
             logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
-        if probe_after:
-            gaps = self._probe(stage, sb, gstep, n_check)
+        if probe_target is not None:
+            gaps = self._probe(stage, probe_target, gstep, n_check)
         t_probe_end = time.perf_counter()
         if spot:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
             gaps = {**engine_gaps(sb), **gaps}

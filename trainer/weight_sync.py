@@ -177,12 +177,19 @@ class BackgroundPush:
 
     def __init__(self, push: Callable[[], None], name: str = "kuberl-push"):
         self._error: BaseException | None = None
+        self._pushed = threading.Event()  # set when the push ended (done or failed)
         self._released = threading.Event()
         self._then: list[Callable[[], None]] = []
 
         def run() -> None:
             try:
                 push()
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits or joins
+                self._error = err
+                return
+            finally:
+                self._pushed.set()  # after _error: a waiter sees the failure
+            try:
                 self._released.wait()
                 for fn in self._then:
                     fn()
@@ -191,6 +198,13 @@ class BackgroundPush:
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
+
+    def wait_pushed(self) -> None:
+        """Wait until the engines have the version (the spot check asks them what they serve);
+        raises the push's exception."""
+        self._pushed.wait()
+        if self._error is not None:
+            raise self._error
 
     def release(self, then: Iterable[Callable[[], None]] = ()) -> None:
         """Run ``then`` once the push is done (at once if it is)."""
