@@ -25,11 +25,13 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
     each batch filling its predecessor's tail: the fleet running ahead across a step.
   The trainer side is the model: update on T GPUs (the mean trained tokens of the simulated
   batches), then the push (the sync model, blocking the trainer); the fleet pauses for the
-  reload. Step = max(update + push, generation + reload). This is the in-line push; the trainer
-  now pushes a folder on a thread beside its update (trainer/weight_sync.py ``BackgroundPush``),
-  so for trainer-bound splits these figures are a lower bound (modelling that is left to do:
-  the trainer side becomes update + the weights' copy, the push must end before the batches
-  ahead are submitted).
+  reload. Step = max(update + push, generation + reload): the push in line, as the trainer did
+  before ``BackgroundPush``. The "bg step" columns: the push on a thread from the step's start
+  (trainer/weight_sync.py), the trainer waiting only for a copy of the weights
+  (``--snapshot-gbps``, an assumption), the batches ahead submitted once the push and the
+  collection are done; the step loop played out event by event
+  (``clustersim.asyncmodel.timeline_step``, which gives the closed form above for the in-line
+  push).
 * Not modelled: the operator starting pods, evaluation, checkpoints, stragglers among trainer
   ranks, a push's network contending with the sandbox, and the learning effect of staleness
   (the one-machine run, bench/README.md, found accuracy inside the synchronous spread).
@@ -68,6 +70,7 @@ from clustersim.asyncmodel import (  # noqa: E402
     split_refusal,
     steps_per_hour,
     sync_step,
+    timeline_step,
 )
 from clustersim.step import SimConfig, simulate  # noqa: E402
 from clustersim.workload import TOOL_MIXES, TrainerModel, WorkloadSpec, make_plans, trained_tokens  # noqa: E402
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-mix", choices=sorted(TOOL_MIXES), default="measured")
     ap.add_argument("--workers-per-pod", type=int, default=32)
     ap.add_argument("--pool-cores-per-gpu", type=float, default=2.0, help="fixed sandbox pool, of all GPUs")
+    ap.add_argument(
+        "--snapshot-gbps", type=float, default=10.0,
+        help="GB/s at which the trainer copies the bf16 weights for a background push (an assumption)",
+    )  # fmt: skip
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     if args.gpus < 2 or args.sync_steps < 1 or args.batches < 3:
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{'F/T':>7}{'GB/GPU':>8}"
         + "".join(f"{f'gen k{k}':>8}" for k in levels)
         + f"{'update':>8}{'push':>6}"
-        + "".join(f"{f'step k{k}':>9}{'steps/h':>9}{'x sync':>8}{'bound':>9}" for k in levels)
+        + "".join(f"{f'step k{k}':>9}{'steps/h':>9}{'x sync':>8}{'bound':>9}{'bg step':>9}{'x sync':>8}" for k in levels)
     )
     # One fleet run per asyncLevel >= 2; batch 0 of any of them is asyncLevel 1's batch alone
     runs = sorted({k for k in levels if k >= 2}) or [1]
@@ -188,17 +195,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{gen[k]:>8.0f}" for k in levels
         )
         line += f"{u:>8.0f}{p:>6.0f}"
+        snap = tm.params * tm.bytes_per_param / (args.snapshot_gbps * 1e9)
+        row["snapshot_s"] = snap
         for k in levels:
             step = pipelined_step(gen[k], u, p, r)
+            bg = timeline_step(gen[k], u, p, r, k, snapshot_s=snap)
             row[f"k{k}"] = {"step_s": step, "steps_per_hour": steps_per_hour(step), "ratio": sync_s / step,
-                            "bound": bound_side(gen[k], u, p, r)}  # fmt: skip
+                            "bound": bound_side(gen[k], u, p, r), "background_push_step_s": bg,
+                            "background_push_ratio": sync_s / bg}  # fmt: skip
             line += f"{step:>9.0f}{steps_per_hour(step):>9.2f}{sync_s / step:>8.2f}{row[f'k{k}']['bound']:>9}"
+            line += f"{bg:>9.0f}{sync_s / bg:>8.2f}"
         print(line + f"   [{row['sim_cpu_s']:.0f} s]")
         rows.append(row)
     ideal = ideal_ratio(roll, upd, syn)
     print(
         "\n(gen k1: one batch alone on F engines; gen k2+: steady interval between batches that fill each "
-        "other's tail; push blocks the trainer, the fleet pauses its reload)"
+        "other's tail; push blocks the trainer, the fleet pauses its reload; bg step: the push on a thread, "
+        f"the trainer waits only for a {args.snapshot_gbps:g} GB/s copy of the weights, clustersim.asyncmodel.timeline_step)"
     )
     for k in levels:
         ok = [r for r in rows if "refused" not in r]
@@ -211,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             f"asyncLevel {k}: best split {best['fleet']} engines / {best['trainer']} trainer GPUs, "
             f"{b['steps_per_hour']:.2f} steps/h = {b['ratio']:.2f}x synchronous ({b['bound']}-bound); "
             f"ideal {ideal:.2f}x (linear scaling, perfect overlap, free sync); staleness <= {max_staleness(k)}"
+        )
+        bgbest = max(ok, key=lambda r: r[f"k{k}"]["background_push_ratio"])
+        print(
+            f"asyncLevel {k}, push on a thread: best split {bgbest['fleet']} engines / {bgbest['trainer']} "
+            f"trainer GPUs, {bgbest[f'k{k}']['background_push_ratio']:.2f}x synchronous"
         )
     if args.json:
         out = {"gpus": args.gpus, "prompts": prompts, "seed": args.seed, "tool_mix": args.tool_mix,

@@ -22,6 +22,7 @@ from clustersim.asyncmodel import (  # noqa: E402
     split_refusal,
     steps_per_hour,
     sync_step,
+    timeline_step,
 )
 from clustersim.step import SimConfig, simulate  # noqa: E402
 from clustersim.workload import WorkloadSpec, make_plans  # noqa: E402
@@ -44,6 +45,26 @@ def test_pipelined_step_is_the_slower_side() -> None:
     assert max(g, u) < pipelined_step(g, u, p, r) < sync_step(g, u, p)
     with pytest.raises(ValueError, match=">= 0"):
         pipelined_step(-1.0, 1.0, 1.0, 1.0)
+
+
+def test_the_timeline_of_an_in_line_push_is_the_closed_form_and_a_background_push_never_slower() -> None:
+    """The step loop played out event by event: with the push in line its steady step is
+    :func:`pipelined_step`; with the push on a thread (``BackgroundPush``) never longer, and
+    trainer-bound it is the weights' copy plus the update."""
+    for g in (20.0, 50.0, 100.0, 150.0, 250.0):
+        for u in (10.0, 30.0, 80.0, 186.0):
+            for k in (1, 2, 3):
+                inline = timeline_step(g, u, 35.0, 5.0, k)
+                assert inline == pytest.approx(pipelined_step(g, u, 35.0, 5.0)), (g, u, k)
+                bg = timeline_step(g, u, 35.0, 5.0, k, snapshot_s=3.0)
+                assert max(g + 5.0, 3.0 + u) - 1e-9 <= bg <= inline + 1e-9, (g, u, k, bg, inline)
+    assert timeline_step(150.0, 186.0, 35.0, 5.0, 2, snapshot_s=3.0) == pytest.approx(189.0)
+    # level 1, fleet short: the batch ahead waits for the push, so push + generation can bind
+    assert timeline_step(50.0, 80.0, 35.0, 5.0, 1, snapshot_s=3.0) > timeline_step(
+        50.0, 80.0, 35.0, 5.0, 2, snapshot_s=3.0
+    )
+    with pytest.raises(ValueError, match="asyncLevel"):
+        timeline_step(1.0, 1.0, 1.0, 1.0, 0)
 
 
 def test_ideal_ratio_is_the_sync_share_removed() -> None:

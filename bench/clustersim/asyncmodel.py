@@ -79,6 +79,50 @@ def pipelined_step(generation_s: float, update_s: float, push_s: float, reload_s
     return max(update_s + push_s, generation_s + reload_s)
 
 
+def timeline_step(
+    generation_s: float,
+    update_s: float,
+    push_s: float,
+    reload_s: float,
+    level: int,
+    snapshot_s: float | None = None,
+    steps: int = 60,
+) -> float:
+    """Steady step time from the event timeline of ``steps`` steps (trainer/rl_stage.py's loop).
+
+    ``snapshot_s`` None: the push in line (the trainer pushes, then collects the due batch,
+    submits batch n+k, updates): its steady step is :func:`pipelined_step`. A number: the push on
+    a thread (``BackgroundPush``): the trainer copies the weights (``snapshot_s``), collects,
+    updates; the push runs from the copy's end, and batch n+k is submitted once both the push
+    and the collection are done; the next step waits for the push. The fleet runs batches in
+    submission order, each taking ``generation_s`` plus the reload pause of one push.
+    """
+    if level < 1:
+        raise ValueError(f"asyncLevel must be >= 1, got {level}")
+    if min(generation_s, update_s, push_s, reload_s, snapshot_s or 0.0) < 0 or steps < 4:
+        raise ValueError("phase times must be >= 0 and steps >= 4")
+    per_batch = generation_s + reload_s
+    done: list[float] = []
+    for _ in range(level):  # the stage's first batches: submitted at once, one after another
+        done.append((done[-1] if done else 0.0) + per_batch)
+    start = [0.0]
+    for n in range(steps):
+        t = start[-1]
+        if snapshot_s is None:
+            collected = max(t + push_s, done[n])
+            submit = collected
+            nxt = collected + update_s
+        else:
+            pushed = t + snapshot_s + push_s
+            collected = max(t + snapshot_s, done[n])
+            submit = max(collected, pushed)
+            nxt = max(collected + update_s, submit)
+        done.append(max(submit, done[-1]) + per_batch)  # batch n + level
+        start.append(nxt)
+    warm = steps // 2
+    return (start[-1] - start[warm]) / (steps - warm)
+
+
 def bound_side(generation_s: float, update_s: float, push_s: float, reload_s: float) -> str:
     return "trainer" if update_s + push_s >= generation_s + reload_s else "fleet"
 
