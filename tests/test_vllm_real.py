@@ -373,3 +373,45 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
 
     alive = subprocess.run(["pgrep", "-f", "kv-cache-memory-bytes 1073741824"], capture_output=True, text=True)
     assert alive.stdout.strip() == "", alive.stdout
+
+
+def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_dir, tmp_path):
+    """asyncLevel 1 on a real vLLM server: each version goes out as a published folder on a
+    thread beside the update (BackgroundPush); the batch ahead is submitted once the server
+    serves it, so nothing is trained older than one version and nothing is dropped as stale,
+    and the spot check finds the server in step."""
+    import json
+
+    from vllm_fixtures import vllm_available
+
+    from kuberl.api.job import AgenticRLJob
+    from kuberl.trainer.local import run_job
+
+    vllm_available()
+    job = AgenticRLJob.model_validate(
+        {
+            "metadata": {"name": "real-async"},
+            "spec": {
+                "model": {"base": str(smollm2_dir)},
+                "data": {"train": "builtin:arith"},
+                "algorithm": {
+                    "groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5,
+                    "miniBatches": 1, "asyncLevel": 1,
+                },
+                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
+                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
+                "trainer": {"device": "cpu", "threads": 1},
+                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
+            },
+        }
+    )  # fmt: skip
+    result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)
+    rl = [h for h in result.history if h.get("type") == "rl"]
+    assert len(rl) == 3, rl
+    assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 4 for h in rl), rl
+    assert all(h["staleness_max"] <= min(i, 1) for i, h in enumerate(rl)), rl
+    assert all("push_wait_seconds" in h for h in rl)
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["kind"] == "engine"], events  # the server served what was pushed
+    pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real-async").iterdir())
+    assert pushed and pushed[-1].startswith("v"), pushed
