@@ -135,17 +135,18 @@ class DiskWeights:
         self.dtype = None if dtype == "auto" else getattr(torch, dtype)
 
     def sync(self, model, version: int) -> None:
-        push = self.prepare(model, version)
+        push = self.prepare(model, version, copy=False)  # pushed now, before any optimizer step
         if push is not None:
             push()
 
-    def prepare(self, model, version: int) -> Callable[[], None] | None:
+    def prepare(self, model, version: int, copy: bool = True) -> Callable[[], None] | None:
         """Take version ``version``'s weights now (every rank: the gather is collective) and
         return the push itself, to run later or on another thread: write the folder, engines
         load it (rank 0; None elsewhere and when the version is already out).
 
-        The weights are copied: on CPU ``full_state_dict`` hands out the parameters themselves,
-        which the next optimizer step changes while a background push would still write them.
+        ``copy``: on CPU ``full_state_dict`` hands out the parameters themselves, which the next
+        optimizer step changes while a background push would still write them; a push run at
+        once (:meth:`sync`) needs no copy.
         """
         if version == self.version:
             return None
@@ -155,7 +156,8 @@ class DiskWeights:
         self.version = version
         if not self.ctx.is_main:
             return None
-        sd = {k: v.clone() for k, v in sd.items()}
+        if copy:
+            sd = {k: v.clone() for k, v in sd.items()}
 
         def push() -> None:
             path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
