@@ -39,12 +39,18 @@ class SlotCgroup:
     memory = False
     pids = False
     cpu = False
+    # whether a zygote may live in the cgroup, so that the children it forks are born there
+    # (no migration per call: see :meth:`Slot.settle_zygote`); v2's cgroup.kill would take it
+    zygote_inside = False
 
     def join(self, pid: int) -> None:
         """Move ``pid`` (the forked call, before it runs user code) into the slot's cgroup."""
 
     def members(self) -> set[int]:
         return set()
+
+    def set_pids_max(self, pids_max: int) -> None:
+        """Change the process cap (room for the zygotes that live inside)."""
 
     def kill(self) -> None:
         """SIGKILL every member at once where the kernel offers it (v2 ``cgroup.kill``)."""
@@ -68,6 +74,7 @@ class CgroupV1(SlotCgroup):
     """Separate ``memory`` and ``pids`` hierarchies: ``<root>/<controller>/kuberl/<name>``."""
 
     version = 1
+    zygote_inside = True
 
     def __init__(self, root: str, name: str, memory_bytes: int, pids_max: int, cpu_cap: bool = False) -> None:
         self.paths: dict[str, str] = {}
@@ -100,6 +107,10 @@ class CgroupV1(SlotCgroup):
         for path in self.paths.values():
             out |= _read_pids(path)
         return out
+
+    def set_pids_max(self, pids_max: int) -> None:
+        if self.pids:
+            _write(os.path.join(self.paths["pids"], "pids.max"), str(pids_max))
 
     def mark(self) -> None:
         if self.memory:
@@ -198,6 +209,10 @@ class CgroupV2(SlotCgroup):
 
     def members(self) -> set[int]:
         return _read_pids(self.path) if self.path else set()
+
+    def set_pids_max(self, pids_max: int) -> None:
+        if self.pids:
+            _write(os.path.join(self.path, "pids.max"), str(pids_max))
 
     def kill(self) -> None:
         if self.path:

@@ -124,6 +124,9 @@ def _hide_home_keep_python() -> bool:
         os.makedirs(k, exist_ok=True)
         mount("--bind", f"{stash}/{i}", k)
         mount("-o", "remount,bind,ro", k)
+    for i in range(len(keep)):  # the stash is on the host's /tmp: leave nothing there
+        subprocess.run(["umount", f"{stash}/{i}"], check=False, capture_output=True)
+    shutil.rmtree(stash, ignore_errors=True)
     return True
 
 
@@ -163,7 +166,8 @@ class Slot:
     """The cgroup, uid, scratch space, filesystem view and seccomp filter one worker's calls run in.
 
     ``dir`` is the scratch space as the worker sees it, ``call_dir`` as the call does (the same
-    path, except under a :class:`PrivateRoot`, where the call sees ``/tmp``).
+    path, except under a :class:`PrivateRoot`, where the call sees ``/tmp``, or ``/scratch``
+    where the interpreter itself lives under /tmp).
     """
 
     def __init__(self, cfg: WorkerConfig, python_readable: bool, root: PrivateRoot | None = None) -> None:
@@ -178,7 +182,7 @@ class Slot:
         if root is not None:
             root.uid = self.uid
             root.fresh_tmp()
-            self.dir, self.call_dir = root.tmp, "/tmp"
+            self.dir, self.call_dir = root.tmp, root.scratch
             name = os.path.basename(root.root)
         else:
             # unique even across services: in a PID namespace every worker is pid 1
@@ -199,6 +203,7 @@ class Slot:
         self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
         self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
+        self.born_inside = False  # (in a zygote and its children) forked inside the slot's cgroup
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -299,8 +304,44 @@ class Slot:
         used = _dir_bytes(self.dir) + unlinked_bytes(descendants(os.getpid()), self.dir)
         return used, used > self.cfg.disk_mb * 2**20
 
+    def settle_zygote(self) -> None:
+        """In a zygote, once it has preloaded: move into the slot's cgroup, so that every child
+        it forks is born there. A call's child then joins no cgroup: a migration takes the
+        kernel's cgroup_threadgroup_rwsem for writing, which waits for an RCU grace period
+        (5-15 ms on this 2-core VM) whenever the last one was more than ~20 ms ago, and costs
+        ~0.4 ms on a memory cgroup v1 even when not (bench/README.md: the p99 at 180 calls/s).
+
+        The pages the zygote has so far stay charged where they were (cgroups never move
+        charges); the out-of-memory killer, which picks the process of the cgroup with the most
+        points, picks the call (:meth:`join` gives it ``oom_score_adj`` 1000: the points of the
+        cgroup's whole limit on top of its own pages); the worker makes room for the zygotes
+        under ``pids.max`` (:meth:`make_room`) and spares them when it clears the slot
+        (``keep_alive``). Only where clearing the slot kills process by process (v1; v2's
+        cgroup.kill would take the zygotes)."""
+        if not (self.cgroup.zygote_inside and self.cgroup.pids):
+            return
+        try:
+            self.cgroup.join(os.getpid())
+        except OSError as err:  # the children join one by one instead
+            print(f"kuberl sandbox zygote: stays outside the slot's cgroup ({err})", file=sys.stderr)
+            return
+        self.born_inside = True
+
+    def make_room(self, zygotes: list[int]) -> None:
+        """In the worker: the zygotes that live in the slot's cgroup, and the child each but the
+        call's one has forked ahead, do not count against a call's ``maxProcesses``."""
+        inside = set(zygotes) & self.cgroup.members()
+        if inside:
+            self.cgroup.set_pids_max(self.cfg.max_processes + 2 * len(inside) - 1)
+
     def join(self) -> None:
-        self.cgroup.join(os.getpid())
+        """In the call's child, before any of its code: into the slot's cgroup (born there when
+        a zygote lives inside), and first in line for the out-of-memory killer, before the
+        zygotes that share the cgroup and before the service itself."""
+        with contextlib.suppress(OSError):  # raising it needs no privilege
+            _write_oom_score_adj(1000)
+        if not self.born_inside:
+            self.cgroup.join(os.getpid())
 
     def enter(self) -> None:
         """In the call's child, as root: into the private root, or into the slot directory."""
@@ -348,7 +389,7 @@ class Slot:
             reap_zombies(self.keep_alive)
 
     def _cgroup_pids(self) -> list[int]:
-        return sorted(self.cgroup.members() - {os.getpid()})
+        return sorted(self.cgroup.members() - {os.getpid()} - self.keep_alive)
 
     def after_call(self) -> None:
         """Once the answer is out: kill whatever the call left running, empty its scratch space."""
@@ -358,14 +399,18 @@ class Slot:
     def recycle(self) -> None:
         """Empty the scratch space for the next call, in bounded time, whatever the last left.
 
-        Private root: a fresh tmpfs. Otherwise :func:`clear_dir` with a budget; a tree it cannot
+        Private root: a fresh tmpfs (unless untouched). Otherwise :func:`clear_dir` with a budget; a tree it cannot
         finish is moved aside whole (a new slot directory and Landlock ruleset take its place)
         and removed a slice at a time after later calls, so no call waits long for it."""
         if self.root is not None:
-            self.root.fresh_tmp()
+            self.root.recycle_tmp()
             return
         try:
             done = clear_dir(self.dir, CLEAN_BUDGET_SECONDS)
+            # what a call can leave on its directory itself (clear_dir restored its mode)
+            for name in os.listxattr(self.dir):
+                os.removexattr(self.dir, name)
+            os.utime(self.dir)
         except OSError as err:
             print(f"kuberl sandbox worker: cleaning {self.dir} failed ({err}); replacing it", file=sys.stderr)
             done = False
@@ -515,6 +560,11 @@ def _read_frame(fd: int) -> dict[str, Any] | None:
         view.release()
 
 
+def _write_oom_score_adj(value: int) -> None:
+    with open("/proc/self/oom_score_adj", "w") as fh:
+        fh.write(str(value))
+
+
 def _write_line(fd: int, doc: dict[str, Any]) -> None:
     data = json.dumps(doc).encode() + b"\n"
     while data:
@@ -540,6 +590,7 @@ def main(argv: list[str]) -> int:
     gc.freeze()
     forker = _start_forker(slot, cfg, (proto_in, proto_out))
     slot.keep_alive = frozenset(forker.pids)
+    slot.make_room(list(forker.pids))
     hello = {
         "ready": True,
         "slot": cfg.slot,

@@ -126,6 +126,7 @@ class Zygote:
                 preload()
                 gc.collect()
                 gc.freeze()  # no collection touches (and so copies) the preloaded objects
+                slot.settle_zygote()  # after the preload: its pages are not charged to the calls
                 _serve(theirs, slot, cfg)
             finally:
                 os._exit(70)

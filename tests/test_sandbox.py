@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import json
 import os
@@ -92,6 +93,40 @@ def _marked_processes() -> list[str]:
         except OSError:
             pass
     return found
+
+
+def _zygote_pids(url: str) -> set[int]:
+    """The service's zygotes (host pids): the children named kuberl-zygote of its workers (a
+    worker in a PID namespace is the child of ``unshare``)."""
+
+    def children(pid: int) -> list[int]:
+        kids: list[int] = []
+        for task in glob.glob(f"/proc/{pid}/task/*/children"):
+            with contextlib.suppress(OSError), open(task) as fh:
+                kids += [int(k) for k in fh.read().split()]
+        return kids
+
+    def comm(pid: int) -> str:
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                return fh.read().strip()
+        except OSError:
+            return ""
+
+    found: set[int] = set()
+    for _ in range(20):  # a zygote is named kuberl-ready for the instant of a fork
+        found = set()
+        for worker in _readyz(url)[1]["worker_pids"]:
+            below = children(worker) + [k for c in children(worker) for k in children(c)]
+            found |= {k for k in below if comm(k) == "kuberl-zygote"}
+        if len(found) % 2 == 0 and found:
+            return found
+        time.sleep(0.01)
+    return found
+
+
+def _slot_cgroups(pool: str, controller: str = "pids") -> list[str]:
+    return glob.glob(f"/sys/fs/cgroup/{controller}/kuberl/kuberl-sbx-{pool}-*")
 
 
 def _wait_until(check, seconds: float = 5.0) -> None:
@@ -497,6 +532,7 @@ def _skip_unless_protected(name: str, info: dict) -> None:
 def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     info = _readyz(url)[1]
     _skip_unless_protected(name, info)
+    zygotes = _zygote_pids(url)
     r = run(_exec(url, ADVERSARIAL[name]))
     assert r.outcome in EXPECTED_OUTCOMES[name], r
     assert r.duration_s < LIMITS.timeout_seconds + 1.5
@@ -505,6 +541,46 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     _wait_until(lambda: not _slot_processes(url) and not _marked_processes(), 2)
     assert _slot_processes(url) == [] and _marked_processes() == []
     assert _readyz(url)[1]["worker_restarts"] == 0
+    # the zygotes share the slot's cgroup with the calls (cgroup v1): the out-of-memory killer,
+    # a fork bomb and a kill of everything must still take only the call
+    assert _zygote_pids(url) == zygotes
+    _alive(url)
+
+
+def test_calls_are_born_in_the_slot_cgroup_with_their_whole_process_cap(url):
+    """Where the zygotes live in the slot's cgroup (v1, as root), a call's child is born there
+    and joins nothing; the zygotes and the child forked ahead by the other one do not count
+    against the call's maxProcesses: it can start exactly maxProcesses - 1 more."""
+    info = _readyz(url)[1]
+    if not (info["protections"]["cgroup_pids"] and info["protections"]["uid"]):
+        pytest.skip("no pids cgroup and slot uid here")
+    inside = set()
+    for cg in _slot_cgroups("test"):
+        with open(f"{cg}/cgroup.procs") as fh:
+            inside |= {int(p) for p in fh.read().split()}
+    zygotes = _zygote_pids(url)
+    if not zygotes <= inside:
+        pytest.skip("the zygotes stay outside the slots' cgroups here (cgroup v2, or no v1 pids)")
+    code = (
+        "import os, time\n"
+        "n = 0\n"
+        "while True:\n"
+        "    try:\n"
+        "        pid = os.fork()\n"
+        "    except OSError:\n"
+        "        break\n"
+        "    if pid == 0:\n"
+        "        time.sleep(30)\n"
+        "        os._exit(0)\n"
+        "    n += 1\n"
+        "print(n)\n"
+    )
+    for _ in range(4):  # whichever slot (and zygote) answers
+        r = run(_exec(url, code))
+        assert r.outcome == "stdout", r
+        assert int(r.output) == LIMITS.max_processes - 1, r
+    _wait_until(lambda: not _slot_processes(url), 2)
+    assert _slot_processes(url) == [] and _zygote_pids(url) == zygotes
     _alive(url)
 
 

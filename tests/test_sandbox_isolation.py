@@ -311,6 +311,35 @@ def test_what_a_call_leaves_is_gone_for_the_next(svc, name, zygote):
     _healthy_after(url, before)
 
 
+# what a call can change of its directory itself, each on its own (any of them alone must be
+# undone for the next call)
+LEAVE_ON_THE_DIRECTORY = {
+    "xattr": "os.setxattr('.', 'user.note', b'for the next call')",
+    "mode": "os.chmod('.', 0o757)",
+    "times": "os.utime('.', (1, 1))",
+}
+DIRECTORY_SEEN = (
+    "import os\n"
+    "st = os.stat('.')\n"
+    "print(os.listxattr('.'), oct(st.st_mode & 0o777), st.st_mtime > 1, os.listdir('.'))\n"
+)
+
+
+@pytest.mark.parametrize("change", sorted(LEAVE_ON_THE_DIRECTORY))
+def test_a_call_leaves_nothing_on_its_directory_itself(svc, change):
+    """Attributes, mode and times of the call's directory (not an entry in it) are back to a
+    fresh one's for the next call: a private root's tmpfs kept because nothing in it changed
+    must really be unchanged, and a slot directory is stripped of them."""
+    mode, url = svc
+    before = readyz(url)[1]
+    left = _run(url, f"import os\n{LEAVE_ON_THE_DIRECTORY[change]}\nprint('changed')\n")
+    assert (left.outcome, left.output) == ("stdout", "changed\n"), left
+    for _ in range(4):  # whichever slot answers (the workers take calls in turn)
+        seen = _run(url, DIRECTORY_SEEN)
+        assert (seen.outcome, seen.output) == ("stdout", "[] 0o700 True []\n"), seen
+    _healthy_after(url, before)
+
+
 IPC = (
     "import ctypes, os\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -636,7 +665,9 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
             workers=1, limits=LIMITS, pool=f"wheel-{mode}", extra_args=["--isolation", mode],
             wrapper=wrapper, python=python, cwd=str(top),  # not the checkout: its kuberl would win
         ) as url:  # fmt: skip
-            assert readyz(url)[1]["protections"]["fs_view"]
+            protections = readyz(url)[1]["protections"]
+            # a venv under /tmp still gets the private root (its scratch space is elsewhere)
+            assert protections["fs_view"] and protections["private_root"] == (mode == "full"), protections
             code = (
                 "import numpy\n"
                 f"for p in ({str(server_py)!r}, {str(server_py.parent.parent / '__init__.py')!r}):\n"
