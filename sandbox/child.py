@@ -73,22 +73,21 @@ def _drop_capabilities() -> None:
         raise OSError(ctypes.get_errno(), "capset")
 
 
-def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
-    """Runs in the forked child, as root, right before the untrusted code."""
+def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
+    """The part of entering the sandbox that no request decides (as root, before it arrives):
+    a child forked ahead does it while the worker waits for the next call, off the call's path.
+    Nothing here is lost if the child is discarded unused, and a call's process cannot reach a
+    child in this state (root, not yet in the cgroup where that is joined per call)."""
     _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    slot.join()
     with open("/proc/self/statm") as fh:
         vsize = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    slot.enter()
     mem = cfg.memory_mb * 2**20
-    cpu = max(1, math.ceil(timeout)) + 1
     for res, value in (
         (resource.RLIMIT_AS, vsize + mem),
-        (resource.RLIMIT_CPU, cpu),
         (resource.RLIMIT_FSIZE, cfg.max_file_mb * 2**20),
         (resource.RLIMIT_NOFILE, 64),
         (resource.RLIMIT_CORE, 0),
@@ -99,6 +98,16 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
     elif os.geteuid() != 0:  # shared uid (unprivileged pod): cap what this call may add to it
         nproc = uid_task_count(os.getuid()) + cfg.max_processes
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+
+def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
+    """The rest, once the request is here, right before the untrusted code: the slot's cgroup,
+    its directory (joined now: one that changed since the fork is the one used), the CPU limit,
+    the uid, Landlock and seccomp."""
+    slot.join()
+    slot.enter()
+    cpu = max(1, math.ceil(timeout)) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     if slot.uid is not None:
         os.setgroups([])
         os.setgid(slot.uid)
@@ -195,9 +204,13 @@ def set_name(name: bytes) -> None:
 
 
 def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) -> NoReturn:
-    """A child forked ahead: wait for the request, run it, exit (never returns)."""
+    """A child forked ahead: get ready for a call, wait for the request, run it, exit (never
+    returns). Getting ready (its descriptors, the request-independent part of the sandbox)
+    happens while the worker waits for the next call: ~1 ms less on every call's path."""
     code = 0
     try:
+        devnull = _wire(slot, pipes, request_r)
+        _enter_ahead(slot, cfg)
         chunks = []
         while chunk := os.read(request_r, 1 << 20):
             chunks.append(chunk)
@@ -207,8 +220,9 @@ def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) ->
         req = json.loads(b"".join(chunks))
         set_name(b"kuberl-call")
         if req["op"] == "verify":
-            child_verify(slot, cfg, req, pipes)
+            child_verify(slot, cfg, req, pipes, devnull)
         else:
+            os.close(devnull)
             child_exec(slot, cfg, req, pipes)
     except BaseException:  # noqa: BLE001
         code = 70
@@ -216,22 +230,30 @@ def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) ->
         os._exit(code)
 
 
-def child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes) -> None:
-    stdin = os.memfd_create("stdin", 0)  # in memory: nothing on disk the call could swap
-    data = req.get("stdin", "").encode("utf-8", "surrogateescape")
-    while data:
-        data = data[os.write(stdin, data) :]
-    os.lseek(stdin, 0, os.SEEK_SET)
+def _wire(slot: Slot, pipes: Pipes, request_r: int) -> int:
+    """The call's descriptors: stdin a memfd (filled once the request is here: in memory,
+    nothing on disk the call could swap), stdout and stderr the worker's pipes, nothing else
+    of ours open but the result record, the request pipe and (under Landlock) the ruleset.
+    Returns /dev/null, for a verification (which sees no output)."""
+    stdin = os.memfd_create("stdin", 0)
     for fd, target in ((stdin, 0), (pipes.out[1], 1), (pipes.err[1], 2)):
         os.dup2(fd, target)
-    meta_w = pipes.meta[1]
-    _close_fds(keep=(meta_w, *slot.child_fds()))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    _close_fds(keep=(pipes.meta[1], request_r, devnull, *slot.child_fds()))
     sys.stdin = open(0, closefd=False)  # noqa: SIM115
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    return devnull
+
+
+def child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes) -> None:
+    data = req.get("stdin", "").encode("utf-8", "surrogateescape")
+    while data:
+        data = data[os.write(0, data) :]
+    os.lseek(0, 0, os.SEEK_SET)
     _enter_sandbox(slot, cfg, float(req["timeout"]))
     meta = _run_user_code(req["code"])
-    _write_meta(meta_w, meta, cfg.max_output_bytes)
+    _write_meta(pipes.meta[1], meta, cfg.max_output_bytes)
 
 
 def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:
@@ -254,12 +276,11 @@ def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:
             os.close(done)
 
 
-def child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes) -> None:
-    devnull = os.open(os.devnull, os.O_RDWR)
+def child_verify(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes, devnull: int) -> None:
     for target in (0, 1, 2):
         os.dup2(devnull, target)
+    os.close(devnull)
     meta_w = pipes.meta[1]
-    _close_fds(keep=(meta_w, *slot.child_fds()))
     _enter_sandbox(slot, cfg, float(req["timeout"]))
     from math_verify import parse, verify
 
