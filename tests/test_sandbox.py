@@ -453,6 +453,20 @@ ADVERSARIAL = {
         "    except OSError as e:\n"
         "        print(d, type(e).__name__)"
     ),
+    "lower_own_oom_score_then_blow_memory": (  # so that the OOM killer would pick a zygote
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print('dumpable', libc.prctl(4, 1, 0, 0, 0))\n"
+        "try:\n"
+        "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
+        "        f.write('0')\n"
+        "    print('lowered')\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__)\n"
+        "xs = []\n"
+        "while True:\n"
+        "    xs.append(bytearray(2**24))"
+    ),
     "write_many_files": (  # each file under the per-file limit, 2.5 GB together (the quota stops it)
         "for i in range(40):\n"
         "    with open(f'f{i}.bin', 'wb') as f:\n"
@@ -483,6 +497,7 @@ EXPECTED_OUTCOMES = {
     "read_parent_memory": {"error"},
     "write_outside_the_slot": {"stdout"},
     "write_many_files": {"error"},
+    "lower_own_oom_score_then_blow_memory": {"memory_limit"},
 }
 
 
@@ -545,6 +560,27 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     # a fork bomb and a kill of everything must still take only the call
     assert _zygote_pids(url) == zygotes
     _alive(url)
+
+
+def test_a_call_is_first_for_the_oom_killer_and_cannot_change_that(url):
+    """Zygotes may share a call's memory cgroup: the call's oom_score_adj is 1000, and it cannot
+    lower it (its /proc/self is root's, and seccomp refuses PR_SET_DUMPABLE)."""
+    if not _readyz(url)[1]["protections"]["uid"]:
+        pytest.skip("calls keep the service's uid here")
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.prctl(4, 1, 0, 0, 0))\n"
+        "try:\n"
+        "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
+        "        f.write('0')\n"
+        "    print('lowered')\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__)\n"
+        "print(open('/proc/self/oom_score_adj').read().strip())\n"
+    )
+    r = run(_exec(url, code))
+    assert (r.outcome, r.output.split()) == ("stdout", ["-1", "PermissionError", "1000"]), r
 
 
 def test_calls_are_born_in_the_slot_cgroup_with_their_whole_process_cap(url):
