@@ -125,6 +125,7 @@ class OwnForks:
     pid = None
     pids: tuple[int, ...] = ()
     scrub = True
+    children_inside = False  # the child joins the slot's cgroup once its request is here
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg

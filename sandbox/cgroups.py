@@ -52,6 +52,10 @@ class SlotCgroup:
     def set_pids_max(self, pids_max: int) -> None:
         """Change the process cap (room for the zygotes that live inside)."""
 
+    def open_dir(self) -> int | None:
+        """A descriptor of the cgroup v2 directory, for clone3's ``CLONE_INTO_CGROUP`` (v2 only)."""
+        return None
+
     def kill(self) -> None:
         """SIGKILL every member at once where the kernel offers it (v2 ``cgroup.kill``)."""
 
@@ -213,6 +217,14 @@ class CgroupV2(SlotCgroup):
     def set_pids_max(self, pids_max: int) -> None:
         if self.pids:
             _write(os.path.join(self.path, "pids.max"), str(pids_max))
+
+    def open_dir(self) -> int | None:
+        if not self.path:
+            return None
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
 
     def kill(self) -> None:
         if self.path:

@@ -108,6 +108,11 @@ class Zygotes:
         ready = tuple(z.ready.pid for z in self._alive("full") if z.ready is not None)
         return self.pids + ready
 
+    @property
+    def children_inside(self) -> bool:
+        """Whether the zygotes' children are born in the slot's cgroup (one wait there ahead)."""
+        return any(z.children_inside for z in self._alive("full"))
+
     def _alive(self, kind: Kind) -> list[Zygote]:
         order = [self.light, self.full] if kind == "light" else [self.full, self.light]
         return [z for z in order if z is not None]

@@ -204,6 +204,8 @@ class Slot:
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
         self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
         self.born_inside = False  # (in a zygote and its children) forked inside the slot's cgroup
+        self.clone_fd: int | None = None  # (in a zygote, v2) the cgroup its children are cloned into
+        self.ready_inside = False  # (in the worker) children forked ahead wait in the slot's cgroup
         self.landlock_abi = landlock.abi_version()
         self.landlock: landlock.Ruleset | None = None
         self._build_landlock()
@@ -316,8 +318,12 @@ class Slot:
         points, picks the call (:meth:`join` gives it ``oom_score_adj`` 1000: the points of the
         cgroup's whole limit on top of its own pages); the worker makes room for the zygotes
         under ``pids.max`` (:meth:`make_room`) and spares them when it clears the slot
-        (``keep_alive``). Only where clearing the slot kills process by process (v1; v2's
-        cgroup.kill would take the zygotes)."""
+        (``keep_alive``). On cgroup v2 the zygote stays outside (``cgroup.kill`` empties a
+        slot there) and clone3 puts each child into the cgroup as it is born
+        (:func:`~kuberl.sandbox.zygote.fork_sibling`)."""
+        if self.cgroup.version == 2:
+            self.clone_fd = self.cgroup.open_dir()
+            return
         if not (self.cgroup.zygote_inside and self.cgroup.pids):
             return
         try:
@@ -327,12 +333,17 @@ class Slot:
             return
         self.born_inside = True
 
-    def make_room(self, zygotes: list[int]) -> None:
-        """In the worker: the zygotes that live in the slot's cgroup, and the child each but the
-        call's one has forked ahead, do not count against a call's ``maxProcesses``."""
-        inside = set(zygotes) & self.cgroup.members()
-        if inside:
-            self.cgroup.set_pids_max(self.cfg.max_processes + 2 * len(inside) - 1)
+    def make_room(self, zygotes: list[int], children_inside: bool) -> None:
+        """In the worker: what waits in the slot's cgroup while a call runs does not count
+        against the call's ``maxProcesses``: the zygotes that live there (v1), and the child
+        each other zygote has forked ahead where children are born there (v1, or v2 clone3).
+        While a child waits there, clearing the slot spares it: no ``cgroup.kill``."""
+        self.ready_inside = children_inside
+        extra = len(set(zygotes) & self.cgroup.members())
+        if children_inside:
+            extra += len(zygotes) - 1
+        if extra:
+            self.cgroup.set_pids_max(self.cfg.max_processes + extra)
 
     def join(self) -> None:
         """In the call's child, before any of its code: into the slot's cgroup (born there when
@@ -358,7 +369,8 @@ class Slot:
         cgroup, a cgroup that would not empty, or a process of the slot uid still in /proc.
         """
         emptied = False
-        self.cgroup.kill()
+        if not self.ready_inside:  # (cgroup.kill would take the children waiting there too)
+            self.cgroup.kill()
         for _ in range(50):
             pids = self._cgroup_pids()
             for pid in pids:
@@ -590,7 +602,7 @@ def main(argv: list[str]) -> int:
     gc.freeze()
     forker = _start_forker(slot, cfg, (proto_in, proto_out))
     slot.keep_alive = frozenset(forker.pids)
-    slot.make_room(list(forker.pids))
+    slot.make_room(list(forker.pids), forker.children_inside)
     hello = {
         "ready": True,
         "slot": cfg.slot,

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import gc
 import json
 import os
 import platform
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
@@ -49,6 +51,11 @@ _SIGCHLD = int(signal.SIGCHLD)
 _PR_SET_PDEATHSIG = 1
 # clone(2)'s number; with no stack, tid pointers or tls its argument order does not matter
 _SYS_CLONE = {"x86_64": 56, "amd64": 56, "aarch64": 220, "arm64": 220}
+_SYS_CLONE3 = {"x86_64": 435, "amd64": 435, "aarch64": 435, "arm64": 435}
+CLONE_INTO_CGROUP = 0x200000000
+# what a kernel or a container's seccomp profile answers where clone3 into a cgroup is not to be
+# had (too old, filtered, not a cgroup v2 directory we may use): the zygote falls back for good
+_NO_CLONE_INTO = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP, errno.EBADF)
 # PyDLL: the GIL stays held across the call, as os.fork holds it across fork()
 _PYAPI = ctypes.PyDLL(None, use_errno=True)
 _PYAPI.syscall.restype = ctypes.c_long
@@ -60,25 +67,45 @@ class ZygoteGone(RuntimeError):
     """The zygote died or refused to fork; the worker cannot make clean children any more."""
 
 
-def fork_sibling() -> int:
+class _CloneArgs(ctypes.Structure):
+    """``struct clone_args`` of clone3(2) (Linux 5.7+: up to ``cgroup``)."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("flags", "pidfd", "child_tid", "parent_tid", "exit_signal", "stack", "stack_size",
+                     "tls", "set_tid", "set_tid_size", "cgroup")
+    ]  # fmt: skip
+
+
+def fork_sibling(cgroup: int | None = None) -> int:
     """Like ``os.fork()``, but the child's parent is our parent (``CLONE_PARENT``); 0 in the child.
 
+    ``cgroup``: a cgroup v2 directory's descriptor; the child is born in that cgroup (clone3
+    with ``CLONE_INTO_CGROUP``) instead of migrating into it later, a migration that waits for
+    an RCU grace period when none happened in the last ~20 ms (see ``Slot.settle_zygote``).
+
     Raises OSError where the kernel or a container's seccomp profile refuses it."""
-    number = _SYS_CLONE.get(platform.machine().lower())
+    table = _SYS_CLONE if cgroup is None else _SYS_CLONE3
+    number = table.get(platform.machine().lower())
     if number is None:
-        raise OSError(f"no clone syscall number known for {platform.machine()}")
+        raise OSError(errno.ENOSYS, f"no clone syscall number known for {platform.machine()}")
     ctypes.pythonapi.PyOS_BeforeFork()
-    zero = ctypes.c_long(0)
-    pid = _PYAPI.syscall(
-        ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | _SIGCHLD), zero, zero, zero, zero
-    )
+    if cgroup is None:
+        zero = ctypes.c_long(0)
+        pid = _PYAPI.syscall(
+            ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | _SIGCHLD), zero, zero, zero, zero
+        )
+    else:
+        # no exit_signal with CLONE_PARENT (clone3 refuses one): the child's is ours, SIGCHLD
+        args = _CloneArgs(flags=CLONE_PARENT | CLONE_INTO_CGROUP, cgroup=cgroup)
+        pid = _PYAPI.syscall(ctypes.c_long(number), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if pid == 0:
         ctypes.pythonapi.PyOS_AfterFork_Child()
         return 0
     err = ctypes.get_errno()
     ctypes.pythonapi.PyOS_AfterFork_Parent()
     if pid < 0:
-        raise OSError(err, f"clone(CLONE_PARENT): {os.strerror(err)}")
+        raise OSError(err, f"clone(CLONE_PARENT{'' if cgroup is None else ' | CLONE_INTO_CGROUP'}): {os.strerror(err)}")
     return pid
 
 
@@ -96,6 +123,7 @@ class Zygote:
         self.generation = generation  # of the slot state the zygote last heard of
         self.asked: int | None = None  # generation of a child asked for and not yet received
         self.ready: Prepared | None = None  # a child received (its pid known) and not yet taken
+        self.children_inside = False  # its children are born in the slot's cgroup
 
     @classmethod
     def start(
@@ -146,6 +174,7 @@ class Zygote:
         doc, fds = self._receive()
         for fd in fds:
             os.close(fd)
+        self.children_inside = bool(doc.get("inside"))
         try:
             os.waitpid(int(doc["pid"]), 0)
         except ChildProcessError as err:
@@ -204,6 +233,7 @@ class Zygote:
             return
         doc, fds = self._receive()
         generation, self.asked = self.asked, None
+        self.children_inside = bool(doc.get("inside"))
         request_w, out_r, err_r, meta_r = fds
         try:
             pidfd = os.pidfd_open(int(doc["pid"]))
@@ -246,7 +276,7 @@ def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # p
         request_r, request_w = os.pipe()
         set_name(b"kuberl-ready")  # the child is born with this name
         try:
-            pid = fork_sibling()
+            pid, inside = _fork_child(slot)
         except OSError as err:
             set_name(b"kuberl-zygote")
             for fd in (request_r, request_w, *pipes.out, *pipes.err, *pipes.meta):
@@ -258,11 +288,27 @@ def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # p
             os.close(request_w)
             if cmd["op"] == "probe":
                 os._exit(0)
+            slot.born_inside = inside
             run_prepared(slot, cfg, pipes, request_r)
         set_name(b"kuberl-zygote")
         os.close(request_r)
         pipes.close_write_ends()
         parent_ends = [request_w, pipes.out[0], pipes.err[0], pipes.meta[0]]
-        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], parent_ends)
+        socket.send_fds(sock, [json.dumps({"pid": pid, "inside": inside}).encode()], parent_ends)
         for fd in parent_ends:
             os.close(fd)
+
+
+def _fork_child(slot: Slot) -> tuple[int, bool]:  # pragma: no cover - zygote
+    """Fork a call's child: born in the slot's cgroup where it can be (the zygote lives there
+    (v1), or clone3 puts it there (v2)), else joining it per call. (pid, born inside)."""
+    if slot.clone_fd is not None:
+        try:
+            return fork_sibling(slot.clone_fd), True
+        except OSError as err:
+            if err.errno not in _NO_CLONE_INTO:
+                raise
+            print(f"kuberl sandbox zygote: children join the slot's cgroup per call ({err})", file=sys.stderr)
+            os.close(slot.clone_fd)
+            slot.clone_fd = None
+    return fork_sibling(), slot.born_inside

@@ -120,3 +120,36 @@ def test_real_hierarchy_tracks_and_kills_a_detached_process():
     finally:
         os.close(r)
         cg.remove()
+
+
+@pytest.mark.parametrize("children_inside", [False, True])
+def test_v2_children_waiting_in_the_slot_get_room_and_are_not_swept_with_cgroup_kill(tmp_path, children_inside):
+    """Where clone3 puts children into the slot's cgroup v2 as they are born, the child each
+    other zygote forked ahead waits there during a call: the cap makes room for it and clearing
+    the slot kills process by process (sparing it) instead of writing ``cgroup.kill``."""
+    from kuberl.sandbox.worker import Slot, WorkerConfig
+
+    root = _v2_tree(tmp_path)
+    cfg = WorkerConfig(slot=0, pool=f"room{os.getpid()}", isolation="basic", memory_mb=256, max_processes=16)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child: kill_all reaps, which must not touch pytest's children
+        try:
+            os.close(r)
+            slot = Slot(cfg, False)
+            slot.cgroup = slot_cgroup("slot-room", 256 * MB, 16, root=str(root))
+            zygotes = [2**22 - 3, 2**22 - 2]  # (no such processes: nothing is really signalled)
+            slot.keep_alive = frozenset(zygotes)
+            slot.make_room(zygotes, children_inside)
+            slot.kill_all()
+            slot.remove()
+            os.write(w, b"ok")
+            os._exit(0)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.waitpid(pid, 0)[1] == 0 and os.read(r, 2) == b"ok"
+    os.close(r)
+    cg = root / V2_PARENT / "slot-room"
+    assert (cg / "pids.max").read_text() == ("17" if children_inside else "16")
+    assert (cg / "cgroup.kill").exists() != children_inside

@@ -55,6 +55,84 @@ def test_fork_sibling_makes_a_child_of_our_parent_with_a_working_interpreter():
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
 
 
+def _cgroup2_mount() -> str | None:
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            _, path, fstype, *_ = line.split()
+            if fstype == "cgroup2":
+                return path
+    return None
+
+
+def _in_middle(body) -> list[list[str]]:
+    """Run ``body(w)`` in a forked middle process (whose CLONE_PARENT children are ours); the
+    lines its children wrote to ``w``, split. Reaps those children (they exit 7)."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            body(w)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    os.close(w)
+    assert os.waitpid(middle, 0)[1] == 0
+    rows = [line.split() for line in _read_all(r).decode().splitlines()]
+    for row in rows:
+        _, status = os.waitpid(int(row[0]), 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
+    return rows
+
+
+def test_fork_sibling_into_a_cgroup_is_born_there():
+    """clone3 with CLONE_INTO_CGROUP: the child starts in the given cgroup v2 (no migration,
+    no wait for RCU) and is still our child (CLONE_PARENT)."""
+    mount = _cgroup2_mount()
+    if mount is None or os.geteuid() != 0:
+        pytest.skip("no cgroup v2 hierarchy we may write here")
+    path = os.path.join(mount, f"kuberl-clone-into-{os.getpid()}")
+    try:
+        os.mkdir(path)
+    except OSError as err:
+        pytest.skip(f"cannot make a cgroup v2 here: {err}")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+
+        def body(w: int) -> None:
+            if fork_sibling(fd) == 0:
+                with open("/proc/self/cgroup") as fh:
+                    unified = [ln for ln in fh.read().splitlines() if ln.startswith("0::")]
+                os.write(w, f"{os.getpid()} {os.getppid()} {unified[0]}\n".encode())
+                os._exit(7)
+
+        rows = _in_middle(body)
+        assert [(int(ppid), where) for _, ppid, where in rows] == [(os.getpid(), f"0::/{os.path.basename(path)}")]
+    finally:
+        os.close(fd)
+        os.rmdir(path)
+
+
+def test_a_zygote_that_cannot_clone_into_the_cgroup_forks_plainly_for_good():
+    """A kernel or seccomp profile without clone3, or a descriptor that is no cgroup: the
+    zygote's children are forked as before (and join the cgroup per call), and it stops trying."""
+    from types import SimpleNamespace
+
+    from kuberl.sandbox.zygote import _fork_child
+
+    not_a_cgroup = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    slot = SimpleNamespace(clone_fd=not_a_cgroup, born_inside=False)
+
+    def body(w: int) -> None:
+        pid, inside = _fork_child(slot)
+        if pid == 0:
+            os.write(w, f"{os.getpid()} {int(inside)} {slot.clone_fd}\n".encode())
+            os._exit(7)
+
+    rows = _in_middle(body)
+    assert [(inside, fd) for _, inside, fd in rows] == [("0", "None")]
+
+
 @pytest.fixture
 def slot():
     """A basic-isolation slot without Landlock, so that a call may read its own /proc/self/mem."""
