@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from kuberl.sandbox.child import Pipes, run_prepared, set_name
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.worker import Slot, WorkerConfig
+    from kuberl.sandbox.slot import Slot
+    from kuberl.sandbox.worker import WorkerConfig
 
 DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
 META_LIMIT = 1 << 20  # what the worker reads of a call's result record (its own code could write there)

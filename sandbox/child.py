@@ -29,7 +29,8 @@ from kuberl.sandbox.seccomp import PR_SET_NO_NEW_PRIVS
 from kuberl.sandbox.types import valid_text
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.worker import Slot, WorkerConfig
+    from kuberl.sandbox.slot import Slot
+    from kuberl.sandbox.worker import WorkerConfig
 
 # prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)

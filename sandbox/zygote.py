@@ -44,7 +44,8 @@ from kuberl.sandbox.calls import Prepared
 from kuberl.sandbox.child import Pipes, run_prepared, set_name, use_call_environment
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.worker import Slot, WorkerConfig
+    from kuberl.sandbox.slot import Slot
+    from kuberl.sandbox.worker import WorkerConfig
 
 CLONE_PARENT = 0x00008000
 _SIGCHLD = int(signal.SIGCHLD)

@@ -34,8 +34,9 @@ from kuberl.sandbox.server import (
     build_result,
     integer_fast_path,
 )
+from kuberl.sandbox.slot import Slot
 from kuberl.sandbox.types import ExecResult
-from kuberl.sandbox.worker import Slot, WorkerConfig
+from kuberl.sandbox.worker import WorkerConfig
 
 # diskMB above the 64 MB per-file limit (write_10gb meets that one) but small enough that
 # write_many_files crosses it fast even on a busy disk

@@ -22,7 +22,7 @@ from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.fsview import readonly_paths
 from kuberl.sandbox.local import running_sandbox
 from kuberl.sandbox.routing import zygote_for
-from kuberl.sandbox.worker import CLEAN_BUDGET_SECONDS
+from kuberl.sandbox.slot import CLEAN_BUDGET_SECONDS
 
 LIMITS = SandboxLimits(timeout_seconds=3, memoryMB=256, max_output_bytes=4096, max_processes=16, diskMB=64)
 SECRET = f"kuberl-secret-{os.getpid()}-do-not-leak"

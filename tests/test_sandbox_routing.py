@@ -10,7 +10,8 @@ import pytest
 
 from kuberl.sandbox.calls import run_call
 from kuberl.sandbox.routing import Zygotes, zygote_for
-from kuberl.sandbox.worker import Slot, WorkerConfig, preload_light
+from kuberl.sandbox.slot import Slot
+from kuberl.sandbox.worker import WorkerConfig, preload_light
 from kuberl.sandbox.zygote import Zygote, ZygoteGone
 
 

@@ -12,7 +12,8 @@ import pytest
 from sandbox_helpers import memory_probe
 
 from kuberl.sandbox.calls import OwnForks, run_call
-from kuberl.sandbox.worker import Slot, WorkerConfig
+from kuberl.sandbox.slot import Slot
+from kuberl.sandbox.worker import WorkerConfig
 from kuberl.sandbox.zygote import Zygote, fork_sibling
 
 
