@@ -77,9 +77,9 @@ def _drop_capabilities() -> None:
 def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     """The part of entering the sandbox that no request decides (as root, before it arrives):
     a child forked ahead does it while the worker waits for the next call, off the call's path.
-    Nothing here is lost if the child is discarded unused, and no call can reach a child in
-    this state: it keeps root's uid and capabilities until its request is here, and a call runs
-    under a slot uid without them, or under the service's uid behind the seccomp filter."""
+    Nothing here is lost if the child is discarded unused. As root it keeps root's uid and
+    capabilities until its request is here, out of reach of a call (slot uid, no capabilities);
+    under a shared uid (basic isolation) it is as exposed to signals as it was before."""
     _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
