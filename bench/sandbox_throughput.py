@@ -15,7 +15,9 @@ is an interpreter that imports the other checkout's kuberl (e.g. a venv with it 
 editable). The two services run alternately, ``--rounds`` times each (the order flips every
 round), with the same measurements but the spawn baseline, plus the CPU a trivial call
 costs by process (``cpu_ms_*``: server, worker, zygote, the call's own process from fork to
-exit, and this client, from /proc); the summary gives each figure's median per side and the
+exit, and this client, from /proc) and the page faults a call costs (``faults_*``: the
+zygotes' and the calls' processes'; a count, steadier than times on a shared machine); the
+summary gives each figure's median per side and the
 ratio, and the machine's load average before and after (the machine may be shared: only
 figures taken side by side compare).
 """
@@ -177,29 +179,43 @@ def _roles(url: str) -> tuple[list[int], list[int], list[int]]:
     return [info["server_pid"]], workers, zygotes
 
 
+def _faults(pid: int) -> tuple[int, int]:
+    """(minor page faults of ``pid``, of its reaped children) from /proc."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read()
+    f_ = f[f.rindex(")") + 2 :].split()
+    return int(f_[7]), int(f_[8])
+
+
 def _cpu_by_role(server: list[int], workers: list[int], zygotes: list[int]) -> dict[str, float]:
     """CPU seconds so far of the server, the workers, the zygotes and the calls (the workers'
-    reaped children)."""
+    reaped children), and the page faults of the zygotes and the calls: nearly all copy-on-write
+    of the zygote's image, a count that does not vary with the machine's load the way time does."""
     return {
         "server": sum(_proc_stat(p)[0] for p in server),
         "worker": sum(_proc_stat(p)[0] for p in workers),
         "zygote": sum(_proc_stat(p)[0] for p in zygotes),
         "calls": sum(_proc_stat(p)[1] for p in workers),
+        "faults_zygote": sum(_faults(p)[0] for p in zygotes),
+        "faults_calls": sum(_faults(p)[1] for p in workers),
     }
 
 
 def cpu_split(url: str, calls: int, concurrency: int) -> dict[str, float]:
     """CPU milliseconds per trivial call (``calls`` of them, ``concurrency`` in flight) by
-    process: server, worker, zygote, the call's own process (fork to exit) and this client."""
+    process: server, worker, zygote, the call's own process (fork to exit) and this client;
+    and page faults per call of the zygotes and of the calls' processes."""
     import resource
 
     roles = _roles(url)
     before, r0 = _cpu_by_role(*roles), resource.getrusage(resource.RUSAGE_SELF)
     asyncio.run(_ours(url, SNIPPETS["trivial"], calls, concurrency))
     after, r1 = _cpu_by_role(*roles), resource.getrusage(resource.RUSAGE_SELF)
-    split = {f"cpu_ms_{k}": (after[k] - before[k]) / calls * 1e3 for k in before}
+    split = {f"cpu_ms_{k}": (after[k] - before[k]) / calls * 1e3 for k in before if not k.startswith("faults")}
     split["cpu_ms_client"] = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / calls * 1e3
     split["cpu_ms_total"] = sum(split.values())
+    for k in ("faults_zygote", "faults_calls"):
+        split[k] = (after[k] - before[k]) / calls
     return split
 
 
