@@ -9,6 +9,7 @@ in a process that will ``_exit``; the worker keeps no state of it.
 
 from __future__ import annotations
 
+import _signal
 import ast
 import contextlib
 import ctypes
@@ -16,7 +17,6 @@ import json
 import math
 import os
 import resource
-import signal
 import sys
 import tempfile
 import traceback
@@ -47,6 +47,16 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 _env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
+_DEFAULT_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGPIPE, _signal.SIGCHLD)
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _read_small(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096)
+    finally:
+        os.close(fd)
 
 
 def use_call_environment(call_dir: str) -> None:
@@ -82,11 +92,12 @@ def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     under a shared uid (basic isolation) it is as exposed to signals as it was before."""
     _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
     os.setsid()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    with open("/proc/self/statm") as fh:
-        vsize = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    # the C module's calls and a raw read: the Python wrappers (signal's enum conversions, the io
+    # stack) run code all over the inherited heap, and each page they touch is copied for us
+    for sig in _DEFAULT_SIGNALS:
+        _signal.signal(sig, _signal.SIG_DFL)
+    _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
+    vsize = int(_read_small("/proc/self/statm").split()[0]) * _PAGE_SIZE
     mem = cfg.memory_mb * 2**20
     for res, value in (
         (resource.RLIMIT_AS, vsize + mem),

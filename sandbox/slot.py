@@ -367,5 +367,8 @@ def _dir_bytes(path: str) -> int:
 
 
 def _write_oom_score_adj(value: int) -> None:
-    with open("/proc/self/oom_score_adj", "w") as fh:
-        fh.write(str(value))
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, b"%d" % value)
+    finally:
+        os.close(fd)
