@@ -27,6 +27,7 @@ the call's seccomp filter refuses the ones that act on another pid.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import ctypes
 import errno
@@ -54,6 +55,10 @@ _PR_SET_PDEATHSIG = 1
 _SYS_CLONE = {"x86_64": 56, "amd64": 56, "aarch64": 220, "arm64": 220}
 _SYS_CLONE3 = {"x86_64": 435, "amd64": 435, "aarch64": 435, "arm64": 435}
 CLONE_INTO_CGROUP = 0x200000000
+_CLONE_NR = _SYS_CLONE.get(platform.machine().lower())
+_CLONE3_NR = _SYS_CLONE3.get(platform.machine().lower())
+_ZERO = ctypes.c_long(0)
+_CLONE_ARGS = (ctypes.c_long(_CLONE_NR or -1), ctypes.c_long(CLONE_PARENT | _SIGCHLD))
 # what a kernel or a container's seccomp profile answers where clone3 into a cgroup is not to be
 # had (too old, filtered, not a cgroup v2 directory we may use): the zygote falls back for good
 _NO_CLONE_INTO = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP, errno.EBADF)
@@ -61,7 +66,12 @@ _NO_CLONE_INTO = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL, errno.E
 _PYAPI = ctypes.PyDLL(None, use_errno=True)
 _PYAPI.syscall.restype = ctypes.c_long
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_BEFORE_FORK = ctypes.pythonapi.PyOS_BeforeFork
+_AFTER_FORK_CHILD = ctypes.pythonapi.PyOS_AfterFork_Child
+_AFTER_FORK_PARENT = ctypes.pythonapi.PyOS_AfterFork_Parent
 _MAX_MESSAGE = 1 << 20
+_FORK = {"op": "fork"}
+_FORK_MSG = json.dumps(_FORK).encode()
 
 
 class ZygoteGone(RuntimeError):
@@ -86,25 +96,22 @@ def fork_sibling(cgroup: int | None = None) -> int:
     an RCU grace period when none happened in the last ~20 ms (see ``Slot.settle_zygote``).
 
     Raises OSError where the kernel or a container's seccomp profile refuses it."""
-    table = _SYS_CLONE if cgroup is None else _SYS_CLONE3
-    number = table.get(platform.machine().lower())
+    number = _CLONE_NR if cgroup is None else _CLONE3_NR
     if number is None:
         raise OSError(errno.ENOSYS, f"no clone syscall number known for {platform.machine()}")
-    ctypes.pythonapi.PyOS_BeforeFork()
+    _BEFORE_FORK()
     if cgroup is None:
-        zero = ctypes.c_long(0)
-        pid = _PYAPI.syscall(
-            ctypes.c_long(number), ctypes.c_long(CLONE_PARENT | _SIGCHLD), zero, zero, zero, zero
-        )
+        zero = _ZERO
+        pid = _PYAPI.syscall(_CLONE_ARGS[0], _CLONE_ARGS[1], zero, zero, zero, zero)
     else:
         # no exit_signal with CLONE_PARENT (clone3 refuses one): the child's is ours, SIGCHLD
         args = _CloneArgs(flags=CLONE_PARENT | CLONE_INTO_CGROUP, cgroup=cgroup)
         pid = _PYAPI.syscall(ctypes.c_long(number), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if pid == 0:
-        ctypes.pythonapi.PyOS_AfterFork_Child()
+        _AFTER_FORK_CHILD()
         return 0
     err = ctypes.get_errno()
-    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    _AFTER_FORK_PARENT()
     if pid < 0:
         raise OSError(err, f"clone(CLONE_PARENT{'' if cgroup is None else ' | CLONE_INTO_CGROUP'}): {os.strerror(err)}")
     return pid
@@ -183,7 +190,7 @@ class Zygote:
 
     def _send(self, doc: dict) -> None:
         try:
-            self.sock.send(json.dumps(doc).encode())
+            self.sock.send(_FORK_MSG if doc == _FORK else json.dumps(doc).encode())
         except OSError as err:
             raise ZygoteGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
 
@@ -268,7 +275,9 @@ def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # p
             msg = b""
         if not msg:
             os._exit(0)
-        cmd = json.loads(msg)
+        # the hot path written to touch few objects: after each fork every page the zygote
+        # writes is copied for it again (~180 pages a call), so no json, wrappers or lookups here
+        cmd = _FORK if msg == _FORK_MSG else json.loads(msg)
         if cmd["op"] == "state":
             slot.use_state(frozenset(cmd["protected"]), cmd["dir"])
             continue
@@ -295,7 +304,8 @@ def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # p
         os.close(request_r)
         pipes.close_write_ends()
         parent_ends = [request_w, pipes.out[0], pipes.err[0], pipes.meta[0]]
-        socket.send_fds(sock, [json.dumps({"pid": pid, "inside": inside}).encode()], parent_ends)
+        reply = b'{"pid": %d, "inside": %s}' % (pid, b"true" if inside else b"false")
+        sock.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", parent_ends))])
         for fd in parent_ends:
             os.close(fd)
 
