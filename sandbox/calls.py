@@ -176,6 +176,10 @@ def run_call(slot: Slot, cfg: WorkerConfig, prepared: Prepared, req: dict[str, A
     limit = cfg.max_output_bytes
     slot.cgroup.mark()
     start = time.monotonic()
+    # a call that could signal processes of its uid (basic isolation without Landlock's signal
+    # scope) may have stopped the child while it waited: the next call would wait out its deadline
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(prepared.pidfd, signal.SIGCONT)
     try:
         _send(prepared, req)
     except ChildGone:
@@ -234,7 +238,8 @@ def run_call(slot: Slot, cfg: WorkerConfig, prepared: Prepared, req: dict[str, A
     oom = slot.cgroup.hit_memory_limit()
     # what the call left when it ended counts too (it may have written it faster than one poll)
     disk_exceeded = disk_exceeded or slot.disk_usage()[1]
-    out = {"duration_s": duration, "timed_out": timed_out, "meta": _parse_meta(meta_cap) or {}, "oom": oom}
+    meta = _parse_meta(meta_cap, limit) or {}
+    out = {"duration_s": duration, "timed_out": timed_out, "meta": meta, "oom": oom}
     if disk_exceeded:
         out["disk_exceeded_mb"] = cfg.disk_mb
     if status is not None:
@@ -251,10 +256,11 @@ _META_TYPES = {"repr": (str, type(None)), "traceback": str, "truncated": bool, "
 _STATUSES = ("ok", "error", "memory")
 
 
-def _parse_meta(cap: _Capture) -> dict[str, Any] | None:
+def _parse_meta(cap: _Capture, limit: int | None = None) -> dict[str, Any] | None:
     """The child's result record, once complete: a JSON object with a known status and fields
     of the right types. The call's own code can write to that pipe too: whatever it wrote is
-    checked like any input (a forged record only misreports the call's own result)."""
+    checked like any input (a forged record only misreports the call's own result), and its
+    texts are cut to ``limit`` characters (the output limit) like the child's own."""
     if cap.open or not cap.chunks or cap.total > META_LIMIT:
         return None
     try:
@@ -269,4 +275,8 @@ def _parse_meta(cap: _Capture) -> dict[str, Any] | None:
             if not isinstance(meta[key], kind):
                 return None
             clean[key] = meta[key]
+    for key in ("repr", "traceback"):
+        if limit is not None and isinstance(clean.get(key), str) and len(clean[key]) > limit:
+            clean[key] = clean[key][:limit]
+            clean["truncated"] = True
     return clean

@@ -47,6 +47,7 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 _env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
+_M_ARENA_MAX = -8
 _DEFAULT_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGPIPE, _signal.SIGCHLD)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -91,6 +92,9 @@ def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     capabilities until its request is here, out of reach of a call (slot uid, no capabilities);
     under a shared uid (basic isolation) it is as exposed to signals as it was before."""
     _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
+    # one malloc arena per thread reserves 64 MiB of address space each: under RLIMIT_AS eight
+    # threads (a ThreadPoolExecutor) would not start; the GIL serialises them anyway
+    _LIBC.mallopt(_M_ARENA_MAX, 2)
     os.setsid()
     # the C module's calls and a raw read: the Python wrappers (signal's enum conversions, the io
     # stack) run code all over the inherited heap, and each page they touch is copied for us
@@ -265,8 +269,29 @@ def child_exec(slot: Slot, cfg: WorkerConfig, req: dict[str, Any], pipes: Pipes)
         data = data[os.write(0, data) :]
     os.lseek(0, 0, os.SEEK_SET)
     _enter_sandbox(slot, cfg, float(req["timeout"]))
+    call = os.getpid()
     meta = _run_user_code(req["code"])
+    if os.getpid() != call:
+        _leave_as_a_fork(meta)
     _write_meta(pipes.meta[1], meta, cfg.max_output_bytes)
+
+
+def _leave_as_a_fork(meta: dict[str, Any]) -> NoReturn:
+    """A process the code forked came back out of it (``if os.fork() == 0: ...`` without an
+    exit): it ends the way a plain ``python`` script's fork would, output flushed, a traceback
+    on stderr, and writes no result record, which is the call's own process's to write (two
+    records would garble each other)."""
+    code = 0
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        if meta.get("status") == "error":
+            sys.stderr.write(meta.get("traceback", ""))
+            code = 1
+        elif meta.get("status") == "memory":
+            sys.stderr.write("MemoryError\n")
+            code = 1
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _write_meta(fd: int, meta: dict[str, Any], limit: int) -> None:

@@ -9,7 +9,10 @@ perf, io_uring, userfaultfd, the kernel log, clocks), new namespaces of any kind
 ``setns``, ``clone`` with a ``CLONE_NEW*`` flag; ``clone3``, whose flags a filter cannot read,
 answers ENOSYS so that libc falls back to ``clone``), and System V IPC and POSIX message
 queues: those objects live in the kernel, not in a process, and would outlive the call that
-made them. Signals are refused where they are aimed at the service (see :class:`SeccompProgram`).
+made them. Also refused: ``setsid`` (a session per process is a CPU share per process under
+the scheduler's autogroups), inode flags (``chattr``), ``memfd_secret``, and ``memfd_create``
+where no memory cgroup counts its pages. Signals are refused where they are aimed at the
+service (see :class:`SeccompProgram`).
 Everything else is allowed: ordinary Python (threads, fork, files, pipes, mmap) works unchanged.
 """
 
@@ -40,6 +43,12 @@ DENY = (
     "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
     # kernel objects that outlive their creator: SysV IPC and POSIX message queues
     "shmget", "semget", "msgget", "mq_open",
+    # memory no cgroup or rlimit sees the way it sees the rest (secret memory is unmapped from
+    # the kernel's own map, and only RLIMIT_MEMLOCK bounds it)
+    "memfd_secret",
+    # a session (and so a scheduler autogroup) per process: a call's processes each get a fair
+    # CPU share of their own and starve a concurrent call; the child made its session already
+    "setsid",
     # no programs: the interpreter is already running, and nothing else is needed
     "execve", "execveat",
 )  # fmt: skip
@@ -65,6 +74,9 @@ SIGNAL_PID_ARGS = {
 # or any signal chosen with F_SETSIG, SIGKILL included)
 _F_SETOWN, _F_SETSIG, _F_SETOWN_EX = 8, 10, 15
 _FIOSETOWN, _SIOCSPGRP = 0x8901, 0x8902
+# inode flags and project attributes (chattr): on a directory the call does not own for good
+# (basic isolation's slot directory) they outlive it (+S, +D, +A slow or change every later call)
+_FS_IOC_SETFLAGS, _FS_IOC32_SETFLAGS, _FS_IOC_FSSETXATTR = 0x40086602, 0x40046602, 0x401C5820
 _PID_MASK = 0xFFFFFFFF  # pid_t is 32 bits: compare only what the kernel reads of the register
 
 
@@ -92,8 +104,18 @@ class SeccompProgram:
         self._prog = _SockFprog(len(bpf) // 8, bpf)
 
     @classmethod
-    def compile(cls, protected: frozenset[int] = frozenset(), unix_sockets: bool = True) -> SeccompProgram | None:
-        """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it)."""
+    def compile(
+        cls, protected: frozenset[int] = frozenset(), unix_sockets: bool = True, memfd: bool = True
+    ) -> SeccompProgram | None:
+        """None where libseccomp/pyseccomp is unavailable (the worker degrades and reports it).
+
+        ``memfd``: allow memfd_create, whose pages only a memory cgroup counts (RLIMIT_AS counts
+        what is mapped, and a memfd can be closed after a one-page mapping); without a memory
+        cgroup (basic isolation) gigabytes would escape the call's limit.
+
+        Arguments the kernel reads as 32-bit (fcntl's command, prctl's option, ioctl's request,
+        pids) are compared on their low 32 bits only: a call passing the same value with junk
+        in the upper half must meet the same rule."""
         try:
             import pyseccomp as sc
         except Exception:  # noqa: BLE001 - libseccomp missing
@@ -116,7 +138,9 @@ class SeccompProgram:
             with contextlib.suppress(Exception):
                 f.add_rule(deny, name, sc.Arg(0, sc.NE, own))
                 f.add_rule(deny, name, sc.Arg(1, sc.NE, 0))
-        f.add_rule(deny, "prctl", sc.Arg(0, sc.EQ, _PR_SET_DUMPABLE))
+        f.add_rule(deny, "prctl", sc.Arg(0, sc.MASKED_EQ, _PID_MASK, _PR_SET_DUMPABLE))
+        if not memfd:
+            f.add_rule(deny, "memfd_create")
         for name in DENY:
             with contextlib.suppress(Exception):  # a syscall this arch does not have
                 f.add_rule(deny, name)
@@ -130,8 +154,8 @@ class SeccompProgram:
                 for pid in sorted(protected):
                     f.add_rule(deny, name, sc.Arg(arg, sc.MASKED_EQ, _PID_MASK, pid))
         for cmd in (_F_SETOWN, _F_SETSIG, _F_SETOWN_EX):
-            f.add_rule(deny, "fcntl", sc.Arg(1, sc.EQ, cmd))
-        for cmd in (_FIOSETOWN, _SIOCSPGRP):
+            f.add_rule(deny, "fcntl", sc.Arg(1, sc.MASKED_EQ, _PID_MASK, cmd))
+        for cmd in (_FIOSETOWN, _SIOCSPGRP, _FS_IOC_SETFLAGS, _FS_IOC32_SETFLAGS, _FS_IOC_FSSETXATTR):
             f.add_rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, _PID_MASK, cmd))
         with tempfile.TemporaryFile() as fh:
             f.export_bpf(fh)

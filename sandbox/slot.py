@@ -77,7 +77,10 @@ class Slot:
         own = {1, os.getpid()} | {int(t) for t in os.listdir("/proc/self/task")}
         self.own_pids = frozenset(own | (set() if cfg.in_namespace else {os.getppid()}))
         self.protected = self.own_pids
-        self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=root is not None)
+        # without a private root, host sockets are reachable by path; without a memory cgroup,
+        # memfd pages escape the call's memory limit
+        self._filter_opts = {"unix_sockets": root is not None, "memfd": self.cgroup.memory}
+        self.seccomp = SeccompProgram.compile(self.protected, **self._filter_opts)
         self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
         self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
@@ -169,7 +172,7 @@ class Slot:
     def ready_for_fork(self) -> None:
         """Compile the filter for the current pids if they changed since the last compile."""
         if self.seccomp is not None and self._filter_pids != self.protected:
-            self.seccomp = SeccompProgram.compile(self.protected, unix_sockets=self.root is not None) or self.seccomp
+            self.seccomp = SeccompProgram.compile(self.protected, **self._filter_opts) or self.seccomp
             self._filter_pids = self.protected
 
     def child_fds(self) -> tuple[int, ...]:

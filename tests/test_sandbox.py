@@ -389,7 +389,10 @@ ADVERSARIAL = {
     "setsid_double_fork_daemon": (
         "import os, time\n"
         "if os.fork() == 0:\n"
-        "    os.setsid()\n"
+        "    try:\n"
+        "        os.setsid()\n"
+        "    except OSError:  # (refused by the filter: a process group instead)\n"
+        "        os.setpgid(0, 0)\n"
         "    if os.fork() == 0:\n"
         "        while True:\n"
         "            time.sleep(0.1)\n"
@@ -417,7 +420,10 @@ ADVERSARIAL = {
     "kill_worker_then_daemon": (
         "import ctypes, os, signal, time\n"
         "if os.fork() == 0:\n"
-        "    os.setsid()\n"
+        "    try:\n"
+        "        os.setsid()\n"
+        "    except OSError:  # (refused by the filter: a process group instead)\n"
+        "        os.setpgid(0, 0)\n"
         f"    ctypes.CDLL(None).prctl(15, b'{MARKER}', 0, 0, 0)\n"
         "    while True:\n"
         "        time.sleep(0.1)\n"
@@ -453,6 +459,59 @@ ADVERSARIAL = {
         "        print('escaped to', d)\n"
         "    except OSError as e:\n"
         "        print(d, type(e).__name__)"
+    ),
+    # the kernel reads fcntl's command and prctl's option as 32-bit: junk in the upper half of
+    # the register must meet the same rule (F_SETSIG SIGKILL, F_SETOWN, PR_SET_DUMPABLE)
+    "high_bits_in_32_bit_arguments": (
+        "import ctypes, os\n"
+        "fcntl_nr, prctl_nr = {'x86_64': (72, 157), 'aarch64': (25, 167)}[os.uname().machine]\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "L = ctypes.c_long\n"
+        "r, w = os.pipe()\n"
+        "print(libc.syscall(L(fcntl_nr), L(r), L((1 << 32) | 10), L(9)),\n"
+        "      libc.syscall(L(fcntl_nr), L(r), L((1 << 32) | 8), L(os.getppid())),\n"
+        "      libc.syscall(L(prctl_nr), L((1 << 32) | 4), L(1), L(0), L(0), L(0)))"
+    ),
+    # inode flags on the call's directory would outlive it where the directory does (basic)
+    "chattr_own_directory": (
+        "import array, fcntl, os\n"
+        "fd = os.open('.', os.O_RDONLY | os.O_DIRECTORY)\n"
+        "try:\n"
+        "    fcntl.ioctl(fd, 0x40086602, array.array('l', [0x8 | 0x10000]))\n"
+        "    print('set')\n"
+        "except OSError as e:\n"
+        "    print(e.errno)"
+    ),
+    # a session per process is a CPU share per process: fifteen would starve a concurrent call
+    "setsid_per_process": (  # (the call's own process leads its session: a child tries)
+        "import os\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    try:\n"
+        "        os.setsid()\n"
+        "        os.write(w, b'new session')\n"
+        "    except OSError as e:\n"
+        "        os.write(w, str(e.errno).encode())\n"
+        "    os._exit(0)\n"
+        "os.close(w)\n"
+        "print(os.read(r, 100).decode())"
+    ),
+    "memfd_secret": (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.syscall(447, 0), ctypes.get_errno())"
+    ),
+    # a result record written by the call itself, far past the output limit, then no other
+    "forged_huge_result_record": (
+        "import json, os\n"
+        "forged = json.dumps({'status': 'error', 'traceback': 'T' * 900000}).encode()\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, forged)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)"
     ),
     "lower_own_oom_score_then_blow_memory": (  # so that the OOM killer would pick a zygote
         "import ctypes\n"
@@ -499,11 +558,24 @@ EXPECTED_OUTCOMES = {
     "write_outside_the_slot": {"stdout"},
     "write_many_files": {"error"},
     "lower_own_oom_score_then_blow_memory": {"memory_limit"},
+    "high_bits_in_32_bit_arguments": {"stdout"},
+    "chattr_own_directory": {"stdout"},
+    "setsid_per_process": {"stdout"},
+    "memfd_secret": {"stdout"},
+    "forged_huge_result_record": {"error"},
 }
 
 
 def _check_corpus_output(name: str, r: ExecResult) -> None:
     """What each adversarial call must have been told (beyond its outcome)."""
+    if name == "high_bits_in_32_bit_arguments":
+        assert r.output.split() == ["-1", "-1", "-1"], r.output
+    if name in ("chattr_own_directory", "setsid_per_process"):
+        assert r.output.strip() == "1", r.output  # EPERM, from the filter
+    if name == "memfd_secret":
+        assert r.output.split() == ["-1", "1"], r.output
+    if name == "forged_huge_result_record":
+        assert r.truncated and len(r.output) <= LIMITS.max_output_bytes, (len(r.output), r.truncated)
     if name == "write_10gb":
         assert "File too large" in r.output or "Errno 27" in r.output
     if name == "read_root":  # the home is hidden (namespaces, or the unprivileged test wrapper) or unreadable
@@ -582,6 +654,43 @@ def test_a_call_is_first_for_the_oom_killer_and_cannot_change_that(url):
     )
     r = run(_exec(url, code))
     assert (r.outcome, r.output.split()) == ("stdout", ["-1", "PermissionError", "1000"]), r
+
+
+FORK_FALLS_THROUGH = (
+    "import os\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    print('child')\n"
+    "else:\n"
+    "    os.waitpid(pid, 0)\n"
+    "    print('parent')\n"
+)
+FORKED_CHILD_RAISES = (
+    "import os\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    raise ValueError('only the child')\n"
+    "os.waitpid(pid, 0)\n"
+    "print('parent')\n"
+)
+THREAD_POOL = (
+    "from concurrent.futures import ThreadPoolExecutor\n"
+    "with ThreadPoolExecutor(8) as ex:\n"
+    "    print(sum(ex.map(lambda x: x * x, range(100))))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "output"),
+    [(FORK_FALLS_THROUGH, "child\nparent\n"), (FORKED_CHILD_RAISES, "parent\n"), (THREAD_POOL, "328350\n")],
+    ids=["fork_falls_through", "forked_child_raises", "thread_pool"],
+)
+def test_ordinary_code_that_forks_or_starts_threads_works(url, code, output):
+    """A fork that comes back out of the code ends like a script's fork (it writes no result
+    record of its own); eight threads fit under the memory limit (one malloc arena per thread
+    would reserve 64 MiB each)."""
+    r = run(_exec(url, code))
+    assert (r.outcome, r.output) == ("stdout", output), r
 
 
 def test_calls_are_born_in_the_slot_cgroup_with_their_whole_process_cap(url):
@@ -1013,7 +1122,10 @@ def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(bas
     culprit = (
         "import ctypes, os, time\n"
         "if os.fork() == 0:\n"
-        "    os.setsid()\n"
+        "    try:\n"
+        "        os.setsid()\n"
+        "    except OSError:  # (refused by the filter: a process group instead)\n"
+        "        os.setpgid(0, 0)\n"
         f"    ctypes.CDLL(None).prctl(15, b'{MARKER}', 0, 0, 0)\n"
         "    while True:\n"
         "        time.sleep(0.1)\n"
@@ -1103,3 +1215,23 @@ def test_sandbox_pool_runtime_class_reaches_the_pods_and_bad_names_are_refused()
     assert "runtimeClassName" not in pod_spec({})
     with pytest.raises(ValidationError, match="runtimeClassName"):
         pod_spec({"runtimeClassName": "gVisor!"})
+
+
+MEMFD = (
+    "import os\n"
+    "try:\n"
+    "    fd = os.memfd_create('m')\n"
+    "    os.write(fd, b'x')\n"
+    "    print('memfd')\n"
+    "except OSError as e:\n"
+    "    print(e.errno)\n"
+)
+
+
+def test_memfd_only_where_a_memory_cgroup_counts_it(url, basic_url):
+    """memfd pages are counted by a memory cgroup, not by RLIMIT_AS (a memfd closed after a
+    one-page mapping holds all its pages): without a memory cgroup the filter refuses it."""
+    full = _readyz(url)[1]["protections"]["cgroup_memory"]
+    assert run(_exec(url, MEMFD)).output == ("memfd\n" if full else "1\n")
+    assert not _readyz(basic_url)[1]["protections"]["cgroup_memory"]
+    assert run(_exec(basic_url, MEMFD)).output == "1\n"

@@ -187,3 +187,25 @@ def test_a_dead_zygote_is_reported_not_waited_for(slot):
     zygote.close()
     with pytest.raises(ZygoteGone):
         zygote.take(slot)
+
+
+def test_a_child_stopped_while_it_waited_still_runs_its_call(slot):
+    """Where a call can signal processes of its uid (basic isolation without Landlock's signal
+    scope), it may SIGSTOP the children forked ahead: the worker continues a child before it
+    hands it a call, so the call does not wait out its deadline."""
+    import signal
+    import time
+
+    zygote = Zygote.start(slot, slot.cfg, close=())
+    try:
+        prepared = zygote.take(slot)
+        os.kill(prepared.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        call = {"op": "exec", "code": "print('ran')", "stdin": "", "timeout": 10.0}
+        result = run_call(slot, slot.cfg, prepared, call)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(prepared.pid, 0)
+        assert (result["timed_out"], result["stdout"]) == (False, "ran\n"), result
+        assert time.monotonic() - started < 5
+    finally:
+        zygote.close()
