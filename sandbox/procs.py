@@ -194,24 +194,17 @@ def descendants(pid: int) -> list[int]:
 
 
 def unlinked_bytes(pids: list[int], beneath: str) -> int:
-    """Bytes of files beneath ``beneath`` that ``pids`` hold open after unlinking them.
+    """Bytes of files beneath ``beneath`` that ``pids`` hold open or mapped after unlinking them.
 
-    A directory scan cannot see them, yet they fill the disk until closed. Needs the processes'
-    ``/proc/PID/fd`` (same uid and dumpable, or root)."""
+    A directory scan cannot see them, yet they fill the disk until closed and unmapped (a file
+    mapped one page at a time holds all of it with no descriptor open). Needs the processes'
+    ``/proc/PID/fd`` and ``map_files`` (same uid and dumpable, or root)."""
     prefix = beneath.rstrip("/") + "/"
     seen: set[tuple[int, int]] = set()
     total = 0
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            link = f"/proc/{pid}/fd/{fd}"
+        for link in _open_or_mapped(pid, prefix):
             try:
-                target = os.readlink(link)
-                if not (target.startswith(prefix) and target.endswith(" (deleted)")):
-                    continue
                 st = os.stat(link)
             except OSError:
                 continue
@@ -219,3 +212,21 @@ def unlinked_bytes(pids: list[int], beneath: str) -> int:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _open_or_mapped(pid: int, prefix: str) -> list[str]:
+    """/proc links to the deleted files beneath ``prefix`` that ``pid`` holds: its descriptors,
+    and its mappings (``map_files``, named by address range as in ``maps``)."""
+    links = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            link = f"/proc/{pid}/fd/{fd}"
+            with contextlib.suppress(OSError):
+                target = os.readlink(link)
+                if target.startswith(prefix) and target.endswith(" (deleted)"):
+                    links.append(link)
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps", "rb") as fh:
+        for line in fh:
+            if line.endswith(b" (deleted)\n") and prefix.encode() in line:
+                links.append(f"/proc/{pid}/map_files/{line.split(None, 1)[0].decode()}")
+    return links

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 UNREADABLE_BYTES = 1 << 50  # what a directory the worker cannot read counts as: over any quota
 CLEAN_BUDGET_SECONDS = 1.0  # removing what a call left (basic isolation); the rest is moved aside
 TRASH_SLICE_SECONDS = 0.05  # what each later call spends removing trees moved aside
+ENTRY_BYTES = 4096  # what any file, directory or link counts at least against the disk quota
 
 
 class Slot:
@@ -341,7 +342,10 @@ def _dir_bytes(path: str) -> int:
 
     Walks by file descriptor (no path grows past PATH_MAX, a directory swapped for a symlink is
     not followed: O_NOFOLLOW) and opens up directories the call locked (we own them); a
-    directory that still cannot be read counts as over any quota."""
+    directory that still cannot be read counts as over any quota. Every entry counts at least
+    :data:`ENTRY_BYTES`: empty files hold inodes and directory blocks too, and a call making
+    hundreds of thousands of them would otherwise stay at 0 bytes while the filesystem's inodes
+    run out and the cleanup after it falls behind."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     total = 0
     try:
@@ -355,7 +359,7 @@ def _dir_bytes(path: str) -> int:
                 for entry in it:
                     try:
                         st = entry.stat(follow_symlinks=False)
-                        total += st.st_blocks * 512
+                        total += max(st.st_blocks * 512, ENTRY_BYTES)
                         if entry.is_dir(follow_symlinks=False):
                             with contextlib.suppress(OSError):
                                 os.chmod(entry.name, 0o700, dir_fd=fd)

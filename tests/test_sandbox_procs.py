@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from kuberl.sandbox.procs import wait_for_exit
 
 
@@ -44,3 +46,29 @@ def test_wait_for_exit_wakes_on_the_exit_not_on_the_timeout():
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+
+
+def test_unlinked_files_held_only_by_a_mapping_are_counted(tmp_path):
+    """A file mapped one page, its descriptor closed and its name unlinked still holds all its
+    blocks; the mapping (/proc/PID/maps, followed through map_files) is how to find it."""
+    import ctypes
+
+    from kuberl.sandbox.procs import unlinked_bytes
+
+    if os.geteuid() != 0:
+        pytest.skip("/proc/PID/map_files needs CAP_CHECKPOINT_RESTORE or root")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    path = tmp_path / "held"
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.posix_fallocate(fd, 0, 8 * 2**20)
+    addr = libc.mmap(None, 4096, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    os.close(fd)
+    try:
+        assert unlinked_bytes([os.getpid()], str(tmp_path)) == 0  # still named: the scan sees it
+        os.unlink(path)
+        assert unlinked_bytes([os.getpid()], str(tmp_path)) >= 8 * 2**20
+    finally:
+        libc.munmap(addr, 4096)
