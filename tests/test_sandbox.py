@@ -1082,8 +1082,12 @@ def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
         for tid in os.listdir(f"/proc/{w}/task"):
             with open(f"/proc/{w}/task/{tid}/children") as fh:
                 kids += [int(k) for k in fh.read().split()]
-        for oldest in sorted(kids, key=_start_time)[:per_worker]:
-            found[oldest] = _start_time(oldest)
+        started = {}
+        for kid in kids:
+            with contextlib.suppress(FileNotFoundError):  # a call's process that just ended
+                started[kid] = _start_time(kid)
+        for oldest in sorted(started, key=started.__getitem__)[:per_worker]:
+            found[oldest] = started[oldest]
     return found
 
 
