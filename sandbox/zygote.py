@@ -101,8 +101,7 @@ def fork_sibling(cgroup: int | None = None) -> int:
         raise OSError(errno.ENOSYS, f"no clone syscall number known for {platform.machine()}")
     _BEFORE_FORK()
     if cgroup is None:
-        zero = _ZERO
-        pid = _PYAPI.syscall(_CLONE_ARGS[0], _CLONE_ARGS[1], zero, zero, zero, zero)
+        pid = _PYAPI.syscall(_CLONE_ARGS[0], _CLONE_ARGS[1], _ZERO, _ZERO, _ZERO, _ZERO)
     else:
         # no exit_signal with CLONE_PARENT (clone3 refuses one): the child's is ours, SIGCHLD
         args = _CloneArgs(flags=CLONE_PARENT | CLONE_INTO_CGROUP, cgroup=cgroup)

@@ -96,34 +96,44 @@ def _marked_processes() -> list[str]:
     return found
 
 
-def _zygote_pids(url: str) -> set[int]:
-    """The service's zygotes (host pids): the children named kuberl-zygote of its workers (a
-    worker in a PID namespace is the child of ``unshare``)."""
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(task) as fh:
+            kids += [int(k) for k in fh.read().split()]
+    return kids
 
-    def children(pid: int) -> list[int]:
-        kids: list[int] = []
-        for task in glob.glob(f"/proc/{pid}/task/*/children"):
-            with contextlib.suppress(OSError), open(task) as fh:
-                kids += [int(k) for k in fh.read().split()]
-        return kids
 
-    def comm(pid: int) -> str:
-        try:
-            with open(f"/proc/{pid}/comm") as fh:
-                return fh.read().strip()
-        except OSError:
-            return ""
+def _start_time(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
 
-    found: set[int] = set()
-    for _ in range(20):  # a zygote is named kuberl-ready for the instant of a fork
-        found = set()
-        for worker in _readyz(url)[1]["worker_pids"]:
-            below = children(worker) + [k for c in children(worker) for k in children(c)]
-            found |= {k for k in below if comm(k) == "kuberl-zygote"}
-        if len(found) % 2 == 0 and found:
-            return found
-        time.sleep(0.01)
+
+def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
+    """Each worker's zygotes (its ``per_worker`` oldest children: they are forked before any
+    call's child) -> their start times (not their names: a zygote is named kuberl-ready for
+    the instant of each fork)."""
+    found = {}
+    for w in workers:
+        started = {}
+        for kid in _children(w):
+            with contextlib.suppress(FileNotFoundError):  # a call's process that just ended
+                started[kid] = _start_time(kid)
+        for oldest in sorted(started, key=started.__getitem__)[:per_worker]:
+            found[oldest] = started[oldest]
     return found
+
+
+def _zygote_pids(url: str) -> set[int]:
+    """The service's zygotes (host pids; a worker in a PID namespace is the child of
+    ``unshare``, and the zygotes are its children)."""
+    info = _readyz(url)[1]
+    workers = []
+    for pid in info["worker_pids"]:
+        with open(f"/proc/{pid}/comm") as fh:
+            workers.append(_children(pid)[0] if fh.read().strip() == "unshare" else pid)
+    per_worker = 2 if info["protections"].get("light_zygote") else 1  # the full and the light one
+    return set(_zygotes(workers, per_worker))
 
 
 def _slot_cgroups(pool: str, controller: str = "pids") -> list[str]:
@@ -367,6 +377,18 @@ def test_readyz_reports_protections_and_metrics(url):
     assert "kuberl_tool_call_latency_seconds_bucket" in text
 
 
+# a call that makes itself dumpable (its /proc/self its own) and lowers its oom_score_adj
+LOWER_OWN_OOM_SCORE = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "print(libc.prctl(4, 1, 0, 0, 0))\n"
+    "try:\n"
+    "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
+    "        f.write('0')\n"
+    "    print('lowered')\n"
+    "except OSError as e:\n"
+    "    print(type(e).__name__)\n"
+)
 ADVERSARIAL = {
     "fork_bomb": "import os\nwhile True:\n    os.fork()",
     "infinite_loop": "while True:\n    pass",
@@ -514,16 +536,7 @@ ADVERSARIAL = {
         "os._exit(0)"
     ),
     "lower_own_oom_score_then_blow_memory": (  # so that the OOM killer would pick a zygote
-        "import ctypes\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "print('dumpable', libc.prctl(4, 1, 0, 0, 0))\n"
-        "try:\n"
-        "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
-        "        f.write('0')\n"
-        "    print('lowered')\n"
-        "except OSError as e:\n"
-        "    print(type(e).__name__)\n"
-        "xs = []\n"
+        LOWER_OWN_OOM_SCORE + "xs = []\n"
         "while True:\n"
         "    xs.append(bytearray(2**24))"
     ),
@@ -640,18 +653,7 @@ def test_a_call_is_first_for_the_oom_killer_and_cannot_change_that(url):
     lower it (its /proc/self is root's, and seccomp refuses PR_SET_DUMPABLE)."""
     if not _readyz(url)[1]["protections"]["uid"]:
         pytest.skip("calls keep the service's uid here")
-    code = (
-        "import ctypes\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "print(libc.prctl(4, 1, 0, 0, 0))\n"
-        "try:\n"
-        "    with open('/proc/self/oom_score_adj', 'w') as f:\n"
-        "        f.write('0')\n"
-        "    print('lowered')\n"
-        "except OSError as e:\n"
-        "    print(type(e).__name__)\n"
-        "print(open('/proc/self/oom_score_adj').read().strip())\n"
-    )
+    code = LOWER_OWN_OOM_SCORE + "print(open('/proc/self/oom_score_adj').read().strip())\n"
     r = run(_exec(url, code))
     assert (r.outcome, r.output.split()) == ("stdout", ["-1", "PermissionError", "1000"]), r
 
@@ -1065,30 +1067,6 @@ def test_basic_isolation_leaves_a_call_its_own_signals(basic_url):
     )
     r = run(_exec(basic_url, code))
     assert (r.outcome, r.output) == ("stdout", "9\nok\n"), r
-
-
-def _start_time(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[19])
-
-
-def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
-    """Each worker's zygotes (its ``per_worker`` oldest children: they are forked before any
-    call's child) -> their start times (not their names: a zygote is named kuberl-ready for
-    the instant of each fork)."""
-    found = {}
-    for w in workers:
-        kids = []
-        for tid in os.listdir(f"/proc/{w}/task"):
-            with open(f"/proc/{w}/task/{tid}/children") as fh:
-                kids += [int(k) for k in fh.read().split()]
-        started = {}
-        for kid in kids:
-            with contextlib.suppress(FileNotFoundError):  # a call's process that just ended
-                started[kid] = _start_time(kid)
-        for oldest in sorted(started, key=started.__getitem__)[:per_worker]:
-            found[oldest] = started[oldest]
-    return found
 
 
 def test_basic_isolation_a_call_cannot_signal_the_zygotes(basic_url):

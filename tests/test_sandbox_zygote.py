@@ -25,46 +25,6 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def test_fork_sibling_makes_a_child_of_our_parent_with_a_working_interpreter():
-    """CLONE_PARENT: the grandchild is ours to wait for; the interpreter's after-fork steps ran
-    in it (threads start, ``random`` was reseeded: two siblings draw different numbers)."""
-    r, w = os.pipe()
-    middle = os.fork()
-    if middle == 0:  # pragma: no cover - child
-        try:
-            os.close(r)
-            for _ in range(2):
-                if fork_sibling() == 0:
-                    import random
-
-                    t = threading.Thread(target=lambda: None)
-                    t.start()
-                    t.join()
-                    os.write(w, f"{os.getpid()} {os.getppid()} {random.random()}\n".encode())
-                    os._exit(7)
-            os._exit(0)
-        finally:
-            os._exit(1)
-    os.close(w)
-    assert os.waitpid(middle, 0)[1] == 0
-    rows = [line.split() for line in _read_all(r).decode().splitlines()]
-    assert len(rows) == 2
-    assert {int(ppid) for _, ppid, _ in rows} == {os.getpid()}
-    assert rows[0][2] != rows[1][2]
-    for pid, _, _ in rows:
-        _, status = os.waitpid(int(pid), 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
-
-
-def _cgroup2_mount() -> str | None:
-    with open("/proc/self/mounts") as fh:
-        for line in fh:
-            _, path, fstype, *_ = line.split()
-            if fstype == "cgroup2":
-                return path
-    return None
-
-
 def _in_middle(body) -> list[list[str]]:
     """Run ``body(w)`` in a forked middle process (whose CLONE_PARENT children are ours); the
     lines its children wrote to ``w``, split. Reaps those children (they exit 7)."""
@@ -84,6 +44,36 @@ def _in_middle(body) -> list[list[str]]:
         _, status = os.waitpid(int(row[0]), 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7
     return rows
+
+
+def test_fork_sibling_makes_a_child_of_our_parent_with_a_working_interpreter():
+    """CLONE_PARENT: the grandchild is ours to wait for; the interpreter's after-fork steps ran
+    in it (threads start, ``random`` was reseeded: two siblings draw different numbers)."""
+
+    def body(w: int) -> None:
+        for _ in range(2):
+            if fork_sibling() == 0:
+                import random
+
+                t = threading.Thread(target=lambda: None)
+                t.start()
+                t.join()
+                os.write(w, f"{os.getpid()} {os.getppid()} {random.random()}\n".encode())
+                os._exit(7)
+
+    rows = _in_middle(body)
+    assert len(rows) == 2
+    assert {int(ppid) for _, ppid, _ in rows} == {os.getpid()}
+    assert rows[0][2] != rows[1][2]
+
+
+def _cgroup2_mount() -> str | None:
+    with open("/proc/self/mounts") as fh:
+        for line in fh:
+            _, path, fstype, *_ = line.split()
+            if fstype == "cgroup2":
+                return path
+    return None
 
 
 def test_fork_sibling_into_a_cgroup_is_born_there():
