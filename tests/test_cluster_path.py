@@ -7,7 +7,6 @@ LocalEngine, generating with the tiny HF model and reloading weights from disk f
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from kuberl.api.job import AgenticRLJob
+from kuberl.ports import free_port
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.fleet import FleetSource, FleetWatcher
 from kuberl.rollout.local_engine import LocalEngine
@@ -39,12 +39,6 @@ def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_hf_model(tmp_path_factory.mktemp("hf") / "tiny")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Servers:
     """SGLang-compatible servers in subprocesses."""
 
@@ -53,7 +47,7 @@ class Servers:
         self.urls: list[str] = []
         ready = []
         for i in range(n):
-            port = _free_port()
+            port = free_port()
             flag = tmp / f"ready-{port}"
             self.procs.append(
                 subprocess.Popen(
@@ -523,7 +517,7 @@ def _dist_run(tmp_path: Path, name: str, ranks: int, job: dict) -> tuple[dict, d
     spec.write_text(yaml.safe_dump(job))
     out = tmp_path / name
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-                f"--master-port={_free_port()}"] if ranks > 1 else [sys.executable]  # fmt: skip
+                f"--master-port={free_port()}"] if ranks > 1 else [sys.executable]  # fmt: skip
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [*launcher, str(HERE / "dist_run.py"), str(spec), str(out)], capture_output=True, text=True, env=env
@@ -590,7 +584,7 @@ def test_fsdp_updates_equal_the_whole_batch_update():
     import json
 
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
          str(HERE / "dist_grads.py")],
         capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -634,7 +628,7 @@ def test_fsdp_ranks_other_than_0_receive_the_hf_weights_instead_of_reading_them(
     import json
 
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
          str(HERE / "dist_hf_load.py"), str(tiny_model)],
         capture_output=True, text=True, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
@@ -669,7 +663,7 @@ def test_an_error_on_one_rank_ends_every_rank_instead_of_hanging():
 
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
          str(HERE / "dist_fail.py")],
         capture_output=True, text=True, timeout=90, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip

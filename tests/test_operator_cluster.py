@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from typing import Any
 
 import aiohttp
@@ -20,6 +19,7 @@ from kuberl.operator.handlers import OperatorConfig, OperatorContext
 from kuberl.operator.loops import stale_loops
 from kuberl.operator.main import operate
 from kuberl.operator.testing import ClusterEmulator
+from kuberl.ports import free_port
 from tests.test_operator_e2e import NS, emulated_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,9 +74,7 @@ def test_stale_loops_fail_the_liveness_probe() -> None:
 async def test_operator_serves_kopfs_liveness_endpoint() -> None:
     """The chart's probes hit /healthz on the health port: kopf answers it with the results of
     the operator's probe handlers (the periodic loops' ages)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     async with emulated_cluster() as k:
         cfg = OperatorConfig(
             reconcile_interval=0.3,
@@ -224,11 +222,6 @@ async def test_only_the_lease_holder_runs_and_a_standby_takes_over() -> None:
     from kuberl.operator.main import operate_elected
     from tests.test_operator_e2e import API, eventually, pool
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
     async with emulated_cluster() as k:
         login = lambda **_: kopf.ConnectionInfo(server=k.url, default_namespace=NS)  # noqa: E731
         runs: dict[str, dict[str, Any]] = {}
@@ -321,11 +314,6 @@ async def test_kuberl_operator_cli_elects_a_leader(tmp_path: Any) -> None:
 
     from kuberl.operator.testing import write_kubeconfig
     from tests.test_operator_e2e import API, Cluster, eventually, pool
-
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     async with (
         ClusterEmulator(namespaces={NS}) as emu,

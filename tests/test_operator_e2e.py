@@ -22,6 +22,7 @@ from kuberl.api.crdgen import all_crds
 from kuberl.operator.handlers import OperatorConfig
 from kuberl.operator.main import operate
 from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
+from kuberl.ports import free_port
 from tests.apiserver_emulation import strict_admission
 
 STRICT = strict_admission(list(all_crds().values()))
@@ -548,11 +549,8 @@ async def test_admission_webhooks_through_kopf() -> None:
     """Validating and mutating admission, served by kopf's own webhook server (plain HTTP)."""
     import base64
     import json
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     webhook = kopf.WebhookServer(host="127.0.0.1", port=port, insecure=True)
     async with (
         ClusterEmulator(namespaces={NS}) as emu,

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.operator import metrics
+from kuberl.ports import free_port
 from tests.test_operator_e2e import (
     API,
     NS,
@@ -403,14 +404,11 @@ async def test_admission_in_cluster_is_reached_through_a_service_over_tls(tmp_pa
     """J: deployable admission. With the chart's environment, kopf serves HTTPS with the
     mounted certificate (what the chart's caBundle trusts) and answers over TLS; it writes no
     webhook configuration of its own."""
-    import socket
     import ssl
 
     from kuberl.operator.main import webhook_server_from_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     tls = _tls_files(tmp_path, f"kuberl-webhook.{NS}.svc")
     env = {
         "KUBERL_WEBHOOK_PORT": str(port),

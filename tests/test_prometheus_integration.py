@@ -25,7 +25,6 @@ import importlib.util
 import json
 import math
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -38,6 +37,7 @@ import yaml
 
 from kuberl.dashboards.definitions import all_expressions
 from kuberl.dashboards.metrics_catalog import CATALOG, metric_for_series
+from kuberl.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "obs-e2e"
@@ -49,12 +49,6 @@ pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
     reason="Debian package `prometheus` (installed by .ci/run) is required",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -152,7 +146,7 @@ def _operator_on_emulator(tmp: Path):
     url = asyncio.run_coroutine_threadsafe(start(), loop).result(30)
     kubeconfig = tmp / "kubeconfig"
     write_kubeconfig(kubeconfig, url, NS)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "KUBECONFIG": str(kubeconfig),
@@ -194,7 +188,7 @@ def _operator_on_emulator(tmp: Path):
 
 @contextlib.contextmanager
 def _prometheus(tmp: Path, targets: dict[str, str]):
-    port = _free_port()
+    port = free_port()
     cfg = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
@@ -270,7 +264,7 @@ def scraped(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("prom")
     # one exporter per process: an earlier test in this process may have started it already
-    train_port = metrics._SERVER_PORT or _free_port()  # noqa: SLF001
+    train_port = metrics._SERVER_PORT or free_port()  # noqa: SLF001
     mp = pytest.MonkeyPatch()
     mp.setenv("KUBERL_METRICS_PORT", str(train_port))
     with contextlib.ExitStack() as stack:
