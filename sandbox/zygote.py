@@ -42,7 +42,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from kuberl.sandbox.calls import Prepared
-from kuberl.sandbox.child import Pipes, run_prepared, set_name, use_call_environment
+from kuberl.sandbox.child import Pipes, prepare_stdio, run_prepared, set_name, use_call_environment
+from kuberl.sandbox.forkhooks import ForkHooks
 
 if TYPE_CHECKING:
     from kuberl.sandbox.slot import Slot
@@ -159,10 +160,13 @@ class Zygote:
                 slot.add_own(os.getpid())
                 slot.ready_for_fork()
                 preload()
+                gc.unfreeze()  # what the worker froze: ForkHooks looks for the hook list in it
+                hooks = ForkHooks.trim()
+                prepare_stdio()
                 gc.collect()
                 gc.freeze()  # no collection touches (and so copies) the preloaded objects
                 slot.settle_zygote()  # after the preload: its pages are not charged to the calls
-                _serve(theirs, slot, cfg)
+                _serve(theirs, slot, cfg, hooks)
             finally:
                 os._exit(70)
         theirs.close()
@@ -265,8 +269,11 @@ class Zygote:
             os.waitpid(self.pid, 0)
 
 
-def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # pragma: no cover - zygote
-    """The zygote's loop: apply state updates, fork children, until the worker goes away."""
+def _serve(
+    sock: socket.socket, slot: Slot, cfg: WorkerConfig, hooks: ForkHooks | None
+) -> NoReturn:  # pragma: no cover - zygote
+    """The zygote's loop: apply state updates, fork children, until the worker goes away.
+    ``hooks``: the after-fork hooks it forks with trimmed (see :mod:`kuberl.sandbox.forkhooks`)."""
     while True:
         try:
             msg = sock.recv(_MAX_MESSAGE)
@@ -293,6 +300,8 @@ def _serve(sock: socket.socket, slot: Slot, cfg: WorkerConfig) -> NoReturn:  # p
             sock.send(json.dumps({"error": str(err)}).encode())
             continue
         if pid == 0:
+            if hooks is not None:
+                hooks.restore()
             os.close(sock.detach())
             os.close(request_w)
             if cmd["op"] == "probe":

@@ -695,6 +695,48 @@ def test_ordinary_code_that_forks_or_starts_threads_works(url, code, output):
     assert (r.outcome, r.output) == ("stdout", output), r
 
 
+THREAD_THEN_FORK = (
+    "import os, threading, time\n"
+    "stop = threading.Event()\n"
+    "t = threading.Thread(target=stop.wait)\n"
+    "t.start()\n"
+    "r, w = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    t.join(5)\n"  # the thread did not survive the fork: joining it returns at once
+    "    os.write(w, f'{threading.active_count()} {t.is_alive()}'.encode())\n"
+    "    os._exit(0)\n"
+    "os.close(w)\n"
+    "print(os.read(r, 100).decode())\n"
+    "stop.set()\n"
+)
+
+
+def test_a_call_that_forks_beside_a_thread_gets_pythons_own_fork_repairs(url):
+    """The zygote's children skip threading's after-fork hook (the zygote has one thread); a
+    call's own fork gets it back: in the grandchild only the forking thread is alive."""
+    r = run(_exec(url, THREAD_THEN_FORK))
+    assert (r.outcome, r.output) == ("stdout", "1 False\n"), r
+
+
+def test_every_call_draws_its_own_random_numbers(url):
+    """random is reseeded in every call's process (its after-fork hook, run as the C method)."""
+    code = "import random\nprint(random.getrandbits(64), random.gauss(0, 1), random.random())"
+    outputs = [run(_exec(url, code)).output for _ in range(6)]
+    assert len(set(outputs)) == 6, outputs
+
+
+def test_a_calls_standard_streams_are_what_a_script_on_pipes_gets(url):
+    """The text streams are made once in the zygote (while 1 and 2 are pipes, as in a call):
+    stdout and stderr are not seekable, stdin (a memfd with the call's input) is."""
+    code = (
+        "import sys\n"
+        "print(sys.stdout.seekable(), sys.stderr.seekable(), sys.stdin.seekable(), sys.stdin.read(),"
+        " sys.stdout.encoding.lower(), sys.stdout.line_buffering)\n"
+    )
+    r = run(_exec(url, code, stdin="fed"))
+    assert (r.outcome, r.output) == ("stdout", "False False True fed utf-8 False\n"), r
+
+
 def test_calls_are_born_in_the_slot_cgroup_with_their_whole_process_cap(url):
     """Where the zygotes live in the slot's cgroup (v1, as root), a call's child is born there
     and joins nothing; the zygotes and the child forked ahead by the other one do not count
