@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from kuberl.sandbox.slot import Slot
     from kuberl.sandbox.worker import WorkerConfig
 
-# prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
+# prepared in the worker, used by every forked child (a CDLL built, or a function of it looked up
+# for the first time, in the child costs page faults)
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_PRCTL, _MALLOPT, _CAPSET = _LIBC.prctl, _LIBC.mallopt, _LIBC.capset
 # Python frames of 3.11 live on the heap, not the C stack: with sys.setrecursionlimit(10**7)
 # runaway recursion takes seconds and gigabytes before it fails; 100k frames fail in ~50 ms
 MAX_RECURSION_DEPTH = 100_000
@@ -47,7 +49,9 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 _env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
+_STDIO: list[Any] = []  # sys.stdin, stdout and stderr for the children, made by the zygote
 _M_ARENA_MAX = -8
+_M_PERTURB = -6
 _DEFAULT_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGPIPE, _signal.SIGCHLD)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -75,13 +79,13 @@ def use_call_environment(call_dir: str) -> None:
 def _drop_capabilities() -> None:
     """A call that keeps uid 0 (no slot uid could be used) keeps no capability either: none
     now, none from the bounding set, and root's exec-time grant switched off (securebits)."""
-    _LIBC.prctl(_PR_SET_SECUREBITS, _SECBITS_NOROOT_LOCKED, 0, 0, 0)
+    _PRCTL(_PR_SET_SECUREBITS, _SECBITS_NOROOT_LOCKED, 0, 0, 0)
     for cap in range(64):
-        if _LIBC.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        if _PRCTL(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
             break  # past the kernel's last capability
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()
-    if _LIBC.capset(header, data) != 0:
+    if _CAPSET(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset")
 
 
@@ -91,10 +95,8 @@ def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     Nothing here is lost if the child is discarded unused. As root it keeps root's uid and
     capabilities until its request is here, out of reach of a call (slot uid, no capabilities);
     under a shared uid (basic isolation) it is as exposed to signals as it was before."""
-    _LIBC.mallopt(-6, 0)  # M_PERTURB off: a worker without a zygote scrubs what it hands down, not us
-    # one malloc arena per thread reserves 64 MiB of address space each: under RLIMIT_AS eight
-    # threads (a ThreadPoolExecutor) would not start; the GIL serialises them anyway
-    _LIBC.mallopt(_M_ARENA_MAX, 2)
+    if not _STDIO:  # forked by the worker itself: no zygote set malloc up for us
+        _set_up_malloc()
     os.setsid()
     # the C module's calls and a raw read: the Python wrappers (signal's enum conversions, the io
     # stack) run code all over the inherited heap, and each page they touch is copied for us
@@ -133,13 +135,13 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         _drop_capabilities()
     if _env_for[0] != slot.call_dir:  # forked by the worker itself, not by a zygote
         use_call_environment(slot.call_dir)
-    if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
+    if _PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if slot.landlock is not None:
         # the worker (same uid, not root) must read our /proc/PID/fd to count files we unlink
         # while holding them; other calls cannot use that: Landlock keeps them out of /proc
         if slot.uid is None and os.geteuid() != 0:
-            _LIBC.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
+            _PRCTL(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         slot.landlock.restrict_self()
         slot.landlock.close()
     if slot.seccomp is not None:
@@ -217,7 +219,7 @@ class Pipes:
 
 def set_name(name: bytes) -> None:
     """This process's name in ps (comm)."""
-    _LIBC.prctl(_PR_SET_NAME, name, 0, 0, 0)
+    _PRCTL(_PR_SET_NAME, name, 0, 0, 0)
 
 
 def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) -> NoReturn:
@@ -261,9 +263,6 @@ def _wire(slot: Slot, pipes: Pipes, request_r: int) -> int:
     return devnull
 
 
-_STDIO: list[Any] = []  # sys.stdin, stdout and stderr for the children, made by the zygote
-
-
 def _open_stdio() -> tuple[Any, Any, Any]:
     return (
         open(0, closefd=False),  # noqa: SIM115
@@ -272,13 +271,26 @@ def _open_stdio() -> tuple[Any, Any, Any]:
     )
 
 
-def prepare_stdio() -> None:
-    """Make the children's text streams on descriptors 0-2 once, in the zygote, instead of in
-    every child (the io stack's Python and the codec lookups: ~60 copy-on-write page faults a
-    call). A child finds them unused: the zygote never reads or writes them. They are made
-    while 1 and 2 are pipes, as they are in a child, so what they learn of their descriptor
-    (not seekable, the pipe's block size) is what a child's would; stdin is a memfd in a child,
-    seekable like the zygote's /dev/null."""
+def _set_up_malloc() -> None:
+    """glibc's malloc as a call's process needs it (settings a fork inherits)."""
+    _MALLOPT(_M_PERTURB, 0)  # off: a worker without a zygote scrubs what it hands down, not us
+    # one malloc arena per thread reserves 64 MiB of address space each: under RLIMIT_AS eight
+    # threads (a ThreadPoolExecutor) would not start; the GIL serialises them anyway
+    _MALLOPT(_M_ARENA_MAX, 2)
+
+
+def prepare_children() -> None:
+    """In the zygote, once: what every child would otherwise set up for itself, at a cost in
+    copy-on-write page faults on every call.
+
+    - malloc's settings (each ``mallopt`` also consolidates the heap's free chunks, writing
+      all over the inherited heap: ~45 faults a call);
+    - the text streams on descriptors 0-2 (the io stack's Python and the codec lookups: ~60
+      faults a call). A child finds them unused: the zygote never reads or writes them. They
+      are made while 1 and 2 are pipes, as they are in a child, so what they learn of their
+      descriptor (not seekable, the pipe's block size) is what a child's would; stdin is a
+      memfd in a child, seekable like the zygote's /dev/null."""
+    _set_up_malloc()
     out_r, out_w = os.pipe()
     saved = os.dup(1), os.dup(2)  # the zygote's own: /dev/null and the service's log
     try:

@@ -24,6 +24,7 @@ import errno
 import tempfile
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
+_PRCTL = _LIBC.prctl  # resolved here, in the worker: resolving it in every call's child costs page faults
 PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
@@ -100,7 +101,6 @@ class SeccompProgram:
 
     def __init__(self, bpf: bytes) -> None:
         self.bpf = bpf
-        self._libc = _LIBC
         self._prog = _SockFprog(len(bpf) // 8, bpf)
 
     @classmethod
@@ -167,7 +167,7 @@ class SeccompProgram:
 
     def load(self) -> None:
         """Install the filter on the calling process (and everything it will fork)."""
-        if self._libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        if _PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-        if self._libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(self._prog), 0, 0) != 0:
+        if _PRCTL(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(self._prog), 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 from kuberl.sandbox.calls import Prepared
-from kuberl.sandbox.child import Pipes, prepare_stdio, run_prepared, set_name, use_call_environment
+from kuberl.sandbox.child import Pipes, prepare_children, run_prepared, set_name, use_call_environment
 from kuberl.sandbox.forkhooks import ForkHooks
 
 if TYPE_CHECKING:
@@ -162,7 +162,7 @@ class Zygote:
                 preload()
                 gc.unfreeze()  # what the worker froze: ForkHooks looks for the hook list in it
                 hooks = ForkHooks.trim()
-                prepare_stdio()
+                prepare_children()
                 gc.collect()
                 gc.freeze()  # no collection touches (and so copies) the preloaded objects
                 slot.settle_zygote()  # after the preload: its pages are not charged to the calls
