@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from kuberl.sandbox.kfiles import read_bytes, write_text
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 # one core per slot (a worker per core), on request: a call's threads cannot starve the other
 # slots and the server. Off by default: joining a third cgroup and CFS bandwidth accounting
@@ -21,15 +23,14 @@ CPU_PERIOD_US = 100_000
 V2_PARENT = "kuberl-sandbox"  # one parent for every slot on the host (no processes of its own)
 
 
-def _write(path: str, value: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(value)
+_write = write_text
 
 
 def _read_pids(path: str) -> set[int]:
-    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as fh:
-        return {int(p) for p in fh.read().split()}
-    return set()
+    try:
+        return {int(p) for p in read_bytes(os.path.join(path, "cgroup.procs")).split()}
+    except OSError:
+        return set()
 
 
 class SlotCgroup:
@@ -125,8 +126,7 @@ class CgroupV1(SlotCgroup):
         if not self.memory:
             return False
         try:
-            with open(os.path.join(self.paths["memory"], "memory.failcnt")) as fh:
-                return int(fh.read().strip() or 0) > 0
+            return int(read_bytes(os.path.join(self.paths["memory"], "memory.failcnt")).strip() or 0) > 0
         except (OSError, ValueError):
             return False
 
@@ -233,8 +233,8 @@ class CgroupV2(SlotCgroup):
 
     def _oom_kills(self) -> int:
         try:
-            with open(os.path.join(self.path, "memory.events")) as fh:
-                fields = dict(line.split() for line in fh if line.strip())
+            text = read_bytes(os.path.join(self.path, "memory.events")).decode()
+            fields = dict(line.split() for line in text.splitlines() if line.strip())
             return int(fields.get("oom_kill", 0)) + int(fields.get("oom", 0))
         except (OSError, ValueError):
             return 0

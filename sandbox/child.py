@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kuberl.sandbox.fsview import child_env
+from kuberl.sandbox.kfiles import read_bytes
 from kuberl.sandbox.procs import uid_task_count
 from kuberl.sandbox.seccomp import PR_SET_NO_NEW_PRIVS
 from kuberl.sandbox.types import valid_text
@@ -54,14 +55,6 @@ _M_ARENA_MAX = -8
 _M_PERTURB = -6
 _DEFAULT_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGPIPE, _signal.SIGCHLD)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _read_small(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4096)
-    finally:
-        os.close(fd)
 
 
 def use_call_environment(call_dir: str) -> None:
@@ -103,7 +96,7 @@ def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     for sig in _DEFAULT_SIGNALS:
         _signal.signal(sig, _signal.SIG_DFL)
     _signal.signal(_signal.SIGXFSZ, _signal.SIG_IGN)
-    vsize = int(_read_small("/proc/self/statm").split()[0]) * _PAGE_SIZE
+    vsize = int(read_bytes("/proc/self/statm").split()[0]) * _PAGE_SIZE
     mem = cfg.memory_mb * 2**20
     for res, value in (
         (resource.RLIMIT_AS, vsize + mem),

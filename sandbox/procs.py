@@ -13,6 +13,8 @@ import select
 import signal
 import time
 
+from kuberl.sandbox.kfiles import read_bytes
+
 
 def _children_by_parent() -> dict[int, list[int]]:
     """Every process in /proc under its parent's pid (one pass)."""
@@ -20,8 +22,7 @@ def _children_by_parent() -> dict[int, list[int]]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                with open(f"/proc/{name}/stat", "rb") as fh:
-                    stat = fh.read()
+                stat = read_bytes(f"/proc/{name}/stat")
             except OSError:
                 continue
             ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # comm may contain spaces and ")"
@@ -73,8 +74,7 @@ def own_children() -> set[int]:
     found: set[int] = set()
     try:
         for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children", "rb") as fh:
-                found.update(int(p) for p in fh.read().split())
+            found.update(int(p) for p in read_bytes(f"/proc/self/task/{tid}/children").split())
     except (OSError, ValueError):
         return set(_children_of(os.getpid()))
     return found
