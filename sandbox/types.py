@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 Outcome = Literal["stdout", "no_stdout", "error", "timeout", "memory_limit"]
@@ -43,7 +43,13 @@ class ExecResult:
         return text
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # by hand: dataclasses.asdict deep-copies field by field (the server answers every call)
+        return {
+            "outcome": self.outcome,
+            "output": self.output,
+            "truncated": self.truncated,
+            "duration_s": self.duration_s,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExecResult:

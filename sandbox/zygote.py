@@ -70,7 +70,12 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _BEFORE_FORK = ctypes.pythonapi.PyOS_BeforeFork
 _AFTER_FORK_CHILD = ctypes.pythonapi.PyOS_AfterFork_Child
 _AFTER_FORK_PARENT = ctypes.pythonapi.PyOS_AfterFork_Parent
+# one message, either way: a command or state update (the protected pids, a directory), a reply
+# with a pid or an error. Received into a buffer made once: ``recv(n)`` allocates n bytes per
+# message (at 1 MiB an mmap, mremap and munmap per call in the worker; pages in the zygote)
 _MAX_MESSAGE = 1 << 20
+_FDS_PER_CHILD = 4
+_ANCILLARY = socket.CMSG_SPACE(_FDS_PER_CHILD * array.array("i").itemsize)
 _FORK = {"op": "fork"}
 _FORK_MSG = json.dumps(_FORK).encode()
 
@@ -132,6 +137,7 @@ class Zygote:
         self.asked: int | None = None  # generation of a child asked for and not yet received
         self.ready: Prepared | None = None  # a child received (its pid known) and not yet taken
         self.children_inside = False  # its children are born in the slot's cgroup
+        self._buf = bytearray(_MAX_MESSAGE)
 
     @classmethod
     def start(
@@ -199,12 +205,15 @@ class Zygote:
 
     def _receive(self) -> tuple[dict, list[int]]:
         try:
-            msg, fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 8)
+            size, ancillary, flags, _ = self.sock.recvmsg_into([self._buf], _ANCILLARY)
         except OSError as err:
             raise ZygoteGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
-        if not msg:
-            raise ZygoteGone(f"the zygote (pid {self.pid}) is gone")
-        doc = json.loads(msg)
+        fds = passed_fds(ancillary)
+        if not size or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            for fd in fds:
+                os.close(fd)
+            raise ZygoteGone(f"the zygote (pid {self.pid}) is gone" if not size else "garbled zygote reply")
+        doc = json.loads(self._buf[:size])
         if "error" in doc:
             for fd in fds:
                 os.close(fd)
@@ -274,16 +283,18 @@ def _serve(
 ) -> NoReturn:  # pragma: no cover - zygote
     """The zygote's loop: apply state updates, fork children, until the worker goes away.
     ``hooks``: the after-fork hooks it forks with trimmed (see :mod:`kuberl.sandbox.forkhooks`)."""
+    buf = bytearray(_MAX_MESSAGE)
+    fork_size = len(_FORK_MSG)
     while True:
         try:
-            msg = sock.recv(_MAX_MESSAGE)
+            size = sock.recv_into(buf)
         except OSError:
-            msg = b""
-        if not msg:
+            size = 0
+        if not size:
             os._exit(0)
         # the hot path written to touch few objects: after each fork every page the zygote
-        # writes is copied for it again (~180 pages a call), so no json, wrappers or lookups here
-        cmd = _FORK if msg == _FORK_MSG else json.loads(msg)
+        # writes is copied for it again (~100 pages a call), so no json, wrappers or lookups here
+        cmd = _FORK if size == fork_size and buf.startswith(_FORK_MSG) else json.loads(buf[:size])
         if cmd["op"] == "state":
             slot.use_state(frozenset(cmd["protected"]), cmd["dir"])
             continue
@@ -316,6 +327,15 @@ def _serve(
         sock.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", parent_ends))])
         for fd in parent_ends:
             os.close(fd)
+
+
+def passed_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an ``SCM_RIGHTS`` message carried (as ``socket.recv_fds`` reads them)."""
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return list(fds)
 
 
 def _fork_child(slot: Slot) -> tuple[int, bool]:  # pragma: no cover - zygote

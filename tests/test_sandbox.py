@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -163,6 +164,7 @@ def test_exec_result_tool_response_and_flags():
     assert r.to_tool_response().endswith("[output truncated]") and not r.is_error
     assert ExecResult("timeout", "TimeoutError: execution exceeded 2 s", False, 2).is_error
     assert ExecResult.from_json(r.to_json()) == r
+    assert r.to_json() == dataclasses.asdict(r)  # every field, as the wire has always had them
     with pytest.raises(ValueError, match="unknown sandbox outcome"):
         ExecResult.from_json({"outcome": "bogus"})
 
