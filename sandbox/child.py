@@ -21,6 +21,7 @@ import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
+from types import CodeType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kuberl.sandbox.fsview import child_env
@@ -152,22 +153,50 @@ def _limit_recursion() -> None:
     sys.setrecursionlimit = setrecursionlimit
 
 
+def split_trailing_expression(code: str) -> tuple[CodeType, CodeType] | None:
+    """``code`` compiled as its statements but the last and that last one, an expression, from
+    the text alone: split at the last line that starts in column 0, where both halves compile
+    (the head as statements, the tail as an expression; then the tail is exactly the module's
+    last statement, an expression statement). None where that does not hold: the caller
+    parses the code (``ast.parse`` builds a Python object per syntax node, and in a forked
+    child each page those touch is copied: ~75 page faults of a trivial call's ~500).
+
+    Line numbers stay the code's own: the tail is compiled after as many empty lines."""
+    lines = code.split("\n")
+    at = len(lines) - 1
+    while at >= 0 and (not lines[at][:1] or lines[at][:1].isspace() or lines[at][:1] == "#"):
+        at -= 1
+    if at < 0:
+        return None
+    try:  # the tail first: it is what fails when the code ends in a block, and it is short
+        tail = compile("\n" * at + "\n".join(lines[at:]), "<string>", "eval")
+        head = compile("\n".join(lines[:at]), "<string>", "exec")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    return head, tail
+
+
 def _run_user_code(code: str) -> dict[str, Any]:
     """Execute ``code`` as __main__; IPython-style value of a trailing expression."""
-    try:
-        tree = ast.parse(code, filename="<string>", mode="exec")
-    except SyntaxError:
-        return {"status": "error", "traceback": traceback.format_exc(limit=0)}
-    except (MemoryError, RecursionError, ValueError) as exc:  # deeply nested or NUL-laden source
-        return {"status": "error", "traceback": f"SyntaxError: {type(exc).__name__}: {exc}\n"}
-    last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    split = split_trailing_expression(code)
+    if split is None:
+        try:
+            tree = ast.parse(code, filename="<string>", mode="exec")
+        except SyntaxError:
+            return {"status": "error", "traceback": traceback.format_exc(limit=0)}
+        except (MemoryError, RecursionError, ValueError) as exc:  # deeply nested or NUL-laden source
+            return {"status": "error", "traceback": f"SyntaxError: {type(exc).__name__}: {exc}\n"}
     env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
     _limit_recursion()
     try:
-        exec(compile(tree, "<string>", "exec"), env)  # noqa: S102 - this is the sandbox
-        value = eval(compile(last, "<string>", "eval"), env) if last is not None else None  # noqa: S307
+        if split is None:
+            tail = tree.body.pop().value if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, "<string>", "exec"), env)  # noqa: S102 - this is the sandbox
+            last = compile(ast.Expression(tail), "<string>", "eval") if tail is not None else None
+        else:
+            exec(split[0], env)  # noqa: S102
+            last = split[1]
+        value = eval(last, env) if last is not None else None  # noqa: S307
         sys.stdout.flush()
         if value is None:
             return {"status": "ok", "repr": None}
