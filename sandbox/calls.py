@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kuberl.sandbox.child import Pipes, run_prepared, set_name
+from kuberl.sandbox.child import Pipes, encode_request, run_prepared, set_name
 
 if TYPE_CHECKING:
     from kuberl.sandbox.slot import Slot
@@ -157,7 +157,7 @@ class ChildGone(RuntimeError):
 
 
 def _send(prepared: Prepared, req: dict[str, Any]) -> None:
-    data = json.dumps(req).encode()
+    data = encode_request(req)
     try:
         while data:
             data = data[os.write(prepared.request_w, data) :]

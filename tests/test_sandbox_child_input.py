@@ -1,5 +1,6 @@
-"""The trailing expression's value from the text alone (child.split_trailing_expression): where
-it answers, it must answer exactly what parsing the code answers (what the child did before)."""
+"""What the child reads of a call, cheaply: the request off its pipe (not JSON), and the trailing
+expression from the code's text alone (child.split_trailing_expression), which, where it
+answers, must answer exactly what parsing the code answers (what the child did before)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kuberl.sandbox.child import split_trailing_expression
+from kuberl.sandbox.child import decode_request, encode_request, split_trailing_expression
 
 SNIPPETS = {
     "print": ("print(sum(range(100)))", True),
@@ -89,3 +90,17 @@ def test_the_text_split_answers_what_parsing_answers(code: str, split: bool) -> 
     assert (fast is not None) == split
     if fast is not None:
         assert fast == _by_parsing(code)  # output, value or error and its line
+
+
+REQUESTS = [
+    {"op": "exec", "code": "print(1)\n# \ud800 é \0", "stdin": "a\nb 7 9\n", "timeout": 10.0},
+    {"op": "exec", "code": "", "stdin": "", "timeout": 0.001},
+    {"op": "verify", "prediction": "\\frac{1}{2}", "gold": "0.5 \n", "timeout": 5.0},
+]
+
+
+@pytest.mark.parametrize("req", REQUESTS, ids=["exec", "empty", "verify"])
+def test_a_request_reaches_the_child_as_sent(req: dict[str, Any]) -> None:
+    """The worker-to-child request (not JSON: its Python costs the child page faults) keeps
+    every text exactly, lone surrogates, NULs and newlines included."""
+    assert decode_request(encode_request(req)) == req
