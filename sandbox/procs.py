@@ -156,10 +156,12 @@ def uid_task_count(uid: int) -> int:
     return count
 
 
-def uid_has_processes(uid: int) -> bool:
-    """Is any process of real uid ``uid`` alive?"""
+def uid_has_processes(uid: int, skip: frozenset[int] = frozenset()) -> bool:
+    """Is any process of real uid ``uid`` alive? ``skip``: pids known not to be (the worker's
+    zygotes and the children they forked ahead, root until a request reaches them): in a
+    worker's PID namespace they are usually all there is, and nothing is read but /proc."""
     for name in os.listdir("/proc"):
-        if name.isdigit():
+        if name.isdigit() and int(name) not in skip:
             found = _real_uid_and_threads(name)
             if found is not None and found[0] == uid:
                 return True

@@ -268,7 +268,7 @@ class Slot:
         # the call's own process is often still exiting when we get here (we answered first):
         # reaped, it is not mistaken for a process of the uid that escaped (a sweep per call)
         reap_zombies(self.keep_alive)
-        if self.uid is not None and (not tracked or uid_has_processes(self.uid)):
+        if self.uid is not None and (not tracked or uid_has_processes(self.uid, self.keep_alive | {os.getpid()})):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:

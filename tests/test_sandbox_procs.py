@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kuberl.sandbox.procs import wait_for_exit
+from kuberl.sandbox.procs import uid_has_processes, wait_for_exit
 
 
 def _child(seconds: float) -> int:
@@ -72,3 +72,21 @@ def test_unlinked_files_held_only_by_a_mapping_are_counted(tmp_path):
         assert unlinked_bytes([os.getpid()], str(tmp_path)) >= 8 * 2**20
     finally:
         libc.munmap(addr, 4096)
+
+
+def test_uid_processes_skips_the_pids_it_is_told_are_not_the_uids():
+    """The worker passes its zygotes and their waiting children (root until a request reaches
+    them): with every live process skipped there is nothing of the uid left to find."""
+    child = _child(5)
+    try:
+        assert uid_has_processes(os.getuid())
+        for _ in range(20):  # a process that starts between the listing and the look (a kernel thread)
+            everyone = frozenset(int(p) for p in os.listdir("/proc") if p.isdigit())
+            if not uid_has_processes(os.getuid(), everyone):
+                break
+        else:
+            pytest.fail("processes of our uid kept being found though all were skipped")
+        assert child in everyone and uid_has_processes(os.getuid(), everyone - {child})
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
