@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.auth import require_token, token_from_env
-from kuberl.sandbox.idempotency import Conflict, Key
+from kuberl.sandbox.idempotency import Conflict, Key, payload_digest
 from kuberl.sandbox.progress import every_seconds, format_window
 from kuberl.sandbox.server import (
     QUEUE_DEPTH,
@@ -67,9 +67,10 @@ def make_app(svc: SandboxService) -> web.Application:
         # leaves nothing half-submitted
         conflicts: list[str] = []
         new: dict[Key, str] = {}  # keys this request would add to the queue, by digest
-        for key, payload in items:
+        digests = [payload_digest(payload) for _, payload in items]  # once: a hash of the JSON
+        for (key, payload), digest in zip(items, digests, strict=True):
             try:
-                state, digest = svc.lookup(key, payload)
+                state, _ = svc.lookup(key, payload, digest)
             except Conflict as err:
                 conflicts.append(str(err))
                 continue
@@ -80,7 +81,7 @@ def make_app(svc: SandboxService) -> web.Application:
             return web.json_response(body, status=409)
         if len(new) > svc.capacity_left():
             return too_busy()
-        futs = [svc.submit(key, payload) for key, payload in items]
+        futs = [svc.submit(key, payload, digest) for (key, payload), digest in zip(items, digests, strict=True)]
         try:
             return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
         except ServiceUnavailable as err:

@@ -383,10 +383,11 @@ class SandboxService:
     def capacity_left(self) -> int:
         return self.cfg.queue_limit - len(self.queue)
 
-    def lookup(self, key: Key, payload: dict[str, Any]) -> tuple[str, Any]:
+    def lookup(self, key: Key, payload: dict[str, Any], digest: str | None = None) -> tuple[str, Any]:
         """("done", answer), ("inflight", future) or ("new", digest); raises Conflict when the
-        key is known with a different payload. No side effects: a batch is checked whole first."""
-        digest = payload_digest(payload)
+        key is known with a different payload. No side effects: a batch is checked whole first.
+        ``digest``: the payload's, where the caller has it already."""
+        digest = digest or payload_digest(payload)
         found, value = self.memory.recall(key, digest)
         if found:
             return "done", value
@@ -397,10 +398,10 @@ class SandboxService:
             return "inflight", call.future
         return "new", digest
 
-    def submit(self, key: Key, payload: dict[str, Any]) -> asyncio.Future:
+    def submit(self, key: Key, payload: dict[str, Any], digest: str | None = None) -> asyncio.Future:
         """Enqueue (or join/recall) one call; caller has checked conflicts and capacity."""
         loop = asyncio.get_running_loop()
-        state, found = self.lookup(key, payload)
+        state, found = self.lookup(key, payload, digest)
         if state == "inflight":
             return found
         fut = loop.create_future()
