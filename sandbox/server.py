@@ -237,7 +237,8 @@ class WorkerProc:
         for call in calls:
             limit = float(call["timeout"]) + self.cfg.run_margin_s
             try:
-                line = await asyncio.wait_for(proc.stdout.readline(), limit)
+                async with asyncio.timeout(limit):  # (wait_for would start a task per call)
+                    line = await proc.stdout.readline()
             except TimeoutError as err:
                 raise WorkerLost(f"sandbox worker gave no answer within {limit:g} s", blame=True) from err
             if not line:
