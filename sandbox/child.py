@@ -187,7 +187,8 @@ def _run_user_code(code: str) -> dict[str, Any]:
         except (MemoryError, RecursionError, ValueError) as exc:  # deeply nested or NUL-laden source
             return {"status": "error", "traceback": f"SyntaxError: {type(exc).__name__}: {exc}\n"}
     env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    _limit_recursion()
+    if not _STDIO:  # forked by the worker itself: no zygote capped it for us
+        _limit_recursion()
     try:
         if split is None:
             tail = tree.body.pop().value if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -338,8 +339,10 @@ def prepare_children() -> None:
       faults a call). A child finds them unused: the zygote never reads or writes them. They
       are made while 1 and 2 are pipes, as they are in a child, so what they learn of their
       descriptor (not seekable, the pipe's block size) is what a child's would; stdin is a
-      memfd in a child, seekable like the zygote's /dev/null."""
+      memfd in a child, seekable like the zygote's /dev/null;
+    - the cap on ``sys.setrecursionlimit`` (a closure and an attribute of sys: ~10 faults)."""
     _set_up_malloc()
+    _limit_recursion()
     out_r, out_w = os.pipe()
     saved = os.dup(1), os.dup(2)  # the zygote's own: /dev/null and the service's log
     try:
