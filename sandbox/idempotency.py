@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -91,5 +92,9 @@ class ResultMemory:
 
 
 def answer_size(value: Any) -> int:
-    """Approximate bytes one remembered answer holds (its JSON plus bookkeeping)."""
+    """Approximate bytes one remembered answer holds (its texts plus bookkeeping). A flat dict
+    of texts and scalars (every answer the service keeps) is measured in memory, without
+    serialising it (``sys.getsizeof``: a text of wide characters counts what it holds)."""
+    if isinstance(value, dict) and all(isinstance(v, str | bool | int | float | None) for v in value.values()):
+        return 200 + sum(len(k) + (sys.getsizeof(v) if isinstance(v, str) else 8) for k, v in value.items())
     return len(json.dumps(value)) + 200

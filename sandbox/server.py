@@ -347,6 +347,10 @@ class SandboxService:
         self.restarts = 0
         self._spawn_lock = asyncio.Lock()
         self.window = Window()  # for the periodic log line (sandbox/progress.py)
+        # the pool's metric children, looked up once (labels() costs ~5 us, several times a call)
+        self._queue_depth = QUEUE_DEPTH.labels(cfg.pool)
+        self._workers_busy = WORKERS_BUSY.labels(cfg.pool)
+        self._by_outcome: dict[str, tuple[Any, Any]] = {}
 
     async def start(self) -> None:
         self.workers = [self.worker_class(i, self.cfg) for i in range(self.cfg.workers)]
@@ -417,7 +421,7 @@ class SandboxService:
                 return fut
         self.inflight[key] = call
         self.queue.append(call)
-        QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
+        self._queue_depth.set(len(self.queue))
         self._wake(1)
         return fut
 
@@ -452,7 +456,7 @@ class SandboxService:
             self.nonempty.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.nonempty.wait(), left)
-        QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
+        self._queue_depth.set(len(self.queue))
         return batch
 
     def _protected_pids(self) -> list[int]:
@@ -489,12 +493,12 @@ class SandboxService:
                 continue
             batch = await self._take_batch()
             self.busy += 1
-            WORKERS_BUSY.labels(self.cfg.pool).set(self.busy)
+            self._workers_busy.set(self.busy)
             try:
                 lost = await self._dispatch(w, batch)
             finally:
                 self.busy -= 1
-                WORKERS_BUSY.labels(self.cfg.pool).set(self.busy)
+                self._workers_busy.set(self.busy)
             if lost is not None:
                 await self._replace(w, lost)
 
@@ -530,7 +534,7 @@ class SandboxService:
         self.queue.extendleft(reversed(retry))
         if retry:
             self._wake(len(retry))
-        QUEUE_DEPTH.labels(self.cfg.pool).set(len(self.queue))
+        self._queue_depth.set(len(self.queue))
 
     async def _replace(self, w: WorkerProc, err: Exception) -> None:
         """Kill ``w``, sweep what its calls left, start a new one; back off while that fails."""
@@ -569,8 +573,14 @@ class SandboxService:
             result = build_result(raw, float(call.payload["timeout"]))
             value: Any = result.to_json()
             elapsed = asyncio.get_running_loop().time() - call.submitted  # the loop's clock (simulations)
-            TOOL_LATENCY.labels(self.cfg.pool, result.outcome).observe(elapsed)
-            TOOL_CALLS.labels(self.cfg.pool, result.outcome).inc()
+            metrics = self._by_outcome.get(result.outcome)
+            if metrics is None:
+                metrics = self._by_outcome[result.outcome] = (
+                    TOOL_LATENCY.labels(self.cfg.pool, result.outcome),
+                    TOOL_CALLS.labels(self.cfg.pool, result.outcome),
+                )
+            metrics[0].observe(elapsed)
+            metrics[1].inc()
             self.window.add_exec(result.outcome, elapsed)
         else:
             meta = raw.get("meta") or {}

@@ -25,7 +25,7 @@ from sandbox_helpers import unprivileged_wrapper
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox import landlock
 from kuberl.sandbox.client import SandboxClient
-from kuberl.sandbox.idempotency import Conflict, ResultMemory, payload_digest
+from kuberl.sandbox.idempotency import Conflict, ResultMemory, answer_size, payload_digest
 from kuberl.sandbox.local import running_sandbox
 from kuberl.sandbox.server import (
     SandboxService,
@@ -226,6 +226,16 @@ def test_result_memory_keys_digests_and_bounds():
     assert mem.recall(("exec", "n0"), a) == (False, None)
     now[0] = 11  # age bound
     assert mem.recall(("exec", "big"), a) == (False, None) and len(mem) == 0 and mem.nbytes == 0
+
+
+def test_an_answers_size_is_what_it_holds():
+    """What the result memory counts per answer: its texts' size in memory (wide characters
+    count for more), measured without serialising it; anything else by its JSON."""
+    small = answer_size({"outcome": "stdout", "output": "x", "truncated": False, "duration_s": 0.1})
+    ascii_text = answer_size({"outcome": "stdout", "output": "x" * 10_000, "truncated": False, "duration_s": 0.1})
+    wide_text = answer_size({"outcome": "stdout", "output": "\u5b57" * 10_000, "truncated": False, "duration_s": 0.1})
+    assert small < 400 and ascii_text - small == 9_999 and wide_text > ascii_text + 10_000
+    assert answer_size({"nested": ["x" * 5000]}) > 5000
 
 
 def test_basic_isolation_as_root_drops_to_a_slot_uid_or_reports_no_process_cap():
