@@ -198,6 +198,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
         queue_limit=args.queue_limit,
         verify_timeout_seconds=args.verify_timeout_seconds,
         isolation=args.isolation,
+        pin_workers=args.pin_workers,
     )
 
 
@@ -413,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="full",
         help="full: per-call namespaces, uids and cgroups where permitted (root); basic: only what "
         "an unprivileged container allows (rlimits, setsid, seccomp, orphan sweep)",
+    )
+    serve.add_argument(
+        "--no-pin-workers",
+        dest="pin_workers",
+        action="store_false",
+        help="let workers run on any CPU (default: one CPU each where the service may use no more "
+        "CPUs than it has workers, e.g. one worker per core)",
     )
     serve.set_defaults(func=_cmd_sandbox_serve)
 

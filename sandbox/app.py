@@ -237,6 +237,7 @@ def serve(
     queue_limit: int = 4096,
     verify_timeout_seconds: float = 5.0,
     isolation: str = "full",
+    pin_workers: bool = True,
 ) -> int:
     """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
     import signal
@@ -252,6 +253,7 @@ def serve(
         queue_limit=max(1, queue_limit),
         verify_timeout_seconds=verify_timeout_seconds,
         isolation=isolation,
+        pin_workers=pin_workers,
         sweep_orphans=True,
         token=token_from_env(),
     )

@@ -69,6 +69,7 @@ class WorkerConfig:
     isolation: str = "full"  # "basic": no slot uid, no cgroups (see ServiceConfig.isolation)
     uid_base: int = DEFAULT_UID_BASE  # the server draws a random block so services never share uids
     protections: dict[str, bool] = field(default_factory=dict)
+    cpu: int | None = None  # the CPU this worker, its zygotes and its calls keep to (server.worker_cpus)
 
 
 # Preloaded so that no call pays for these imports (and so the slot uid needs no access to them).
@@ -239,6 +240,11 @@ def _write_line(fd: int, doc: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = WorkerConfig(**json.loads(argv[0]))
+    if cfg.cpu is not None:  # first: the zygotes and every call's process inherit it
+        try:
+            os.sched_setaffinity(0, {cfg.cpu})
+        except OSError as err:
+            print(f"kuberl sandbox worker: not pinned to CPU {cfg.cpu} ({err})", file=sys.stderr)
     # the protocol lives on private fds; 0/1 become /dev/null so children cannot touch it
     proto_in, proto_out = os.dup(0), os.dup(1)
     devnull = os.open(os.devnull, os.O_RDWR)

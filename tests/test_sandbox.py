@@ -34,6 +34,7 @@ from kuberl.sandbox.server import (
     WorkerProc,
     build_result,
     integer_fast_path,
+    worker_cpus,
 )
 from kuberl.sandbox.slot import Slot
 from kuberl.sandbox.types import ExecResult
@@ -128,13 +129,17 @@ def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
 def _zygote_pids(url: str) -> set[int]:
     """The service's zygotes (host pids; a worker in a PID namespace is the child of
     ``unshare``, and the zygotes are its children)."""
-    info = _readyz(url)[1]
+    per_worker = 2 if _readyz(url)[1]["protections"].get("light_zygote") else 1  # the full and the light one
+    return set(_zygotes(_worker_pids(url), per_worker))
+
+
+def _worker_pids(url: str) -> list[int]:
+    """The service's workers in slot order (in a PID namespace: the child of ``unshare``)."""
     workers = []
-    for pid in info["worker_pids"]:
+    for pid in _readyz(url)[1]["worker_pids"]:
         with open(f"/proc/{pid}/comm") as fh:
             workers.append(_children(pid)[0] if fh.read().strip() == "unshare" else pid)
-    per_worker = 2 if info["protections"].get("light_zygote") else 1  # the full and the light one
-    return set(_zygotes(workers, per_worker))
+    return workers
 
 
 def _slot_cgroups(pool: str, controller: str = "pids") -> list[str]:
@@ -226,6 +231,39 @@ def test_result_memory_keys_digests_and_bounds():
     assert mem.recall(("exec", "n0"), a) == (False, None)
     now[0] = 11  # age bound
     assert mem.recall(("exec", "big"), a) == (False, None) and len(mem) == 0 and mem.nbytes == 0
+
+
+def test_workers_keep_to_one_cpu_each_only_where_the_service_owns_its_cpus():
+    """One worker per core (or a pod's exclusive cpuset): worker i on CPU i; more CPUs than
+    workers (a shared node): no pinning."""
+    assert worker_cpus(2, {0, 1}) == [0, 1]
+    assert worker_cpus(4, {2, 3}) == [2, 3, 2, 3]  # more workers than CPUs: shared in turn
+    assert worker_cpus(1, {5}) == [5]
+    assert worker_cpus(2, set(range(64))) == [None, None]  # a pod with a quota on a big node
+    assert worker_cpus(2, set()) == [None, None]
+
+
+def test_a_worker_its_zygotes_and_its_calls_share_one_cpu(url):
+    """The service here (2 workers) pins where the pure rule says; every process of a slot
+    (worker, zygotes, the call) inherits the worker's CPU."""
+    expected = worker_cpus(2, os.sched_getaffinity(0))
+    workers = _worker_pids(url)
+    for slot, worker in enumerate(workers):
+        allowed = os.sched_getaffinity(worker)
+        assert allowed == ({expected[slot]} if expected[slot] is not None else os.sched_getaffinity(0))
+        for child in _children(worker):  # its zygotes and the children they forked ahead
+            with contextlib.suppress(ProcessLookupError):
+                assert os.sched_getaffinity(child) == allowed
+    r = run(_exec(url, "import os\nprint(sorted(os.sched_getaffinity(0)))"))
+    pinned = {str(sorted(os.sched_getaffinity(w))) for w in workers}
+    assert r.outcome == "stdout" and r.output.strip() in pinned, r
+
+
+def test_no_pin_workers_leaves_every_cpu():
+    if None in worker_cpus(2, os.sched_getaffinity(0)):
+        pytest.skip("more than 2 CPUs here: 2 workers would not be pinned anyway")
+    with running_sandbox(workers=2, pool="nopin", extra_args=["--no-pin-workers"]) as u:
+        assert all(os.sched_getaffinity(w) == os.sched_getaffinity(0) for w in _worker_pids(u))
 
 
 def test_an_answers_size_is_what_it_holds():
