@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import sys
 import uuid
@@ -40,8 +41,9 @@ def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
     if not isinstance(stdin, str):
         raise web.HTTPBadRequest(text="'stdin' must be a string")
     timeout = item.get("timeout", lim.timeout_seconds)
-    if not isinstance(timeout, int | float) or timeout <= 0:
-        raise web.HTTPBadRequest(text="'timeout' must be a positive number of seconds")
+    # JSON's NaN and Infinity parse as floats here, and true as an int: none is a deadline
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+        raise web.HTTPBadRequest(text=f"'timeout' must be a positive number of seconds, not {timeout!r}")
     return {"op": "exec", "code": code, "stdin": stdin, "timeout": min(float(timeout), lim.timeout_seconds)}
 
 

@@ -999,11 +999,18 @@ def test_bad_requests_get_clear_errors(url):
                 a = (r1.status, await r1.text())
             async with s.post(url + "/v1/execute", data=b"{nope") as r2:
                 b = (r2.status, await r2.text())
-            return a, b
+            deadlines = []
+            for raw in (b"NaN", b"Infinity", b"true", b"-1", b"0", b'"5"'):
+                body = b'{"code": "print(1)", "timeout": ' + raw + b"}"
+                async with s.post(url + "/v1/execute", data=body) as r3:
+                    deadlines.append((raw, r3.status, await r3.text()))
+            return a, b, deadlines
 
-    (s1, t1), (s2, t2) = run(go())
+    (s1, t1), (s2, t2), deadlines = run(go())
     assert s1 == 400 and "code" in t1
     assert s2 == 400 and "not JSON" in t2
+    for raw, status, text in deadlines:  # never a call without a deadline, nor one of 1 s from `true`
+        assert status == 400 and "'timeout' must be a positive number of seconds" in text, (raw, text)
 
 
 def test_verify_math_and_hard_inputs_time_out(url):
