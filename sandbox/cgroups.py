@@ -23,9 +23,6 @@ CPU_PERIOD_US = 100_000
 V2_PARENT = "kuberl-sandbox"  # one parent for every slot on the host (no processes of its own)
 
 
-_write = write_text
-
-
 def _read_pids(path: str) -> set[int]:
     try:
         return {int(p) for p in read_bytes(os.path.join(path, "cgroup.procs")).split()}
@@ -94,7 +91,7 @@ class CgroupV1(SlotCgroup):
             try:
                 os.makedirs(path, exist_ok=True)
                 for fname, value in files.items():
-                    _write(os.path.join(path, fname), value)
+                    write_text(os.path.join(path, fname), value)
                 self.paths[ctrl] = path
             except OSError:
                 with contextlib.suppress(OSError):
@@ -105,7 +102,7 @@ class CgroupV1(SlotCgroup):
 
     def join(self, pid: int) -> None:
         for path in self.paths.values():
-            _write(os.path.join(path, "cgroup.procs"), str(pid))
+            write_text(os.path.join(path, "cgroup.procs"), str(pid))
 
     def members(self) -> set[int]:
         out: set[int] = set()
@@ -115,12 +112,12 @@ class CgroupV1(SlotCgroup):
 
     def set_pids_max(self, pids_max: int) -> None:
         if self.pids:
-            _write(os.path.join(self.paths["pids"], "pids.max"), str(pids_max))
+            write_text(os.path.join(self.paths["pids"], "pids.max"), str(pids_max))
 
     def mark(self) -> None:
         if self.memory:
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.paths["memory"], "memory.failcnt"), "0")
+                write_text(os.path.join(self.paths["memory"], "memory.failcnt"), "0")
 
     def hit_memory_limit(self) -> bool:
         if not self.memory:
@@ -189,34 +186,34 @@ class CgroupV2(SlotCgroup):
             if not need <= enabled:
                 extra = {"cpu"} & offered - enabled
                 try:
-                    _write(control, " ".join(f"+{c}" for c in sorted(need | extra)))
+                    write_text(control, " ".join(f"+{c}" for c in sorted(need | extra)))
                 except OSError:
                     if not extra:
                         raise
-                    _write(control, " ".join(f"+{c}" for c in sorted(need)))
+                    write_text(control, " ".join(f"+{c}" for c in sorted(need)))
 
     def _try(self, *files: tuple[str, str]) -> bool:
         """Write the first (required) limit file and any optional ones that exist."""
         first, *rest = files
         try:
-            _write(os.path.join(self.path, first[0]), first[1])
+            write_text(os.path.join(self.path, first[0]), first[1])
         except OSError:
             return False
         for fname, value in rest:
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.path, fname), value)
+                write_text(os.path.join(self.path, fname), value)
         return True
 
     def join(self, pid: int) -> None:
         if self.path:
-            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+            write_text(os.path.join(self.path, "cgroup.procs"), str(pid))
 
     def members(self) -> set[int]:
         return _read_pids(self.path) if self.path else set()
 
     def set_pids_max(self, pids_max: int) -> None:
         if self.pids:
-            _write(os.path.join(self.path, "pids.max"), str(pids_max))
+            write_text(os.path.join(self.path, "pids.max"), str(pids_max))
 
     def open_dir(self) -> int | None:
         if not self.path:
@@ -229,7 +226,7 @@ class CgroupV2(SlotCgroup):
     def kill(self) -> None:
         if self.path:
             with contextlib.suppress(OSError):
-                _write(os.path.join(self.path, "cgroup.kill"), "1")
+                write_text(os.path.join(self.path, "cgroup.kill"), "1")
 
     def _oom_kills(self) -> int:
         try:

@@ -89,8 +89,6 @@ def _enter_ahead(slot: Slot, cfg: WorkerConfig) -> None:
     Nothing here is lost if the child is discarded unused. As root it keeps root's uid and
     capabilities until its request is here, out of reach of a call (slot uid, no capabilities);
     under a shared uid (basic isolation) it is as exposed to signals as it was before."""
-    if not _STDIO:  # forked by the worker itself: no zygote set malloc up for us
-        _set_up_malloc()
     os.setsid()
     # the C module's calls and a raw read: the Python wrappers (signal's enum conversions, the io
     # stack) run code all over the inherited heap, and each page they touch is copied for us
@@ -187,8 +185,6 @@ def _run_user_code(code: str) -> dict[str, Any]:
         except (MemoryError, RecursionError, ValueError) as exc:  # deeply nested or NUL-laden source
             return {"status": "error", "traceback": f"SyntaxError: {type(exc).__name__}: {exc}\n"}
     env: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-    if not _STDIO:  # forked by the worker itself: no zygote capped it for us
-        _limit_recursion()
     try:
         if split is None:
             tail = tree.body.pop().value if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -251,6 +247,9 @@ def run_prepared(slot: Slot, cfg: WorkerConfig, pipes: Pipes, request_r: int) ->
     happens while the worker waits for the next call: ~1 ms less on every call's path."""
     code = 0
     try:
+        if not _STDIO:  # forked by the worker itself: what a zygote sets up once, done here
+            _set_up_malloc()
+            _limit_recursion()
         devnull = _wire(slot, pipes, request_r)
         _enter_ahead(slot, cfg)
         chunks = []

@@ -22,6 +22,7 @@ from kuberl.sandbox import landlock
 from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
 from kuberl.sandbox.child import use_call_environment
 from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
+from kuberl.sandbox.kfiles import write_text
 from kuberl.sandbox.procs import (
     descendants,
     kill_children,
@@ -232,7 +233,7 @@ class Slot:
         a zygote lives inside), and first in line for the out-of-memory killer, before the
         zygotes that share the cgroup and before the service itself."""
         with contextlib.suppress(OSError):  # raising it needs no privilege
-            _write_oom_score_adj(1000)
+            write_text("/proc/self/oom_score_adj", "1000")
         if not self.born_inside:
             self.cgroup.join(os.getpid())
 
@@ -372,10 +373,3 @@ def _dir_bytes(path: str) -> int:
             os.close(fd)
     return total
 
-
-def _write_oom_score_adj(value: int) -> None:
-    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, b"%d" % value)
-    finally:
-        os.close(fd)
