@@ -60,6 +60,7 @@ _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 
 
 ANNOTATIONS_MAX_BYTES = 256 * 1024  # keys and values together (apimachinery TotalAnnotationSizeLimitB)
+STANDARD_FINALIZERS = frozenset({"kubernetes", "orphan", "foregroundDeletion"})
 
 
 def _qualified_key(key: str) -> bool:
@@ -97,6 +98,16 @@ Quantity = Annotated[
 STANDARD_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 
 
+class FieldError(ValueError):
+    """A model validator's refusal of one field below its model: ``at`` is that field's path
+    relative to the model, in the manifest's spelling (``("stages", 1, "name")``). The loader
+    reports it at that path, the way the API server names the field it refuses."""
+
+    def __init__(self, at: tuple[str | int, ...], message: str):
+        super().__init__(message)
+        self.at = at
+
+
 class KubeModel(BaseModel):
     """Base for every spec/status fragment: camelCase aliases, unknown fields rejected."""
 
@@ -122,6 +133,8 @@ class ObjectMeta(BaseModel):
     namespace: str | None = Field(None, pattern=NAME_PATTERN, max_length=63)
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+    finalizers: list[str] | None = None
+    owner_references: list[dict[str, Any]] | None = Field(None, alias="ownerReferences")
 
     @field_validator("labels")
     @classmethod
@@ -146,12 +159,35 @@ class ObjectMeta(BaseModel):
         bad = [k for k in annotations if not _qualified_key(k)]
         if bad:
             raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
-        size = sum(len(k) + len(v) for k, v in annotations.items())
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())  # UTF-8 bytes, as stored
         if size > ANNOTATIONS_MAX_BYTES:
             raise ValueError(
-                f"annotations total {size} bytes, more than the API server's limit of {ANNOTATIONS_MAX_BYTES}"
+                f"annotations total {size} bytes (UTF-8), more than the API server's limit of {ANNOTATIONS_MAX_BYTES}"
             )
         return annotations
+
+    @field_validator("finalizers")
+    @classmethod
+    def _finalizers(cls, finalizers: list[str] | None) -> list[str] | None:
+        """apimachinery's ValidateFinalizerName: a qualified name with a DNS prefix, or one of the
+        standard ones."""
+        for f in finalizers or []:
+            if not _qualified_key(f):
+                raise ValueError(f"{f!r} is not a qualified name (like example.com/some-finalizer)")
+            if "/" not in f and f not in STANDARD_FINALIZERS:
+                raise ValueError(f"{f!r} is neither a standard finalizer name nor fully qualified (prefix/name)")
+        return finalizers
+
+    @field_validator("owner_references")
+    @classmethod
+    def _owner_references(cls, refs: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, ref in enumerate(refs or []):
+            missing = [k for k in ("apiVersion", "kind", "name", "uid") if not ref.get(k)]
+            if missing:
+                raise FieldError((i, missing[0]), f"{', '.join(missing)} must not be empty")
+        if sum(1 for r in refs or [] if r.get("controller") is True) > 1:
+            raise ValueError("only one reference can have controller set to true")
+        return refs
     generation: int | None = None
     uid: str | None = None
 

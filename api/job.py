@@ -17,6 +17,7 @@ from .common import (
     RESOURCE_NAME_PATTERN,
     SUBDOMAIN_PATTERN,
     AcceleratorSpec,
+    FieldError,
     KubeModel,
     Quantity,
     Resource,
@@ -251,7 +252,7 @@ class StageSpec(KubeModel):
     @model_validator(mode="after")
     def _check(self) -> StageSpec:
         if self.steps <= 0:
-            raise ValueError(f"stage '{self.name}': steps must be > 0 (got {self.steps})")
+            raise FieldError(("steps",), f"stage '{self.name}': steps must be > 0 (got {self.steps})")
         if self.type == "sft" and self.difficulty_filter is not None:
             raise ValueError(f"stage '{self.name}': difficultyFilter applies to rl stages only")
         return self
@@ -374,20 +375,25 @@ class AgenticRLJobSpec(KubeModel):
     @model_validator(mode="after")
     def _stages(self) -> AgenticRLJobSpec:
         names = [s.name for s in self.stages]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"stage names must be unique; repeated: {', '.join(dupes)}")
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise FieldError(
+                    ("stages", i, "name"),
+                    f"{name!r} is already the name of stages[{names.index(name)}]; stage names must be unique",
+                )
         too_long = self.response_budgets_over_context()
         if too_long:
             ctx = self.rollout.fleet.engine.context_length  # type: ignore[union-attr]
-            raise ValueError(
+            raise FieldError(
+                too_long[0][0],
                 f"maxResponseTokens must be < rollout.fleet.engine.contextLength ({ctx}), since SGLang "
-                f"rejects a request whose prompt + response reach it: {'; '.join(too_long)}"
+                f"rejects a request whose prompt + response reach it: {'; '.join(t for _, t in too_long)}",
             )
         return self
 
-    def response_budgets_over_context(self) -> list[str]:
-        """Response budgets an inline fleet with ``engine.contextLength`` cannot serve.
+    def response_budgets_over_context(self) -> list[tuple[tuple[str | int, ...], str]]:
+        """Response budgets an inline fleet with ``engine.contextLength`` cannot serve: (field
+        path under spec, what it says).
 
         SGLang answers HTTP 400 to a request whose input + max_new_tokens reach the context
         length, so such a budget fails long rollouts mid-run, after the job has started.
@@ -398,14 +404,14 @@ class AgenticRLJobSpec(KubeModel):
             return []
         over = []
         if self.rollout.max_response_tokens >= ctx:
-            over.append(f"rollout.maxResponseTokens is {self.rollout.max_response_tokens}")
-        for stage in self.stages:
+            over.append((("rollout", "maxResponseTokens"), f"rollout.maxResponseTokens is {self.rollout.max_response_tokens}"))
+        for i, stage in enumerate(self.stages):
             if (
                 stage.type == "rl"
                 and stage.max_response_tokens is not None
                 and stage.max_response_tokens >= ctx
             ):
-                over.append(f"stage '{stage.name}' has {stage.max_response_tokens}")
+                over.append((("stages", i, "maxResponseTokens"), f"stage '{stage.name}' has {stage.max_response_tokens}"))
         return over
 
     def stage_max_turns(self, stage: StageSpec) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 import typing
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from kuberl import API_VERSION
 
-from .common import PATTERN_RULES, Resource
+from .common import PATTERN_RULES, FieldError, Resource
 from .job import AgenticRLJob
 from .rollout_fleet import RolloutFleet
 from .sandbox_pool import SandboxPool
@@ -183,6 +184,9 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] | None 
     last: tuple[str, str] | None = None
     for e in err.errors(include_url=False):
         loc = [p for p in e["loc"] if not str(p).startswith("function-") and p not in _UNION_TAGS]
+        error = (e.get("ctx") or {}).get("error")
+        if isinstance(error, FieldError):
+            loc += list(error.at)
         where = _loc(loc)
         if (
             last is not None
@@ -200,6 +204,18 @@ def format_validation_error(err: ValidationError, model: type[BaseModel] | None 
     return lines
 
 
+def non_json_numbers(node: Any, at: str = "") -> list[tuple[str, float]]:
+    """(field path, value) of every NaN or infinity in a parsed manifest: YAML has them, JSON
+    (what the API server stores) does not."""
+    if isinstance(node, float) and (math.isnan(node) or math.isinf(node)):
+        return [(at or "<root>", node)]
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in non_json_numbers(v, f"{at}.{k}" if at else str(k))]
+    if isinstance(node, list):
+        return [x for i, v in enumerate(node) for x in non_json_numbers(v, f"{at}[{i}]")]
+    return []
+
+
 def parse_resource(doc: Any, source: str = "<input>") -> Resource:
     if not isinstance(doc, dict):
         raise ManifestError(f"{source}: expected a mapping with apiVersion/kind, got {type(doc).__name__}")
@@ -210,6 +226,11 @@ def parse_resource(doc: Any, source: str = "<input>") -> Resource:
         raise ManifestError(f"{where}: apiVersion must be {API_VERSION!r} (got {api_version!r})")
     if kind not in KINDS:
         raise ManifestError(f"{where}: unknown kind {kind!r}; expected one of {', '.join(sorted(KINDS))}")
+    not_json = non_json_numbers(doc)
+    if not_json:
+        raise ManifestError(f"{where} is invalid:\n  " + "\n  ".join(
+            f"{at}: {value} is not a JSON number (.nan/.inf in YAML): the API server cannot store it, "
+            "kubectl refuses to send it" for at, value in not_json))
     try:
         return KINDS[kind].model_validate(doc)
     except ValidationError as err:

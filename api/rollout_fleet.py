@@ -48,8 +48,12 @@ class ModelRef(KubeModel):
 
 
 class EngineSpec(KubeModel):
+    # No schema default: the API server would write it into a job's inline fleet, where an
+    # unset type follows rollout.engine, and a filled-in sglang would contradict engine: vllm.
     type: Literal["sglang", "vllm"] = Field(
-        "sglang", description="Inference server: sglang (the paper's, the default) or vllm."
+        "sglang",
+        description="Inference server: sglang (the paper's, the default) or vllm.",
+        json_schema_extra=without_default,
     )
     image: str | None = Field(None, description="Server image; defaults by engine type and accelerator profile.")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(

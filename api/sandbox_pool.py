@@ -94,5 +94,6 @@ class SandboxPool(Resource):
     SHORT_NAMES: ClassVar[tuple[str, ...]] = ("sbx",)
 
     kind: Literal["SandboxPool"] = "SandboxPool"
-    spec: SandboxPoolSpec = Field(default_factory=SandboxPoolSpec)
+    # Required, as the CRD says (`spec: {}` takes every default): the API server refuses a pool without it.
+    spec: SandboxPoolSpec
     status: SandboxPoolStatus | None = None

@@ -64,7 +64,34 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 print(f"ok      {what}")
             for note in v.notes:
                 print(f"  {note}")
+    if args.server:
+        failed += _validate_on_server(args.files, args.namespace)
     return 1 if failed else 0
+
+
+def _validate_on_server(files: list[str], namespace: str) -> int:
+    """``--server``: each file's objects and their children as the API server judges them (dry run)."""
+    from kuberl.api.loader import ManifestError, load_documents
+    from kuberl.operator.server_dry_run import ServerUnavailable, dynamic_client, server_problems
+
+    try:
+        client = dynamic_client()
+    except ServerUnavailable as err:
+        print(f"INVALID {err}", file=sys.stderr)
+        return 1
+    failed = 0
+    for path in files:
+        try:
+            docs = load_documents(path)
+        except ManifestError:
+            continue  # already reported above
+        problems = server_problems(client, docs, namespace)
+        if problems:
+            failed += 1
+            print(f"INVALID {path} (API server dry run):\n  " + "\n  ".join(problems), file=sys.stderr)
+        else:
+            print(f"ok      {path}: the API server accepts it and every child the operator would make (dry run)")
+    return failed
 
 
 def crd_targets(out: list[str] | None, root: Path = REPO_ROOT) -> list[Path]:
@@ -267,6 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="FILE",
         help="YAML manifest; a file may hold several documents separated by ---, each is checked",
+    )
+    v.add_argument(
+        "--server",
+        action="store_true",
+        help="also ask the API server of the current kubeconfig context: a dry-run apply (nothing is stored) "
+        "of each object and of every child the operator would make of it",
+    )
+    v.add_argument(
+        "--namespace",
+        "-n",
+        default="default",
+        help="namespace for objects that name none, with --server (default: default)",
     )
     v.set_defaults(func=_cmd_validate)
 
@@ -488,11 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--annotations", default=None, help="events.jsonl of a run to post as annotations")
     d.set_defaults(func=_cmd_dashboards)
 
+    from kuberl.cli_cluster import add_command as add_cluster
     from kuberl.cli_engines import add_commands
     from kuberl.cli_status import add_command as add_status
 
     add_commands(sub, fmt)
     add_status(sub, fmt)
+    add_cluster(sub, fmt)
     return p
 
 

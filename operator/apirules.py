@@ -167,15 +167,15 @@ def _container_extras(c: dict[str, Any], at: str) -> list[str]:
         if not name or "=" in name or not name.isprintable():
             out.append(f"{at}.env[{name}]: a valid environment variable name must consist of printable "
                        "characters other than '='")
-    for p in c.get("ports") or []:
+    for i, p in enumerate(c.get("ports") or []):
         port = p.get("containerPort")
         if not isinstance(port, int) or not 1 <= port <= 65535:
-            out.append(f"{at}.ports: containerPort {port!r} must be between 1 and 65535")
+            out.append(f"{at}.ports[{i}].containerPort: {port!r} must be between 1 and 65535")
         name = p.get("name")
         if name is not None and (
             len(name) > 15 or not IANA_SVC_NAME.match(name) or "--" in name or not re.search("[a-z]", name)
         ):
-            out.append(f"{at}.ports: port name {name!r} must be an IANA service name (at most 15 "
+            out.append(f"{at}.ports[{i}].name: port name {name!r} must be an IANA service name (at most 15 "
                        "characters of a-z, 0-9 and '-', with a letter)")
     return out
 
@@ -187,7 +187,7 @@ def _scheduling_problems(spec: dict[str, Any], where: str) -> list[str]:
         if op not in TOLERATION_OPERATORS:
             out.append(f"{where}.tolerations[{i}].operator: must be Exists or Equal (got {op!r})")
         if op == "Exists" and t.get("value"):
-            out.append(f"{where}.tolerations[{i}].value: must be empty when operator is Exists")
+            out.append(f"{where}.tolerations[{i}].operator: value must be empty when operator is Exists")
         if t.get("effect") and t["effect"] not in TAINT_EFFECTS:
             out.append(f"{where}.tolerations[{i}].effect: must be one of {', '.join(TAINT_EFFECTS)}")
         if not t.get("key") and op != "Exists":

@@ -28,7 +28,8 @@ from typing import Any
 
 from kuberl import API_VERSION
 from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
-from kuberl.api.rollout_fleet import RolloutFleetSpec
+from kuberl.api.common import AcceleratorSpec
+from kuberl.api.rollout_fleet import GPUS_PER_NODE, RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator import disruption, podtemplate, sizing
 from kuberl.operator.engines import (
@@ -298,9 +299,13 @@ def engine_selector(fleet: RolloutFleet) -> dict[str, str]:
     return sel if fleet.spec.nodes_per_engine == 1 else {**sel, LABEL_ROLE: "leader"}
 
 
-def _spread_engines(workload: Manifest, sel: dict[str, str]) -> None:
+def _spread_engines(workload: Manifest, sel: dict[str, str], acc: AcceleratorSpec) -> None:
     if workload["kind"] == "Deployment":
-        workload["spec"]["template"]["spec"]["topologySpreadConstraints"] = disruption.spread(sel)
+        pod = workload["spec"]["template"]["spec"]
+        if acc.profile != "cpu" and acc.count < GPUS_PER_NODE:
+            pod.setdefault("affinity", {})["podAffinity"] = disruption.pack(sel)
+        else:
+            pod["topologySpreadConstraints"] = disruption.spread(sel)
     else:  # groups' leaders apart (the workers follow their leader's group placement)
         leader = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
         leader["spec"]["topologySpreadConstraints"] = disruption.spread({**sel, LABEL_ROLE: "leader"})
@@ -380,7 +385,7 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
             },
         }
         service_selector = engine_selector(fleet)
-    _spread_engines(workload, sel)
+    _spread_engines(workload, sel, spec.accelerator)
     _override_templates(workload, spec)
     service = {
         "apiVersion": "v1",

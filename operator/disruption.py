@@ -7,6 +7,9 @@
   eviction (podFailurePolicy) and the operator restarts it from its checkpoint.
 * A topology spread over nodes (``ScheduleAnyway``: a preference, never a reason to stay
   Pending), so one node going away does not take several engines or sandboxes with it.
+* Except for engines that use part of a GPU node: those are packed onto as few nodes as they
+  fill. Spread, eight 1-GPU engines take a GPU on each of eight nodes and no trainer rank that
+  needs a whole node (8 GPUs) fits anywhere, though 56 GPUs are free.
 """
 
 from __future__ import annotations
@@ -36,3 +39,16 @@ def spread(selector: dict[str, str]) -> list[dict[str, Any]]:
             "labelSelector": {"matchLabels": dict(selector)},
         }
     ]
+
+
+def pack(selector: dict[str, str]) -> dict[str, Any]:
+    """A pod affinity (preferred, never a reason to stay Pending) for the nodes that already run
+    pods of ``selector``: partial-node GPU pods fill nodes and leave whole ones free."""
+    return {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "weight": 100,
+                "podAffinityTerm": {"labelSelector": {"matchLabels": dict(selector)}, "topologyKey": HOSTNAME},
+            }
+        ]
+    }

@@ -27,7 +27,11 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "terminationMessagePolicy": ("File", "FallbackToLogsOnError"),
     "dnsPolicy": ("ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"),
     "protocol": ("TCP", "UDP", "SCTP"),
+    "whenUnsatisfiable": ("DoNotSchedule", "ScheduleAnyway"),
+    "scheme": ("HTTP", "HTTPS"),
 }
+_IANA_SVC_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 NODE_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
 LABEL_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 
@@ -72,7 +76,7 @@ def annotation_problems(annotations: Any, where: str) -> list[str]:
     if not isinstance(annotations, dict):
         return [f"{where}: must be a map of strings"]
     out = [f"{where}: {p}" for k in annotations if (p := qualified_key_problem(k))]
-    size = sum(len(str(k)) + len(str(v)) for k, v in annotations.items())
+    size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())  # UTF-8 bytes
     if size > ANNOTATIONS_MAX_BYTES:
         out.append(f"{where}: total size {size} bytes is more than the limit of {ANNOTATIONS_MAX_BYTES}")
     return out
@@ -177,6 +181,85 @@ def container_problems(container: dict[str, Any], at: str) -> list[str]:
     for p in container.get("ports") or []:
         out += _enum_problems(p, ("protocol",), f"{at}.ports[{p.get('containerPort')}]")
     out += _id_problems(container.get("securityContext") or {}, f"{at}.securityContext")
+    for field in PROBES:
+        if container.get(field) is not None:
+            out += probe_problems(container[field], field, f"{at}.{field}")
+    for hook in ("postStart", "preStop"):
+        handler = (container.get("lifecycle") or {}).get(hook)
+        if handler is not None:
+            out += _handler_problems(handler, f"{at}.lifecycle.{hook}")
+    return out
+
+
+def port_problem(port: Any) -> str | None:
+    """An int-or-string port (ValidatePortNumOrName): 1-65535, or a port name, which must contain
+    a letter (the string "8080" is neither)."""
+    if isinstance(port, bool) or not isinstance(port, (int, str)):
+        return f"{port!r} must be a port number or name"
+    if isinstance(port, int):
+        return None if 1 <= port <= 65535 else f"{port} must be between 1 and 65535, inclusive"
+    if len(port) > 15 or not _IANA_SVC_NAME.match(port) or "--" in port or not re.search("[a-z]", port):
+        return (f"{port!r} must be a port number, or a port name: at most 15 characters of a-z, 0-9 and '-', "
+                "containing at least one letter (a-z)")
+    return None
+
+
+def _handler_problems(handler: dict[str, Any], at: str) -> list[str]:
+    kinds = [k for k in ("exec", "httpGet", "tcpSocket", "grpc", "sleep") if handler.get(k) is not None]
+    if len(kinds) != 1:
+        return [f"{at}: must specify exactly one handler type (got {', '.join(kinds) or 'none'})"]
+    kind, out = kinds[0], []
+    if kind in ("httpGet", "tcpSocket", "grpc"):
+        port = handler[kind].get("port")
+        problem = "Required value" if port is None else port_problem(port)
+        if kind == "grpc" and isinstance(port, str):
+            problem = f"{port!r}: a gRPC probe's port is a number"
+        if problem:
+            out.append(f"{at}.{kind}.port: {problem}")
+    if kind == "httpGet":
+        out += _enum_problems(handler[kind], ("scheme",), f"{at}.httpGet")
+    return out
+
+
+def probe_problems(probe: dict[str, Any], field: str, at: str) -> list[str]:
+    """validateProbe: one handler, its port, and the timing fields' bounds."""
+    out = _handler_problems(probe, at)
+    for f, low in (("initialDelaySeconds", 0), ("timeoutSeconds", 1), ("periodSeconds", 1),
+                   ("successThreshold", 1), ("failureThreshold", 1)):
+        v = probe.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+            out.append(f"{at}.{f}: {v!r} must be an integer >= {low}")
+    if field != "readinessProbe" and probe.get("successThreshold") not in (None, 1):
+        out.append(f"{at}.successThreshold: must be 1 for a {field}")
+    return out
+
+
+def spread_problems(constraints: Any, where: str) -> list[str]:
+    """validateTopologySpreadConstraints: skew, key, when, minDomains, no (key, when) twice."""
+    out, seen = [], set()
+    for i, c in enumerate(constraints or []):
+        at = f"{where}[{i}]"
+        skew = c.get("maxSkew")
+        if isinstance(skew, bool) or not isinstance(skew, int) or skew <= 0:
+            out.append(f"{at}.maxSkew: {skew!r} must be greater than zero")
+        key = c.get("topologyKey")
+        if not key:
+            out.append(f"{at}.topologyKey: Required value")
+        elif p := qualified_key_problem(key):
+            out.append(f"{at}.topologyKey: {p}")
+        when = c.get("whenUnsatisfiable")
+        if when is None:
+            out.append(f"{at}.whenUnsatisfiable: Required value")
+        out += _enum_problems(c, ("whenUnsatisfiable",), at)
+        if (key, when) in seen:
+            out.append(f"{at}: Duplicate value: topologyKey {key!r} with whenUnsatisfiable {when!r}")
+        seen.add((key, when))
+        if c.get("minDomains") is not None:
+            if not isinstance(c["minDomains"], int) or c["minDomains"] <= 0:
+                out.append(f"{at}.minDomains: {c['minDomains']!r} must be greater than zero")
+            elif when != "DoNotSchedule":
+                out.append(f"{at}.minDomains: can only be used with whenUnsatisfiable DoNotSchedule")
+        out += _selector_problems(c.get("labelSelector"), f"{at}.labelSelector")
     return out
 
 
@@ -287,8 +370,7 @@ def pod_extras_problems(spec: dict[str, Any], where: str) -> list[str]:
     out += _id_problems(spec.get("securityContext") or {}, f"{where}.securityContext")
     out += affinity_problems(spec.get("affinity"), f"{where}.affinity")
     out += toleration_problems(spec.get("tolerations"), f"{where}.tolerations")
-    for i, c in enumerate(spec.get("topologySpreadConstraints") or []):
-        out += _selector_problems(c.get("labelSelector"), f"{where}.topologySpreadConstraints[{i}].labelSelector")
+    out += spread_problems(spec.get("topologySpreadConstraints"), f"{where}.topologySpreadConstraints")
     for i, h in enumerate(spec.get("hostAliases") or []):
         try:
             ipaddress.ip_address(str(h.get("ip", "")))

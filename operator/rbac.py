@@ -13,7 +13,8 @@ Every verb below is one the operator (its KubeClient or the kopf runtime) really
   the trainer's ServiceAccount/Role/RoleBinding): list (the read cache, ``cache.py``: one LIST
   per kind and namespace per pass serves apply's reads and pruning), create + patch
   (``KubeClient.apply``) and delete (pruning). Never ``get``, ``update`` (PUT) or ``watch``.
-* pods: list (readiness, scraping, trainer failures); events: create.
+* pods: list (readiness, scraping, trainer failures); events: create, and list (a trainer Job
+  short of pods: the Job controller's FailedCreate events say why).
 * endpointslices get/list/watch: never called by the operator, held only because RBAC forbids
   granting a permission one lacks and the trainer's Role grants exactly these.
 * cluster scope: kopf's namespace and CRD observers (list, watch). Webhook configurations are
@@ -68,7 +69,7 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
             "verbs": ["get", "list", "watch"],
         },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["list", "create"]},
         {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": CHILD_VERBS},
         {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": CHILD_VERBS},
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": CHILD_VERBS},

@@ -207,19 +207,16 @@ def job_status(
             condition("Ready", False, "TrainerMissing", "trainer Job not created yet", generation, prev_conds)
         )
     else:
+        # Job.status.active counts pods still Pending too: a trainer runs once its pods are
+        # Ready, and is Ready once every rank is (torchrun waits for all of them).
         active = int(st.get("active") or 0)
         ready = int(st.get("ready") or 0)
-        out["phase"] = "Running" if active > 0 else "Pending"
-        msg = f"{active} trainer pods active, {ready} ready"
+        expected = int(((trainer or {}).get("spec") or {}).get("parallelism") or 1)
+        out["phase"] = "Running" if ready > 0 else "Pending"
+        msg = f"{ready} of {expected} trainer pods ready ({active} active)"
+        all_ready = ready >= expected
         conds.append(
-            condition(
-                "Ready",
-                active > 0,
-                "TrainerActive" if active else "TrainerPending",
-                msg,
-                generation,
-                prev_conds,
-            )
+            condition("Ready", all_ready, "TrainerReady" if all_ready else "TrainerPending", msg, generation, prev_conds)
         )
         conds.append(
             condition("Suspended", False, "Resumed", "spec.suspend is false", generation, prev_conds)

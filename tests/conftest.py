@@ -96,3 +96,34 @@ def installed_wheel(tmp_path_factory) -> Path:
     with zipfile.ZipFile(next((root / "dist").glob("kuberl-*.whl"))) as wheel:
         wheel.extractall(site)
     return site
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory):
+    """A real control plane (kuberl cluster up) for the session; see k8s_fixtures."""
+    from k8s_fixtures import start_control_plane
+
+    from kuberl.cluster.control_plane import down
+
+    state, owned = start_control_plane(tmp_path_factory.mktemp("k8s"))
+    yield state
+    if owned:
+        down(Path(state.dir))
+
+
+@pytest.fixture(scope="session")
+def kube(control_plane):
+    from k8s_fixtures import Kube
+
+    return Kube(control_plane)
+
+
+@pytest.fixture(scope="session")
+def kuberl_operator(kube, tmp_path_factory):
+    """`kuberl operator -A` under the chart's ServiceAccount and RBAC, for the session."""
+    from k8s_fixtures import Operator, install_chart_rbac
+
+    op = Operator(kube, install_chart_rbac(kube), tmp_path_factory.mktemp("operator"))
+    op.start()
+    yield op
+    op.stop()

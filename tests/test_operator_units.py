@@ -78,7 +78,13 @@ def test_job_status_phases() -> None:
         return status.job_status(**{**args, **kw})
 
     assert js(trainer=None)["phase"] == "Pending"
-    assert js(trainer={"status": {"active": 2}})["phase"] == "Running"
+    # active pods may still be Pending: Running once one is Ready, Ready once all of them are
+    assert js(trainer={"spec": {"parallelism": 2}, "status": {"active": 2}})["phase"] == "Pending"
+    running = js(trainer={"spec": {"parallelism": 2}, "status": {"active": 2, "ready": 1}})
+    assert running["phase"] == "Running"
+    assert next(c for c in running["conditions"] if c["type"] == "Ready")["status"] == "False"
+    ready = js(trainer={"spec": {"parallelism": 2}, "status": {"active": 2, "ready": 2}})
+    assert next(c for c in ready["conditions"] if c["type"] == "Ready")["status"] == "True"
     assert js(suspended=True)["phase"] == "Suspended"
     assert js(waiting_for=["RolloutFleet ns/x"])["phase"] == "Waiting"
     done = js(trainer={"status": {"succeeded": 2, "conditions": [{"type": "Complete", "status": "True"}]}})

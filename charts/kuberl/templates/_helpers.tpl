@@ -60,7 +60,7 @@ operator_cluster_rules() by tests/test_chart.py.
   verbs: [list]
 - apiGroups: ['']
   resources: [events]
-  verbs: [create]
+  verbs: [list, create]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [list, create, patch, delete]

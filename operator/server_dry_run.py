@@ -1,0 +1,92 @@
+"""``kuberl validate --server``: the API server's own verdict on a manifest and on the children the
+operator would make of it.
+
+Each object goes to the server as a server-side apply with ``dryRun=All`` (nothing is stored) and
+``fieldValidation=Strict`` (an unknown field is an error, as ``kubectl apply`` makes it), through
+the kubeconfig's current context. The kuberl objects the server accepts come back with the CRD's
+defaults filled in, and are read again by the kuberl models: a default the server adds must not
+turn a valid manifest into one the operator refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+FIELD_MANAGER = "kuberl-validate"
+
+
+class ServerUnavailable(RuntimeError):
+    """No kubeconfig, or the server could not be reached; the message says which."""
+
+
+def dynamic_client() -> Any:
+    """A DynamicClient for the current kubeconfig context (``$KUBECONFIG`` or ~/.kube/config)."""
+    try:
+        from kubernetes import config, dynamic
+        from kubernetes.config.config_exception import ConfigException
+    except ImportError as err:
+        raise ServerUnavailable("--server needs the kubernetes client: pip install 'kuberl[operator]'") from err
+    try:
+        api = config.new_client_from_config()
+    except (ConfigException, OSError) as err:
+        raise ServerUnavailable(f"--server needs a kubeconfig ($KUBECONFIG or ~/.kube/config): {err}") from err
+    try:
+        return dynamic.DynamicClient(api)
+    except Exception as err:  # noqa: BLE001 - discovery failing is a connection problem, whatever its type
+        raise ServerUnavailable(f"--server: the API server at {api.configuration.host} did not answer: {err}") from err
+
+
+def _reason(err: Any) -> str:
+    body = getattr(err, "body", None)
+    try:
+        status = json.loads(body) if body else {}
+    except (TypeError, ValueError):
+        status = {}
+    return status.get("message") or getattr(err, "reason", None) or str(err)
+
+
+def dry_run(client: Any, obj: dict[str, Any], namespace: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the object as the server would store it, None) or (None, the server's refusal)."""
+    from kubernetes.dynamic.exceptions import DynamicApiError, ResourceNotFoundError
+
+    what = f"{obj.get('kind', '?')}/{(obj.get('metadata') or {}).get('name', '?')}"
+    try:
+        resource = client.resources.get(api_version=obj.get("apiVersion"), kind=obj.get("kind"))
+    except ResourceNotFoundError:
+        hint = " (install the CRDs: kubectl apply --server-side -f crds/)" if "kuberl.io" in str(obj.get("apiVersion")) else ""
+        return None, f"{what}: the server does not serve {obj.get('apiVersion')} {obj.get('kind')}{hint}"
+    ns = (obj.get("metadata") or {}).get("namespace") or namespace
+    try:
+        out = client.server_side_apply(
+            resource, body=obj, namespace=ns if resource.namespaced else None, field_manager=FIELD_MANAGER,
+            force_conflicts=True, dry_run="All", query_params=[("fieldValidation", "Strict")],
+        )  # fmt: skip
+    except DynamicApiError as err:
+        return None, f"{what}: the API server refuses it: {_reason(err)}"
+    return out.to_dict(), None
+
+
+def server_problems(client: Any, docs: list[dict[str, Any]], namespace: str) -> list[str]:
+    """The server's refusals of ``docs``, of the kuberl objects it would store (read again by the
+    models, with its defaults) and of the children the operator renders from them."""
+    from kuberl.api.loader import ManifestError, parse_resource
+    from kuberl.operator.builders import build_for
+
+    problems = []
+    for doc in docs:
+        stored, refusal = dry_run(client, doc, namespace)
+        if refusal:
+            problems.append(refusal)
+            continue
+        assert stored is not None
+        try:
+            resource = parse_resource({k: v for k, v in stored.items() if k != "status"}, "as the server stores it")
+        except ManifestError as err:
+            problems.append(f"with the CRD's defaults the server fills in, {err}")
+            continue
+        for child in build_for(resource, (stored.get("metadata") or {}).get("namespace") or namespace):
+            _, refusal = dry_run(client, child, namespace)
+            if refusal:
+                problems.append(f"the operator's {refusal}")
+    return problems
