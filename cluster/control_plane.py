@@ -57,6 +57,12 @@ class ClusterState:
     scheduler_port: int
     binaries: dict[str, str]
     pids: dict[str, int] = field(default_factory=dict)
+    audit: bool = False
+
+    @property
+    def audit_log(self) -> Path:
+        """One JSON line per request the API server answered (``up(audit=True)`` only)."""
+        return Path(self.dir) / "logs" / "audit.jsonl"
 
     @property
     def server(self) -> str:
@@ -136,7 +142,19 @@ def apiserver_args(state: ClusterState, pki: Pki) -> list[str]:
         "--authorization-mode=RBAC", "--anonymous-auth=false",
         f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
         f"--cert-dir={Path(state.dir) / 'apiserver'}", "--profiling=false", "--v=1",
-    ]  # fmt: skip
+    ] + (_audit_args(state) if state.audit else [])  # fmt: skip
+
+
+AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages": ["RequestReceived"],
+                "rules": [{"level": "Metadata"}]}
+
+
+def _audit_args(state: ClusterState) -> list[str]:
+    """Who sent which request: what bench/control_plane.py counts the operator's API calls by."""
+    policy = Path(state.dir) / "audit-policy.yaml"
+    policy.write_text(yaml.safe_dump(AUDIT_POLICY))
+    return [f"--audit-policy-file={policy}", f"--audit-log-path={state.audit_log}", "--audit-log-format=json",
+            "--audit-log-mode=blocking", "--audit-log-maxsize=0"]
 
 
 def controller_manager_args(state: ClusterState, pki: Pki, kubeconfig: Path) -> list[str]:
@@ -192,12 +210,23 @@ def _alive(pid: int, binary: str) -> bool:
     return cmdline == binary
 
 
+# The processes this one started: until exec, a child's /proc/PID/cmdline is still this
+# interpreter's, so a fresh child's liveness is its Popen's, not its command line's.
+_STARTED: dict[int, subprocess.Popen] = {}
+
+
+def _running(pid: int, binary: str) -> bool:
+    proc = _STARTED.get(pid)
+    return proc.poll() is None if proc is not None else _alive(pid, binary)
+
+
 def _start(state: ClusterState, name: str, args: list[str]) -> None:
     logs = Path(state.dir) / "logs"
     logs.mkdir(exist_ok=True)
     with (logs / f"{name}.log").open("ab") as log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, cwd=state.dir)
+    _STARTED[proc.pid] = proc
     state.pids[name] = proc.pid
     state.save()
 
@@ -205,7 +234,8 @@ def _start(state: ClusterState, name: str, args: list[str]) -> None:
 def _wait(state: ClusterState, name: str, ready: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if name in state.pids and not _alive(state.pids[name], state.binaries[name]):
+        proc = _STARTED.get(state.pids.get(name, -1))
+        if proc is not None and proc.poll() is not None:
             raise ClusterError(f"{name} exited while starting: see {Path(state.dir) / 'logs' / (name + '.log')}\n"
                                + _log_tail(state, name))
         with contextlib.suppress(OSError, ValueError, urllib.error.URLError, ssl.SSLError):
@@ -250,15 +280,16 @@ def running(folder: Path) -> ClusterState | None:
     state = ClusterState.load(folder)
     if state is None or set(state.pids) != set(PROGRAMS):
         return None
-    if all(_alive(pid, state.binaries[name]) for name, pid in state.pids.items()):
+    if all(_running(pid, state.binaries[name]) for name, pid in state.pids.items()):
         return state
     return None
 
 
 def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 120.0,
-       binaries: dict[str, Path] | None = None) -> ClusterState:
+       binaries: dict[str, Path] | None = None, audit: bool = False) -> ClusterState:
     """Start a control plane in ``folder`` (building the programs first if the cache lacks them)
-    and wait until its nodes are Ready; a cluster already running there is returned as it is."""
+    and wait until its nodes are Ready; a cluster already running there is returned as it is.
+    ``audit``: the API server logs every request it answers (``ClusterState.audit_log``)."""
     folder = folder.absolute()
     if (state := running(folder)) is not None:
         return state
@@ -271,7 +302,7 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
     # A restart keeps its ports: etcd's data records its peer address, and kubeconfigs handed out
     # (the admin's, the operator's) name the API server's.
     ports = _ports(previous)
-    state = ClusterState(dir=str(folder), **ports, binaries={k: str(v) for k, v in paths.items()})
+    state = ClusterState(dir=str(folder), **ports, binaries={k: str(v) for k, v in paths.items()}, audit=audit)
     state.save()
     try:
         _start_all(state, pki, pools if pools is not None else default_pools(), timeout)
@@ -361,18 +392,20 @@ def down(folder: Path, *, grace: float = 10.0) -> list[str]:
     stopped = []
     for name in reversed(PROGRAMS):
         pid = state.pids.get(name)
-        if pid is None or not _alive(pid, state.binaries[name]):
+        if pid is None or not _running(pid, state.binaries[name]):
             continue
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _alive(pid, state.binaries[name]) and time.monotonic() < deadline:
+        while _running(pid, state.binaries[name]) and time.monotonic() < deadline:
             time.sleep(0.05)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-        if _alive(pid, state.binaries[name]):
+        if _running(pid, state.binaries[name]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        if (proc := _STARTED.pop(pid, None)) is not None:
+            proc.wait()
         stopped.append(name)
     state.pids = {}
     state.save()

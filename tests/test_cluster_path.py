@@ -539,12 +539,13 @@ def test_fsdp_ranks_train_like_one_process_and_resume_in_either_layout(tmp_path)
     h1, h2 = one["history"], two["history"]
     assert [h["type"] for h in h2] == ["sft"] * 60 + ["rl"] * 2
     # The same run up to float noise, which Adam amplifies where gradients are ~0 (the key bias):
-    # losses agree to ~1e-4 for 40 steps, then drift apart by a few percent per step (measured:
-    # <=3%) while following the same curve; weights by ~1% over 60 steps. The exact
-    # equivalence of one update is test_fsdp_updates_equal_the_whole_batch_update.
-    for a, b in zip(h1[:40], h2[:40], strict=True):
+    # losses agree to ~1e-4 for 30 steps, then drift apart by a few percent per step (measured:
+    # <=3%; with PyPI's CUDA build of torch on a CPU, 0.2 % by step 40) while following the same
+    # curve; weights by ~1% over 60 steps. The exact equivalence of one update is
+    # test_fsdp_updates_equal_the_whole_batch_update.
+    for a, b in zip(h1[:30], h2[:30], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-3), (a["step"], a["loss"], b["loss"])
-    for a, b in zip(h1[40:60], h2[40:60], strict=True):
+    for a, b in zip(h1[30:60], h2[30:60], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=6e-2), (a["step"], a["loss"], b["loss"])
     tail1, tail2 = (sum(h["loss"] for h in h[50:60]) / 10 for h in (h1, h2))
     assert tail1 == pytest.approx(tail2, rel=2e-2)

@@ -101,9 +101,30 @@ def test_engines_and_sandboxes_have_disruption_budgets_and_spread_over_nodes() -
     assert objs["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 2  # one 2-node engine group
     leader = objs["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]
     assert leader["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"
-    pool = parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "t"}})
+    pool = parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "t"}, "spec": {}})
     objs = {o["kind"]: o for o in build_for(pool)}
     sel = objs["Deployment"]["spec"]["selector"]["matchLabels"]
     assert objs["PodDisruptionBudget"]["spec"] == {"maxUnavailable": "25%", "selector": {"matchLabels": sel}}
     spread = objs["Deployment"]["spec"]["template"]["spec"]["topologySpreadConstraints"][0]
     assert spread["topologyKey"] == "kubernetes.io/hostname"
+
+
+def test_engines_using_part_of_a_gpu_node_are_packed_whole_node_ones_spread() -> None:
+    """Eight 1-GPU engines spread one per node would leave no node with the 8 GPUs a trainer rank
+    asks for (seen on the real scheduler: tests/test_k8s_operator.py, rstar2-mi300x)."""
+    from kuberl.api import parse_resource
+    from kuberl.operator.builders import build_for
+
+    def pod(count: int, profile: str = "mi300x") -> dict:
+        fleet = parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "RolloutFleet", "metadata": {"name": "f"},
+                                "spec": {"model": {"uri": "m"}, "accelerator": {"profile": profile, "count": count}}})
+        return next(o for o in build_for(fleet) if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+
+    packed = pod(1)
+    term = packed["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "f"
+    assert "nodeAffinity" in packed["affinity"] and "topologySpreadConstraints" not in packed
+    for whole in (pod(8), pod(1, "cpu")):
+        assert "podAffinity" not in whole.get("affinity", {})
+        assert whole["topologySpreadConstraints"][0]["whenUnsatisfiable"] == "ScheduleAnyway"

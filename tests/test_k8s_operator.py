@@ -212,6 +212,28 @@ def test_kubectl_scale_sandboxpool_goes_through_the_scale_subresource(kube, kube
     assert out.returncode != 0 and "autoscaling.maxReplicas" in out.stderr, out.stderr
 
 
+def test_the_hpa_controller_scales_a_sandboxpool(kube, kuberl_operator, namespace):
+    """The real HPA controller drives a SandboxPool through its scale subresource (no metrics
+    server here: it applies minReplicas, which it does before reading any metric)."""
+    ns = namespace("hpa")
+    kube.apply([{"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool",
+                 "metadata": {"name": "tools", "namespace": ns},
+                 "spec": {"replicas": 1, "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
+                                                       "limits": {"memory": "2Gi"}}}}])
+    wait_for(lambda: status(kube, "sandboxpool", "tools", ns).get("selector"), TIMEOUT,
+             "status.selector (the scale subresource's labelSelectorPath)")
+    kube.apply([{"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+                 "metadata": {"name": "tools", "namespace": ns},
+                 "spec": {"scaleTargetRef": {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "name": "tools"},
+                          "minReplicas": 3, "maxReplicas": 6,
+                          "metrics": [{"type": "Resource", "resource": {"name": "cpu", "target": {
+                              "type": "Utilization", "averageUtilization": 80}}}]}}])
+    wait_for(lambda: kube.json("get", "sandboxpool", "tools", "-n", ns)["spec"]["replicas"] == 3, TIMEOUT,
+             lambda: "the HPA controller setting replicas 3\n" + kube.run("describe", "hpa", "tools", "-n", ns).stdout)
+    wait_for(lambda: len([p for p in pods_of(kube, ns, "app.kubernetes.io/instance=tools") if running_ready(p)]) == 3,
+             TIMEOUT, "3 ready sandbox pods")
+
+
 def test_spec_edit_and_drift_are_repaired(kube, kuberl_operator, namespace):
     ns = namespace("drift")
     pool = next(d for d in example_docs(REPO / "examples" / "rstar2-mi300x.yaml") if d["kind"] == "SandboxPool")

@@ -61,7 +61,7 @@ def test_every_example_renders_valid_manifests(path: Path) -> None:
 
 def test_validation_is_strict() -> None:
     """The checker itself must reject a typo, or every test above proves nothing."""
-    dep = _by_kind(build_for(SandboxPool.model_validate({"metadata": {"name": "p"}})))["Deployment"]
+    dep = _by_kind(build_for(SandboxPool.model_validate({"metadata": {"name": "p"}, "spec": {}})))["Deployment"]
     _container(dep)["imagePulPolicy"] = "Always"
     with pytest.raises(ValueError, match="imagePulPolicy"):
         validate_manifest(dep)

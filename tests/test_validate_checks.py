@@ -51,7 +51,7 @@ def test_dangling_references_are_reported_as_not_checked(tmp_path: Any, capsys: 
 
 
 def test_a_fleet_in_the_same_file_gets_the_context_length_check(tmp_path: Any, capsys: Any) -> None:
-    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"}}
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"}, "spec": {}}
     rc, out, err = _validate(tmp_path, capsys, _fleet(4096), pool, _job(fleetRef="gen"))
     assert rc == 1
     assert "RolloutFleet gen (in this file) has engine.contextLength 4096" in err
@@ -181,7 +181,7 @@ def test_two_resources_that_would_create_the_same_object_are_refused(tmp_path: A
     ...): a standalone pool of that name in the same file would have two owners."""
     job = _job(engine="local")
     job["spec"]["sandbox"] = {"pool": {"replicas": 1}}
-    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "train-sandbox"}}
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "train-sandbox"}, "spec": {}}
     rc, _, err = _validate(tmp_path, capsys, job, pool)
     assert rc == 1
     assert "SandboxPool/train-sandbox is also created by AgenticRLJob/train in this file" in err
