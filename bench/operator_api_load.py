@@ -17,16 +17,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import kmock
 import kopf
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the kmock API emulator
+
+from kube_emulator import ClusterEmulator  # noqa: E402
+
 from kuberl.operator import handlers
 from kuberl.operator.handlers import OperatorConfig
 from kuberl.operator.main import operate
-from kuberl.operator.testing import ClusterEmulator
 
 NS = "bench"
 API = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}"

@@ -9,7 +9,7 @@ Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
 * ``kube``      -- a small async REST client for the children;
 * ``handlers``  -- kopf registry + resync loop; ``main`` -- ``kuberl operator``;
-* ``schemas``   -- validation of built manifests; ``testing`` -- the kmock-based API emulator;
+* ``server_dry_run`` -- ``kuberl validate --server``: the API server's own dry run;
 * ``apirules``  -- what the API server's own validation refuses in built-in objects (names,
   derived names, labels, quantities, Pod Security "restricted"; ``podrules``: the rest of a
   PodSpec's validation); ``checks`` -- those rules over a
@@ -17,5 +17,9 @@ Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 * ``conditions`` -- refused children and pods as status conditions and events;
 * ``podtemplate`` -- merging a component's podTemplate override; ``sizing`` -- cpu/memory/shm/
   cache sizes of engine and trainer pods; ``trainer_runs`` -- checkpoint volume, restarts, the
-  run's config hash; ``disruption`` -- PodDisruptionBudgets and topology spread.
+  run's config hash; ``disruption`` -- PodDisruptionBudgets, topology spread and packing.
+
+The kmock API emulator and the schema checks the unit tests use live in tests/ (kube_emulator,
+rbac_emulation, kube_schemas); end-to-end claims rest on the real control plane
+(``kuberl cluster``, tests/test_k8s_*.py).
 """

@@ -1,6 +1,6 @@
 """What a real API server refuses in the built-in objects kuberl creates, as pure functions.
 
-The OpenAPI schema (``schemas.py``) says which fields exist and their types; the API server
+The OpenAPI schema says which fields exist and their types; the API server
 also runs each kind's Go validation, which a schema check misses and which refuses objects
 that look fine: a Service named ``7b-fleet`` (Service names are RFC 1035 labels and must start
 with a letter), a Job whose pods' hostnames pass 63 characters, ``memory: lots``, a memory
@@ -11,7 +11,8 @@ kuberl emits, so that
   before anything is created;
 * the operator checks the same before applying anything (no Deployment holding GPUs while its
   Service is refused), and reports it in ``status.conditions``;
-* the test emulator (``testing.py``) answers 422 where the API server would.
+* the unit tests' API emulator (tests/kube_emulator.py) answers 422 where the API server would;
+  tests/test_k8s_validate.py holds these rules to a real API server's.
 
 Each problem is one line naming the object and the field, in the API server's words where
 they are clear.

@@ -350,6 +350,10 @@ async def _reconcile_scaled(
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
     sel = _pod_selector(res)
+    ready = int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
+    waiting = None
+    if workload is not None and ready < res.spec.replicas:
+        waiting = status.unschedulable(await ctx.client().list(kind_of("v1", "Pod"), namespace, sel))
     new = status.scaled_status(
         desired=res.spec.replicas,
         workload=workload,
@@ -357,6 +361,7 @@ async def _reconcile_scaled(
         generation=generation,
         previous=previous,
         noun="sandbox" if component == "sandbox" else "engine",
+        unschedulable=waiting,
     )
     if isinstance(res, RolloutFleet):
         pods = await ready_pods(ctx.client(), namespace, sel)

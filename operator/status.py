@@ -43,6 +43,16 @@ def condition(
     return out
 
 
+def unschedulable(pods: list[dict[str, Any]]) -> str | None:
+    """Why the first of ``pods`` the scheduler cannot place waits (its PodScheduled condition:
+    a claim that does not exist, no node with the GPUs, a taint), or None."""
+    for pod in sorted(pods, key=lambda p: p["metadata"].get("name", "")):
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+                return f"pod {pod['metadata'].get('name')} cannot be scheduled: {c.get('message', '').strip()}"
+    return None
+
+
 def scaled_status(
     *,
     desired: int,
@@ -51,10 +61,12 @@ def scaled_status(
     generation: int | None,
     previous: dict[str, Any],
     noun: str,
+    unschedulable: str | None = None,
 ) -> dict[str, Any]:
     """Status of a SandboxPool/RolloutFleet from its Deployment (or LeaderWorkerSet).
 
-    ``replicas`` and ``selector`` back the scale subresource (kubectl scale, HPA, KEDA).
+    ``replicas`` and ``selector`` back the scale subresource (kubectl scale, HPA, KEDA);
+    ``unschedulable`` is why a pod of it waits for a node (:func:`unschedulable`).
     """
     st = (workload or {}).get("status") or {}
     replicas = int(st.get("replicas") or 0)
@@ -97,6 +109,8 @@ def scaled_status(
     else:
         phase = "Progressing" if ready > 0 or desired > 0 else "Pending"
         ok, reason, msg = False, "ReplicasNotReady", f"{ready}/{desired} {noun} replicas ready"
+        if unschedulable:
+            reason, msg = "Unschedulable", f"{msg}; {unschedulable}"
     return {
         "phase": phase,
         "replicas": replicas,
@@ -215,9 +229,10 @@ def job_status(
         out["phase"] = "Running" if ready > 0 else "Pending"
         msg = f"{ready} of {expected} trainer pods ready ({active} active)"
         all_ready = ready >= expected
-        conds.append(
-            condition("Ready", all_ready, "TrainerReady" if all_ready else "TrainerPending", msg, generation, prev_conds)
-        )
+        reason = "TrainerReady" if all_ready else "TrainerPending"
+        if not all_ready and (why := unschedulable(pods)):
+            reason, msg = "Unschedulable", f"{msg}; {why}"
+        conds.append(condition("Ready", all_ready, reason, msg, generation, prev_conds))
         conds.append(
             condition("Suspended", False, "Resumed", "spec.suspend is false", generation, prev_conds)
         )

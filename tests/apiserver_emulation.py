@@ -217,8 +217,9 @@ def strict_admission(crds: list[dict[str, Any]]) -> Any:
     """``ClusterEmulator(admit=...)``: custom resources through the CRDs (unknown fields, defaults,
     OpenAPI, list types, CEL and transition rules), built-in kinds through their OpenAPI schemas
     (``kubernetes_validate``, strict), as a real API server with ``--validate=strict`` clients."""
+    from kube_schemas import validate_manifest
+
     from kuberl import GROUP
-    from kuberl.operator.schemas import validate_manifest
 
     def admit(doc: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
         api_version = str(doc.get("apiVersion", ""))

@@ -404,11 +404,13 @@ def test_every_invalid_manifest_has_a_recorded_apiserver_verdict():
     assert ONLY_KUBERL_VALIDATE == []
 
 
-@pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
+# kubectl never sends a manifest it cannot encode as JSON: nothing for the CRD layers to judge
+SENT = [p for p in INVALID if "json" not in APISERVER_REJECTS.get(p.name, set())]
+
+
+@pytest.mark.parametrize("path", SENT, ids=lambda p: p.name)
 def test_invalid_corpus_against_the_generated_crds(path):
     expected = APISERVER_REJECTS[path.name]
-    if "json" in expected:
-        pytest.skip("kubectl never sends it: nothing for the CRD layers to judge")
     layers, messages = _apiserver_verdict(path)
     assert layers == expected & EMULATED_LAYERS, messages
     assert not any("evaluating" in m for m in messages), messages  # a CEL rule that errors is a bug

@@ -150,6 +150,22 @@ def test_example_applies_and_every_pod_runs_on_the_right_nodes(kube, kuberl_oper
         assert row[1] == "Running", table
 
 
+def test_pods_the_scheduler_cannot_place_are_reported_with_its_reason(kube, kuberl_operator, namespace):
+    """The fleet's weight-sync claim does not exist: the engines stay Pending, and the fleet's
+    and the job's Ready conditions carry the scheduler's own reason."""
+    ns = namespace("unschedulable")
+    kube.run("apply", "-n", ns, "-f", str(REPO / "examples" / "rstar2-mi300x.yaml"))
+
+    def said(kind: str, name: str) -> str | None:
+        cond = ready_condition(status(kube, kind, name, ns))
+        return cond.get("message") if cond.get("reason") == "Unschedulable" else None
+
+    msg = wait_for(lambda: said("rolloutfleet", "qwen3-14b"), TIMEOUT, "the fleet saying why its pods wait")
+    assert 'persistentvolumeclaim "rstar2-policy-weights" not found' in msg, msg
+    msg = wait_for(lambda: said("agenticrljob", "rstar2-agent-14b"), TIMEOUT, "the job saying why its trainer waits")
+    assert "rstar2-policy-weights" in msg, msg
+
+
 def test_children_are_owned_and_match_the_render(kube, kuberl_operator, namespace, tmp_path):
     """The objects the operator made are what `kuberl render` prints, owned by the kuberl object."""
     ns = namespace("owned")

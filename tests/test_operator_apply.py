@@ -12,6 +12,7 @@ import aiohttp
 import kmock
 import kopf
 import pytest
+from kube_emulator import ClusterEmulator, merge_patch
 
 from kuberl.operator.canonical import canonical_quantity, parse_quantity, server_form
 from kuberl.operator.kube import (
@@ -23,7 +24,6 @@ from kuberl.operator.kube import (
     three_way_patch,
     with_last_applied,
 )
-from kuberl.operator.testing import ClusterEmulator, merge_patch
 
 
 @pytest.mark.parametrize(

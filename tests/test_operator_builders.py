@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kube_schemas import validate_manifest
 
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
 from kuberl.operator.builders import (
@@ -17,7 +18,6 @@ from kuberl.operator.builders import (
     resolved_job_document,
     selector_string,
 )
-from kuberl.operator.schemas import validate_manifest
 from kuberl.operator.trainer_runs import NEVER_PRUNED
 
 REPO = Path(__file__).resolve().parent.parent

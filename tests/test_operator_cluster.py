@@ -13,12 +13,12 @@ from typing import Any
 import aiohttp
 import kopf
 import pytest
+from kube_emulator import ClusterEmulator
 
 from kuberl.operator import admission
 from kuberl.operator.handlers import OperatorConfig, OperatorContext
 from kuberl.operator.loops import stale_loops
 from kuberl.operator.main import operate
-from kuberl.operator.testing import ClusterEmulator
 from kuberl.ports import free_port
 from tests.test_operator_e2e import NS, emulated_cluster
 
@@ -311,8 +311,8 @@ async def test_kuberl_operator_cli_elects_a_leader(tmp_path: Any) -> None:
     import sys
 
     import kmock
+    from kube_emulator import write_kubeconfig
 
-    from kuberl.operator.testing import write_kubeconfig
     from tests.test_operator_e2e import API, Cluster, eventually, pool
 
     async with (

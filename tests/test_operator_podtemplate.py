@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kube_schemas import validate_manifest
 
 from kuberl.api import ManifestError, parse_resource
 from kuberl.cli import main
 from kuberl.operator.builders import build_for
 from kuberl.operator.checks import rendered_problems
 from kuberl.operator.podtemplate import merge
-from kuberl.operator.schemas import validate_manifest
 from tests.test_operator_e2e import (
     API,
     NS,

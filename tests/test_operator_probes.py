@@ -11,11 +11,11 @@ from __future__ import annotations
 import copy
 
 import pytest
+from kube_emulator import SGLANG_HEALTH_SECONDS, ClusterEmulator, endpoint_seconds
 from test_operator_e2e import NS, emulated_cluster
 
 from kuberl.api import RolloutFleet
 from kuberl.operator.builders import build_for
-from kuberl.operator.testing import SGLANG_HEALTH_SECONDS, ClusterEmulator, endpoint_seconds
 
 
 def _fleet_deployment(engine: str = "sglang") -> dict:

@@ -66,9 +66,9 @@ async def test_operator_needs_exactly_the_charts_rbac() -> None:
     finalizers: missing before, so every child creation was refused there); and every granted
     permission is used (or listed above with the code path that uses it)."""
     import kmock
+    from kube_emulator import RbacEmulator
 
     from kuberl.operator.rbac import operator_rbac_rules
-    from kuberl.operator.testing import RbacEmulator
     from tests.test_operator_e2e import (
         API,
         Cluster,

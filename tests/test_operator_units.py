@@ -6,12 +6,12 @@ import aiohttp
 import kmock
 import kopf
 import pytest
+from kube_emulator import ClusterEmulator, matches_selector, merge_patch
 
 from kuberl.operator import admission, children, main, status
 from kuberl.operator.handlers import OperatorConfig, build_registry
 from kuberl.operator.kube import KubeClient, is_subset, kind_of
 from kuberl.operator.pods import train_progress
-from kuberl.operator.testing import ClusterEmulator, matches_selector, merge_patch
 
 
 def test_is_subset_ignores_server_defaults_but_not_changes() -> None:
@@ -394,3 +394,26 @@ def test_service_client_config_keeps_the_ca_bundle() -> None:
         {"url": "https://x:9443", "caBundle": "Q0E="}, service="s", namespace="n", port=443
     )
     assert cfg == {"service": {"name": "s", "namespace": "n", "port": 443, "path": ""}, "caBundle": "Q0E="}
+
+
+def test_an_unschedulable_pod_says_why_in_the_ready_condition() -> None:
+    from kuberl.operator import status
+
+    def pod(name: str, scheduled: dict | None) -> dict:
+        conds = [{"type": "PodScheduled", **scheduled}] if scheduled else []
+        return {"metadata": {"name": name}, "status": {"phase": "Pending", "conditions": conds}}
+
+    stuck = {"status": "False", "reason": "Unschedulable", "message": '0/12 nodes are available: persistentvolumeclaim "w" not found.'}
+    pods = [pod("b", stuck), pod("a", {"status": "True"}), pod("c", None)]
+    why = status.unschedulable(pods)
+    assert why == 'pod b cannot be scheduled: 0/12 nodes are available: persistentvolumeclaim "w" not found.'
+    assert status.unschedulable([pod("a", {"status": "False", "reason": "SchedulingGated"})]) is None
+    workload = {"kind": "Deployment", "metadata": {"name": "f"}, "status": {"replicas": 2, "readyReplicas": 0}}
+    st = status.scaled_status(desired=2, workload=workload, selector="x=y", generation=1, previous={}, noun="engine",
+                              unschedulable=why)
+    ready = st["conditions"][0]
+    assert (ready["reason"], ready["status"]) == ("Unschedulable", "False")
+    assert ready["message"] == f"0/2 engine replicas ready; {why}"
+    job = status.job_status(trainer={"spec": {"parallelism": 1}, "status": {"active": 1}}, pods=pods, suspended=False,
+                            waiting_for=[], generation=1, previous={})
+    assert next(c for c in job["conditions"] if c["type"] == "Ready")["reason"] == "Unschedulable"

@@ -130,8 +130,7 @@ def _operator_on_emulator(tmp: Path):
     import sys
 
     import kmock
-
-    from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
+    from kube_emulator import ClusterEmulator, write_kubeconfig
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="emulator", daemon=True)

@@ -10,9 +10,9 @@ import json
 import aiohttp
 import kmock
 import pytest
+from kube_emulator import ClusterEmulator, write_kubeconfig
 
 from kuberl.cli import main
-from kuberl.operator.testing import ClusterEmulator, write_kubeconfig
 from kuberl.status_view import cluster_lines, local_lines
 from tests.test_trainer_pipeline import TINY
 

@@ -22,7 +22,7 @@ import yaml
 
 from kuberl import GROUP
 
-CRD_DIR = Path(__file__).resolve().parent.parent / "crds"
+CRD_DIR = Path(__file__).resolve().parent.parent / "crds"  # the checkout's generated CRDs
 K8S_VERSION = "1.33"
 
 _STR = {"type": "string"}

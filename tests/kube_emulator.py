@@ -49,13 +49,12 @@ import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
+import rbac_emulation
 from kmock._internal import enums, rendering
 
 from kuberl import GROUP, VERSION
-
-from . import rbac_emulation
-from .apirules import object_problems, restricted_problems
-from .canonical import parse_quantity, server_form
+from kuberl.operator.apirules import object_problems, restricted_problems
+from kuberl.operator.canonical import parse_quantity, server_form
 
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     # "group/version/plural": (kind, namespaced, subresources)
