@@ -158,7 +158,7 @@ def operator_load(kube: Kube, op: Operator, replicas: int, window: float, audit_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--applies", type=int, default=20, help="applies of the inline-job example (default 20)")
-    ap.add_argument("--replicas", type=int, nargs="+", default=[10, 100, 1000], help="SandboxPool sizes")
+    ap.add_argument("--replicas", type=int, nargs="*", default=[10, 100, 1000], help="SandboxPool sizes (none: skip)")
     ap.add_argument("--window", type=float, default=30.0, help="seconds the operator is watched per size")
     ap.add_argument("--cold", action="store_true", help="also build every program from empty caches")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Benchmark: KV-aware rollout scheduling vs static (verl-style) allocation (paper section 3.2).
 
-A seeded discrete-event simulation (kuberl.rollout.sim) runs the real
+A seeded discrete-event simulation (bench/rollout_sim.py) runs the real
 kuberl.rollout.scheduler.Scheduler under a virtual clock, with multi-turn rollouts of
 heavy-tailed length, random tool latency between turns, and engines of different KV capacity
 and decode speed whose KV cache is managed like SGLang's (radix cache with LRU eviction,
@@ -35,8 +35,11 @@ import json
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
-from kuberl.rollout.sim import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: rollout_sim
+
+from rollout_sim import (  # noqa: E402
     EngineSpec,
     SimResult,
     WorkloadSpec,

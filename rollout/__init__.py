@@ -6,7 +6,6 @@
 * :mod:`.sglang_engine` - HTTP client for SGLang servers; :mod:`.discovery` finds them.
 * :mod:`.scheduler` - KV-cache-aware assignment of rollouts to engines.
 * :mod:`.loop` - the multi-turn tool-calling loop producing Trajectories.
-* :mod:`.sim` - virtual-time simulation of the scheduler (bench/scheduler.py).
 
 Submodules are imported explicitly (``from kuberl.rollout.loop import rollout_one``) so that
 importing the template does not pull in torch or aiohttp.

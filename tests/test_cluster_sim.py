@@ -29,9 +29,9 @@ from clustersim.workload import (  # noqa: E402
     sample_tool_costs,
     trained_tokens,
 )
+from rollout_sim import run_virtual  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits  # noqa: E402
-from kuberl.rollout.sim import run_virtual  # noqa: E402
 from kuberl.sandbox.client import SandboxClient  # noqa: E402
 from kuberl.sandbox.server import ServiceConfig  # noqa: E402
 
@@ -179,8 +179,9 @@ def test_fleet_autoscaler_with_the_trainers_backlog_keeps_the_fleet_mid_step() -
     """Issue 18's fleet finding, on a tiny fleet: engines with room for 2 rollouts each report low
     KV usage while most rollouts wait in the scheduler. From the engines' gauges alone the
     autoscaler would shrink the fleet mid-step; with the trainer's backlog it never does."""
+    from rollout_sim import EngineSpec
+
     from kuberl.api.rollout_fleet import FleetAutoscaling
-    from kuberl.rollout.sim import EngineSpec
 
     small = EngineSpec("engine", capacity=2 * (2048 + 600), t0=0.015, b_sat=128, prefill_per_token=1e-5)
     auto = FleetAutoscaling(

@@ -2,12 +2,14 @@
 
 import asyncio
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
-from kuberl.rollout.engine import GenerateRequest
-from kuberl.rollout.sim import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # rollout_sim lives with the benchmarks
+
+from rollout_sim import (  # noqa: E402
     EngineSpec,
     SimEngine,
     WorkloadSpec,
@@ -16,6 +18,8 @@ from kuberl.rollout.sim import (
     run_virtual,
     simulate,
 )
+
+from kuberl.rollout.engine import GenerateRequest  # noqa: E402
 
 FAST = EngineSpec("fast", capacity=60_000, t0=0.02, b_sat=16, prefill_per_token=0.02 / 80, max_running=256)
 SLOW = EngineSpec("slow", capacity=30_000, t0=0.04, b_sat=8, prefill_per_token=0.04 / 40, max_running=256)

@@ -1,11 +1,11 @@
 """Discrete-event simulation of whole RL steps at the paper's scale (bench/cluster_sim.py).
 
 The simulation runs kuberl's own decision code on a virtual-time asyncio loop
-(``kuberl.rollout.sim.VirtualTimeLoop``): the KV-aware ``Scheduler``, the ``SandboxClient``'s
+(``rollout_sim.VirtualTimeLoop``): the KV-aware ``Scheduler``, the ``SandboxClient``'s
 retries, the ``SandboxService``'s queue, batching and backpressure (through its real HTTP
 handlers, without sockets), and the operator's autoscaling decisions
 (``kuberl.operator.autoscale``). Only the things that cost GPU or CPU time are models:
-engines (``kuberl.rollout.sim.SimEngine``), the execution of a tool call (a sleep of its
+engines (``rollout_sim.SimEngine``), the execution of a tool call (a sleep of its
 modelled duration), pod start-up, the update and the weight sync.
 
 Modules: ``workload`` (seeded rollout plans), ``pods`` (sandbox pods and the Service that

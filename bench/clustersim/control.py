@@ -15,12 +15,13 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rollout_sim import EngineSpec, SimEngine
+
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
 from kuberl.operator import autoscale
 from kuberl.operator.engines import ENGINE_METRICS
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.rollout.sim import EngineSpec, SimEngine
 from kuberl.sandbox.server import ServiceConfig
 
 from .pods import SandboxPod, Service

@@ -23,12 +23,12 @@ import logging
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+from rollout_sim import EngineSpec, SimEngine, run_virtual
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.rollout.sim import EngineSpec, SimEngine, run_virtual
 from kuberl.sandbox.client import SandboxClient, SandboxError
 from kuberl.sandbox.server import ServiceConfig
 
