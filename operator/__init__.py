@@ -8,7 +8,8 @@ Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 * ``autoscale`` -- pure autoscaling decisions and /metrics parsing;
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
 * ``kube``      -- a small async REST client for the children;
-* ``handlers``  -- kopf registry + resync loop; ``main`` -- ``kuberl operator``;
+* ``handlers``  -- one reconcile pass over one object; ``loops`` -- the resync and autoscale
+  loops over all of them; ``registry`` -- their kopf wiring; ``main`` -- ``kuberl operator``;
 * ``server_dry_run`` -- ``kuberl validate --server``: the API server's own dry run;
 * ``apirules``  -- what the API server's own validation refuses in built-in objects (names,
   derived names, labels, quantities, Pod Security "restricted"; ``podrules``: the rest of a

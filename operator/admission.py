@@ -25,7 +25,7 @@ from typing import Any
 
 from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
 
-from .builders import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
+from .render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 
 # (kind, namespace, name) -> the live object, or None if it does not exist
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]

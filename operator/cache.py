@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-# Every child and every pod of one carries it (builders.selector_labels is in every label set).
+# Every child and every pod of one carries it (render_common.selector_labels is in every label set).
 KUBERL_SELECTOR = {"app.kubernetes.io/name": "kuberl"}
 
 Key = tuple[str, str, str]  # (apiVersion, kind, namespace)

@@ -20,7 +20,8 @@ from kuberl.api.sandbox_pool import SandboxPoolSpec
 
 from .admission import context_length_problems
 from .apirules import children_problems, restricted_problems
-from .builders import build_for, uses_fleet
+from .builders import build_for
+from .job_builder import uses_fleet
 
 
 def rendered_problems(

@@ -1,8 +1,9 @@
-"""kopf handlers: reconcile AgenticRLJob, RolloutFleet and SandboxPool into running pods.
+"""Reconcile AgenticRLJob, RolloutFleet and SandboxPool into running pods: one pass over one
+object, and the operator's memory of the objects (``OperatorContext``).
 
-``build_registry(config)`` registers everything on a fresh ``kopf.OperatorRegistry`` (not
-kopf's global one), so the CLI and each end-to-end test get their own operator with their
-own timings, login and metrics scraper.
+``registry.build_registry(config)`` binds these to kopf's events on a fresh
+``kopf.OperatorRegistry`` (not kopf's global one), so the CLI and each end-to-end test get their
+own operator with their own timings, login and metrics scraper.
 
 Per custom resource:
 
@@ -37,7 +38,6 @@ Per custom resource:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -59,7 +59,9 @@ from . import (
     children,
     conditions,
     isolation,
+    job_builder,
     metrics,
+    render_common,
     status,
     trainer_runs,
 )
@@ -157,7 +159,8 @@ class OperatorContext:
 # --- reconcile -----------------------------------------------------------------------------
 
 
-def _parse(body: Mapping[str, Any]) -> Resource:
+def parse_body(body: Mapping[str, Any]) -> Resource:
+    """The kuberl model of an object as the API serves it (metadata trimmed to what kuberl reads)."""
     raw = dict(body)
     meta = dict(raw.get("metadata") or {})
     doc = {
@@ -240,10 +243,10 @@ async def _prune(
     meta = body["metadata"]
     keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
     live: list[dict[str, Any]] = []
-    for api_version, kind_name in builders.CHILD_KINDS.get(body["kind"], ()):
+    for api_version, kind_name in render_common.CHILD_KINDS.get(body["kind"], ()):
         kind = kind_of(api_version, kind_name)
         try:
-            found = await client.list(kind, meta["namespace"], {builders.LABEL_INSTANCE: meta["name"]})
+            found = await client.list(kind, meta["namespace"], {render_common.LABEL_INSTANCE: meta["name"]})
         except ApiError as err:
             if err.status == 404:  # the kind is not installed (no LeaderWorkerSet CRD): nothing to prune
                 continue
@@ -291,7 +294,7 @@ async def reconcile(
         generation = body.get("metadata", {}).get("generation")
         old_phase = ctx.phases.get(uid, previous.get("phase"))
         try:
-            res = _parse(body)
+            res = parse_body(body)
         except ManifestError as err:
             new = status.invalid_status(str(err).removeprefix("cluster: "), generation, previous)
             events: list[status.Event] = []
@@ -313,10 +316,11 @@ async def reconcile(
         return new, events
 
 
-def _pod_selector(res: SandboxPool | RolloutFleet) -> dict[str, str]:
+def pod_selector(res: SandboxPool | RolloutFleet) -> dict[str, str]:
+    """Labels of a pool's or fleet's serving pods (what readiness, scraping and scale read)."""
     if isinstance(res, RolloutFleet):
         return builders.engine_selector(res)
-    return builders.selector_labels(res.metadata.name, "sandbox")
+    return render_common.selector_labels(res.metadata.name, "sandbox")
 
 
 def _autoscaled_here(res: SandboxPool | RolloutFleet) -> bool:
@@ -349,7 +353,7 @@ async def _reconcile_scaled(
     events += await _prune(ctx, body, objs)
     ref = _workload_ref(objs)
     workload = live.get((ref["kind"], ref["metadata"]["name"])) if ref else None
-    sel = _pod_selector(res)
+    sel = pod_selector(res)
     ready = int(((workload or {}).get("status") or {}).get("readyReplicas") or 0)
     waiting = None
     if workload is not None and ready < res.spec.replicas:
@@ -357,7 +361,7 @@ async def _reconcile_scaled(
     new = status.scaled_status(
         desired=res.spec.replicas,
         workload=workload,
-        selector=builders.selector_string(sel),
+        selector=render_common.selector_string(sel),
         generation=generation,
         previous=previous,
         noun="sandbox" if component == "sandbox" else "engine",
@@ -386,7 +390,7 @@ async def _reconcile_job(
     client = ctx.client()
     name = job.metadata.name
     events: list[status.Event] = []
-    trainer_name = builders.trainer_name(name)
+    trainer_name = job_builder.trainer_name(name)
     uid = body.get("metadata", {}).get("uid", "")
     # Also from memory: a pass may still hold a body read before the terminal status was written.
     finished = (
@@ -395,8 +399,8 @@ async def _reconcile_job(
     if finished:
         # Terminal: no trainer is recreated; the job-owned fleet and pool are released.
         for kind, child in (
-            ("RolloutFleet", builders.inline_fleet_name(name)),
-            ("SandboxPool", builders.inline_pool_name(name)),
+            ("RolloutFleet", job_builder.inline_fleet_name(name)),
+            ("SandboxPool", job_builder.inline_pool_name(name)),
         ):
             if await client.delete(kind_of(f"{GROUP}/{VERSION}", kind), namespace, child):
                 events.append(
@@ -407,7 +411,7 @@ async def _reconcile_job(
     waiting: list[str] = []
     rollout, sandbox = job.spec.rollout, job.spec.sandbox
     fleet_spec: RolloutFleetSpec | None = None
-    if rollout.fleet_ref and builders.uses_fleet(job):
+    if rollout.fleet_ref and job_builder.uses_fleet(job):
         fleet = await client.get(kind_of(f"{GROUP}/{VERSION}", "RolloutFleet"), namespace, rollout.fleet_ref)
         if fleet is None:
             waiting.append(
@@ -445,7 +449,7 @@ async def _reconcile_job(
     )
     events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
-    labels = builders.selector_labels(name, "trainer")
+    labels = render_common.selector_labels(name, "trainer")
     pods = await client.list(kind_of("v1", "Pod"), namespace, labels) if trainer is not None else []
     progress: dict[str, Any] = {}
     gaps: dict[str, float] = {}
@@ -541,120 +545,3 @@ async def post_events(ctx: OperatorContext, body: Mapping[str, Any], events: lis
             log.warning(
                 "could not post event %s on %s/%s: %s", ev.reason, body.get("kind"), meta.get("name"), err
             )
-
-
-# --- registry ------------------------------------------------------------------------------
-
-
-def build_registry(
-    config: OperatorConfig | None = None, namespaces: list[str] | None = None
-) -> tuple[kopf.OperatorRegistry, OperatorContext]:
-    """A kopf registry with every kuberl handler bound to one OperatorContext.
-
-    ``namespaces=None`` means cluster-wide (the resync loop lists across namespaces).
-    """
-    ctx = OperatorContext(config or OperatorConfig(), namespaces=namespaces)
-    reg = kopf.OperatorRegistry()
-    cfg = ctx.config
-
-    @kopf.on.login(registry=reg)
-    def _login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        info = cfg.login(**kwargs)
-        if info is not None:
-            ctx.connection = info
-        return info
-
-    @kopf.on.cleanup(registry=reg)
-    async def _cleanup(**_: Any) -> None:
-        for task in ctx.tasks:
-            task.cancel()
-        for task in ctx.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        ctx.tasks.clear()
-        await ctx.close()
-
-    from .loops import autoscale_loop, resync_loop, stale_loops  # they import this module
-
-    @kopf.on.probe(id="loops", registry=reg)
-    def _probe(**_: Any) -> dict[str, float]:
-        """kopf's liveness endpoint runs this: a wedged periodic loop fails the probe."""
-        now = time.monotonic()
-        stale = stale_loops(ctx, now)
-        if stale:
-            raise kopf.PermanentError("; ".join(stale))
-        return {name: round(now - beat, 1) for name, beat in ctx.heartbeats.items()}
-
-    @kopf.on.startup(registry=reg)
-    async def _startup(**_: Any) -> None:
-        ctx.tasks = [asyncio.create_task(resync_loop(ctx)), asyncio.create_task(autoscale_loop(ctx))]
-
-    for kind, plural in PLURALS.items():
-        res_args = (GROUP, VERSION, plural)
-
-        async def on_change(body: kopf.Body, patch: kopf.Patch, reason: str, **_: Any) -> None:
-            new, events = await reconcile(ctx, body, first_time=reason == "create")
-            patch.status.update(new)
-            await post_events(ctx, body, events)
-
-        kopf.on.create(*res_args, id=f"{kind}-create", registry=reg)(on_change)
-        kopf.on.update(*res_args, id=f"{kind}-update", registry=reg)(on_change)
-        kopf.on.resume(*res_args, id=f"{kind}-resume", registry=reg)(on_change)
-
-        async def on_event(type: str | None, body: kopf.Body, **_: Any) -> None:  # noqa: A002 - kopf's name
-            if type != "DELETED":
-                return
-            ctx.forget(body.get("metadata", {}).get("uid", ""))
-            what = f"{body.get('kind')} {body.get('metadata', {}).get('name')}"
-            gone = status.Event(
-                "Normal", "Deleted", f"{what} deleted; the garbage collector removes its children"
-            )
-            await post_events(ctx, body, [gone])
-
-        kopf.on.event(*res_args, id=f"{kind}-event", registry=reg)(on_event)
-
-        if cfg.admission:
-
-            async def on_validate(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
-                before = dict(old) if old is not None else None
-                errors = await admission.validation_errors(dict(body), _lookup(ctx), before)
-                if errors:
-                    raise kopf.AdmissionError("; ".join(errors), code=422)
-
-            def on_mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-                changes = admission.mutation(dict(body))
-                for key, value in changes.items():
-                    patch[key] = value
-
-            kopf.on.validate(
-                *res_args, id=f"validate-{plural}", operations=["CREATE", "UPDATE"], registry=reg
-            )(on_validate)
-            kopf.on.mutate(*res_args, id=f"mutate-{plural}", operations=["CREATE", "UPDATE"], registry=reg)(
-                on_mutate
-            )
-
-    return reg, ctx
-
-
-def _lookup(ctx: OperatorContext) -> admission.Lookup:
-    async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
-
-    return get
-
-
-def configure_settings(settings: kopf.OperatorSettings, *, fast: bool = False) -> None:
-    """Operator-wide kopf settings: explicit events only, and (for tests) short timeouts."""
-    settings.posting.loggers = False  # only the explicit kopf.event() transitions become events
-    settings.persistence.finalizer = f"{GROUP}/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
-    if fast:
-        settings.watching.server_timeout = 5
-        settings.watching.client_timeout = 10
-        settings.watching.reconnect_backoff = 0.2
-        settings.queueing.idle_timeout = 0.2
-        settings.queueing.exit_timeout = 1
-        settings.posting.default_backoffs = (0.1, 0.2)

@@ -32,8 +32,8 @@ from .handlers import (
     SCALED,
     SUMMARY_EVERY,
     OperatorContext,
-    _parse,
-    _pod_selector,
+    parse_body,
+    pod_selector,
     post_events,
     reconcile,
 )
@@ -61,7 +61,7 @@ class ScaleResult:
 async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> ScaleResult | None:
     """Scrape the pods' /metrics and decide the replica count (None: not autoscaled here)."""
     try:
-        res = _parse(body)
+        res = parse_body(body)
     except ManifestError:
         return None
     if (
@@ -72,7 +72,7 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
         return None
     auto = res.spec.autoscaling
     namespace = body["metadata"]["namespace"]
-    pods = await ready_pods(ctx.client(), namespace, _pod_selector(res))
+    pods = await ready_pods(ctx.client(), namespace, pod_selector(res))
     texts = await scrape_pods(ctx.scrape, pods, ("http",))
     current = res.spec.replicas
     rec: int | None = None

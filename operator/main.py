@@ -42,10 +42,11 @@ from typing import Any
 import kopf
 
 from . import metrics
-from .handlers import OperatorConfig, build_registry, configure_settings
+from .handlers import OperatorConfig
 from .kube import KubeClient
 from .leader import ElectionConfig, LeaderElector
 from .liveness import serve_livez
+from .registry import build_registry, configure_settings
 
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_HEALTH_PORT = 8081

@@ -9,15 +9,9 @@ import yaml
 from kube_schemas import validate_manifest
 
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
-from kuberl.operator.builders import (
-    ANNOTATION_AUTOSCALER,
-    CHILD_KINDS,
-    build_for,
-    build_keda_scaled_object,
-    engine_selector,
-    resolved_job_document,
-    selector_string,
-)
+from kuberl.operator.builders import build_for, build_keda_scaled_object, engine_selector
+from kuberl.operator.job_builder import resolved_job_document
+from kuberl.operator.render_common import ANNOTATION_AUTOSCALER, CHILD_KINDS, selector_string
 from kuberl.operator.trainer_runs import NEVER_PRUNED
 
 REPO = Path(__file__).resolve().parent.parent

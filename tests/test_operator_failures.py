@@ -268,7 +268,7 @@ async def test_trainer_pods_refused_by_a_gpu_quota_land_in_status() -> None:
 async def test_owner_reference_permission_refusal_is_reported() -> None:
     """Where OwnerReferencesPermissionEnforcement runs (OpenShift), children with
     blockOwnerDeletion need update on <owner>/finalizers; without it every child is refused."""
-    from kuberl.operator.builders import operator_rbac_rules
+    from kuberl.operator.rbac import operator_rbac_rules
 
     without = [
         {**r, "resources": [x for x in r["resources"] if not x.endswith("/finalizers")]}

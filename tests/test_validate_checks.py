@@ -3,6 +3,7 @@ the same file like an inline one, and warns when concurrent tool calls can outgr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +191,17 @@ def test_two_resources_that_would_create_the_same_object_are_refused(tmp_path: A
     assert rc == 0, err
     rc, _, err = _validate(tmp_path, capsys, pool, pool)
     assert rc == 1 and "SandboxPool/tools is also created by SandboxPool/tools" in err
+
+
+def test_validate_server_without_a_kubeconfig_says_what_is_missing(tmp_path: Any, capsys: Any, monkeypatch: Any) -> None:
+    """--server with no kubeconfig: the local verdict still prints, then one line naming what is
+    missing, and the exit status says the check could not be made."""
+    from kuberl.cli import main
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent.kubeconfig"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    rc = main(["validate", "--server", str(Path(__file__).resolve().parents[1] / "examples" / "quickstart.yaml")])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert "quickstart.yaml: AgenticRLJob/quickstart" in out
+    assert "--server needs a kubeconfig" in err
