@@ -45,14 +45,13 @@ from kuberl.operator.isolation import (
     token_env,
     token_secret,
 )
+from kuberl.operator.job_builder import (
+    build_job,
+)
 from kuberl.operator.rbac import (
     operator_rbac_rules,
 )
-
-from .job_builder import (
-    build_job,
-)
-from .render_common import (
+from kuberl.operator.render_common import (
     ANNOTATION_AUTOSCALER,
     ANNOTATION_CONFIG_HASH,
     APP_NAME,

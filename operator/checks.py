@@ -17,11 +17,10 @@ from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, Sand
 from kuberl.api.common import quantity_value
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-
-from .admission import context_length_problems
-from .apirules import children_problems, restricted_problems
-from .builders import build_for
-from .job_builder import uses_fleet
+from kuberl.operator.admission import context_length_problems
+from kuberl.operator.apirules import children_problems, restricted_problems
+from kuberl.operator.builders import build_for
+from kuberl.operator.job_builder import uses_fleet
 
 
 def rendered_problems(

@@ -51,8 +51,7 @@ from pydantic import ValidationError
 from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.rollout_fleet import RolloutFleetSpec
-
-from . import (
+from kuberl.operator import (
     admission,
     builders,
     checks,
@@ -65,8 +64,8 @@ from . import (
     status,
     trainer_runs,
 )
-from .kube import ApiError, KubeClient, kind_of, operator_cache
-from .pods import engine_gaps, http_scrape, ready_pods, scrape_pods, train_progress
+from kuberl.operator.kube import ApiError, KubeClient, kind_of, operator_cache
+from kuberl.operator.pods import engine_gaps, http_scrape, ready_pods, scrape_pods, train_progress
 
 log = logging.getLogger("kuberl.operator")
 SUMMARY_EVERY = 600.0

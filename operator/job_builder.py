@@ -16,9 +16,7 @@ from kuberl.operator import podtemplate, sizing, trainer_runs
 from kuberl.operator.isolation import (
     token_env,
 )
-from kuberl.operator.tracking_env import tracking_env
-
-from .render_common import (
+from kuberl.operator.render_common import (
     ANNOTATION_CONFIG_HASH,
     JOB_CONFIG_PATH,
     JOB_RUN_DIR,
@@ -35,6 +33,7 @@ from .render_common import (
     spec_hash,
     weights_volume,
 )
+from kuberl.operator.tracking_env import tracking_env
 
 
 def inline_fleet_name(job_name: str) -> str:

@@ -34,9 +34,8 @@ import aiohttp
 import kopf
 
 from kuberl import API_VERSION
-
-from .cache import KUBERL_SELECTOR, ListCache
-from .canonical import server_form
+from kuberl.operator.cache import KUBERL_SELECTOR, ListCache
+from kuberl.operator.canonical import server_form
 
 log = logging.getLogger("kuberl.operator")
 LAST_APPLIED = "kuberl.io/last-applied"

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .kube import ApiError, KubeClient, kind_of
+from kuberl.operator.kube import ApiError, KubeClient, kind_of
 
 log = logging.getLogger("kuberl.operator.leader")
 LEASE = kind_of("coordination.k8s.io/v1", "Lease")

@@ -25,9 +25,8 @@ import kopf
 
 from kuberl import GROUP, VERSION
 from kuberl.api import ManifestError, RolloutFleet, SandboxPool
-
-from . import autoscale, builders, metrics, status
-from .handlers import (
+from kuberl.operator import autoscale, builders, metrics, status
+from kuberl.operator.handlers import (
     PLURALS,
     SCALED,
     SUMMARY_EVERY,
@@ -37,9 +36,9 @@ from .handlers import (
     post_events,
     reconcile,
 )
-from .kube import ApiError, is_subset, kind_of
-from .pods import fleet_trainer_pods, ready_pods, scrape_pods
-from .summary import summary_line
+from kuberl.operator.kube import ApiError, is_subset, kind_of
+from kuberl.operator.pods import fleet_trainer_pods, ready_pods, scrape_pods
+from kuberl.operator.summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
 

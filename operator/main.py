@@ -41,12 +41,12 @@ from typing import Any
 
 import kopf
 
-from . import metrics
-from .handlers import OperatorConfig
-from .kube import KubeClient
-from .leader import ElectionConfig, LeaderElector
-from .liveness import serve_livez
-from .registry import build_registry, configure_settings
+from kuberl.operator import metrics
+from kuberl.operator.handlers import OperatorConfig
+from kuberl.operator.kube import KubeClient
+from kuberl.operator.leader import ElectionConfig, LeaderElector
+from kuberl.operator.liveness import serve_livez
+from kuberl.operator.registry import build_registry, configure_settings
 
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_HEALTH_PORT = 8081
