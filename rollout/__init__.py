@@ -3,7 +3,10 @@
 * :mod:`.template` - the rStar2 prompt template and the tool-call wire format.
 * :mod:`.engine` - the Engine interface (GenerateRequest -> GenerateOutput, KV capacity, load).
 * :mod:`.local_engine` - in-process continuous-batching engine for the builtin GPT.
-* :mod:`.sglang_engine` - HTTP client for SGLang servers; :mod:`.discovery` finds them.
+* :mod:`.sglang_engine` - HTTP client for SGLang servers; :mod:`.vllm_engine` for vLLM servers;
+  :mod:`.http_engine` what both share (retries, error bodies, health); :mod:`.discovery` finds
+  them and :mod:`.fleet` keeps a run's engines in step with its RolloutFleet.
+* :mod:`.vllm_server` - a local vLLM server: ``kuberl vllm install`` (from PyPI alone) and start/stop.
 * :mod:`.scheduler` - KV-cache-aware assignment of rollouts to engines.
 * :mod:`.loop` - the multi-turn tool-calling loop producing Trajectories.
 

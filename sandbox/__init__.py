@@ -11,6 +11,14 @@
 - ``client``: the async client with retries; ``local``: start the service as a subprocess.
 - ``types``: the four outcomes of the paper plus memory-limit and truncation flags.
 
+The rest, by role: a call's path through a worker is ``calls`` (fork ahead, hand over, watch,
+answer) and ``child`` (the forked side, up to the result), the child's interpreter hooks are
+``forkhooks``; what contains it is ``slot`` (a worker's cgroup, uid, scratch space, view and
+filter together), ``fsview`` (the filesystem it sees), ``seccomp`` (its syscall filter),
+``landlock``, ``cgroups`` and ``procs`` (finding and killing what it left running), with
+``kfiles`` for the small /proc and cgroupfs files; around the service, ``auth`` (the pool's
+bearer token) and ``progress`` (a log line per window).
+
 Exactly-once is a property of one service process. Behind a SandboxPool's Kubernetes Service
 each connection may reach another pod: a retry after a lost response can then run the call a
 second time on another pod. The caller still gets exactly one answer per call; only the work
