@@ -127,6 +127,9 @@ def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
             else:
                 parsed[part][name] = parse_quantity(value)[0]
     requests, limits = parsed.get("requests", {}), parsed.get("limits", {})
+    for name, lim in limits.items():
+        if "/" in name and not name.startswith("kubernetes.io/") and lim.denominator != 1:
+            out.append(f"{where}.limits[{name}]: must be an integer (extended resource)")
     for name, req in requests.items():
         lim = limits.get(name)
         extended = "/" in name and not name.startswith("kubernetes.io/")
@@ -168,6 +171,8 @@ def _container_extras(c: dict[str, Any], at: str) -> list[str]:
         if not name or "=" in name or not name.isprintable():
             out.append(f"{at}.env[{name}]: a valid environment variable name must consist of printable "
                        "characters other than '='")
+    names = [p.get("name") for p in c.get("ports") or [] if p.get("name")]
+    out += [f"{at}.ports[{i}].name: Duplicate value: {n!r}" for i, n in enumerate(names) if n in names[:i]]
     for i, p in enumerate(c.get("ports") or []):
         port = p.get("containerPort")
         if not isinstance(port, int) or not 1 <= port <= 65535:

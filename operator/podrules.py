@@ -28,8 +28,11 @@ ENUMS: dict[str, tuple[str, ...]] = {
     "dnsPolicy": ("ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"),
     "protocol": ("TCP", "UDP", "SCTP"),
     "whenUnsatisfiable": ("DoNotSchedule", "ScheduleAnyway"),
+    "preemptionPolicy": ("PreemptLowerPriority", "Never"),
+    "fsGroupChangePolicy": ("Always", "OnRootMismatch"),
     "scheme": ("HTTP", "HTTPS"),
 }
+_SYSCTL = re.compile(r"^([a-z0-9]([-_a-z0-9]*[a-z0-9])?[./])*[a-z0-9]([-_a-z0-9]*[a-z0-9])?$")
 _IANA_SVC_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 PROBES = ("livenessProbe", "readinessProbe", "startupProbe")
 NODE_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt")
@@ -272,6 +275,12 @@ def _id_problems(sc: dict[str, Any], at: str) -> list[str]:
     for v in sc.get("supplementalGroups") or []:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_ID:
             out.append(f"{at}.supplementalGroups: {v!r} must be between 0 and {MAX_ID}, inclusive")
+    out += _enum_problems(sc, ("fsGroupChangePolicy",), at)
+    for i, sysctl in enumerate(sc.get("sysctls") or []):
+        name = str(sysctl.get("name", ""))
+        if len(name) > 253 or not _SYSCTL.match(name):
+            out.append(f"{at}.sysctls[{i}].name: {name!r} is not a sysctl name (dotted or slashed segments of "
+                       "a-z, 0-9, '-' and '_')")
     return out
 
 
@@ -366,7 +375,9 @@ def pod_extras_problems(spec: dict[str, Any], where: str) -> list[str]:
     for field in ("schedulerName", "runtimeClassName"):
         if spec.get(field) is not None and (p := subdomain_problem(spec[field])):
             out.append(f"{where}.{field}: {p}")
-    out += _enum_problems(spec, ("dnsPolicy",), where)
+    out += _enum_problems(spec, ("dnsPolicy", "preemptionPolicy"), where)
+    if spec.get("dnsPolicy") == "None" and not spec.get("dnsConfig"):
+        out.append(f"{where}.dnsConfig: Required value: must provide dnsConfig when dnsPolicy is None")
     out += _id_problems(spec.get("securityContext") or {}, f"{where}.securityContext")
     out += affinity_problems(spec.get("affinity"), f"{where}.affinity")
     out += toleration_problems(spec.get("tolerations"), f"{where}.tolerations")

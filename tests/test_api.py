@@ -383,6 +383,12 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "toleration-exists-with-value.yaml": {"children"},
     "topology-spread-bad-when.yaml": {"children"},
     "topology-spread-skew-zero.yaml": {"children"},
+    "container-port-name-dup.yaml": {"children"},
+    "dns-policy-none-no-config.yaml": {"children"},
+    "fsgroup-policy-bad.yaml": {"children"},
+    "preemption-bad.yaml": {"children"},
+    "resources-limit-extended-fraction.yaml": {"children"},
+    "sysctl-invalid.yaml": {"children"},
 }
 EMULATED_LAYERS = {"served", "fields", "schema", "list-type", "cel", "yaml"}
 ONLY_KUBERL_VALIDATE = sorted(name for name, layers in APISERVER_REJECTS.items() if not layers)
