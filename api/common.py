@@ -63,6 +63,11 @@ ANNOTATIONS_MAX_BYTES = 256 * 1024  # keys and values together (apimachinery Tot
 STANDARD_FINALIZERS = frozenset({"kubernetes", "orphan", "foregroundDeletion"})
 
 
+def annotations_size(annotations: dict[Any, Any]) -> int:
+    """Bytes the API server counts against ANNOTATIONS_MAX_BYTES: keys and values in UTF-8."""
+    return sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())
+
+
 def _qualified_key(key: str) -> bool:
     prefix, slash, name = key.rpartition("/")
     if slash and (not prefix or len(prefix) > 253 or not _SUBDOMAIN.match(prefix)):
@@ -159,7 +164,7 @@ class ObjectMeta(BaseModel):
         bad = [k for k in annotations if not _qualified_key(k)]
         if bad:
             raise ValueError(f"annotation keys {bad} are not qualified names (like example.com/some-key)")
-        size = sum(len(k.encode()) + len(v.encode()) for k, v in annotations.items())  # UTF-8 bytes, as stored
+        size = annotations_size(annotations)
         if size > ANNOTATIONS_MAX_BYTES:
             raise ValueError(
                 f"annotations total {size} bytes (UTF-8), more than the API server's limit of {ANNOTATIONS_MAX_BYTES}"

@@ -30,14 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from k8s_fixtures import Kube, Operator, install_chart_rbac, wait_for  # noqa: E402
+from k8s_fixtures import Kube, Operator, install_chart_rbac, new_namespace, running_ready, wait_for  # noqa: E402
 
 from kuberl.cluster import build  # noqa: E402
 from kuberl.cluster.control_plane import down, up  # noqa: E402
@@ -81,10 +80,7 @@ def apply_latencies(kube: Kube, applies: int) -> list[float]:
     example = REPO / "examples" / "h100-inline.yaml"
     out = []
     for _ in range(applies):
-        ns = f"apply-{uuid.uuid4().hex[:6]}"
-        kube.run("create", "namespace", ns)
-        wait_for(lambda ns=ns: kube.run("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30,
-                 "the namespace's default ServiceAccount")
+        ns = new_namespace(kube, "apply")
         kube.apply([{"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                      "metadata": {"name": "qwen-policy-weights", "namespace": ns},
                      "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}}}])
@@ -95,10 +91,7 @@ def apply_latencies(kube: Kube, applies: int) -> list[float]:
             pods = kube.items("pods", ns)
             trainers = [p for p in pods if p["metadata"]["labels"].get("app.kubernetes.io/component") == "trainer"]
             # the example: 1 trainer pod, 2 engines, 2 sandbox pods
-            return len(pods) == 5 and bool(trainers) and all(
-                p["status"].get("phase") == "Running"
-                and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
-                for p in pods)
+            return len(pods) == 5 and bool(trainers) and all(running_ready(p) for p in pods)
 
         wait_for(all_running, 180, f"every pod of the job in {ns} Running and Ready", interval=0.1)
         out.append(time.monotonic() - t0)
@@ -128,9 +121,7 @@ def operator_requests(audit_log: Path, user: str, since: float, until: float) ->
 
 
 def operator_load(kube: Kube, op: Operator, replicas: int, window: float, audit_log: Path) -> dict:
-    ns = f"load-{replicas}"
-    kube.run("create", "namespace", ns)
-    wait_for(lambda: kube.run("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30, "default SA")
+    ns = new_namespace(kube, f"load-{replicas}")
     kube.apply([{
         "apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool",
         "metadata": {"name": "tools", "namespace": ns},

@@ -398,9 +398,7 @@ def down(folder: Path, *, grace: float = 10.0) -> list[str]:
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while _running(pid, state.binaries[name]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.05)  # a child of this process is reaped by its Popen's poll in _running
         if _running(pid, state.binaries[name]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""The simulated nodes a local control plane gets,.
+"""The simulated nodes a local control plane gets.
 
 Nodes are shaped as the cloud's are, so that the operator's scheduling fields meet what they
 would meet there: MI300X nodes carry the AMD GPU operator's labeller labels, H100 nodes NVIDIA

@@ -109,6 +109,11 @@ def _resource_name_problem(name: str) -> str | None:
     )
 
 
+def _extended(name: str) -> bool:
+    """An extended resource (amd.com/gpu): counted in whole units, requested at its limit."""
+    return "/" in name and not name.startswith("kubernetes.io/")
+
+
 def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
     """core/v1 ResourceRequirements: names, quantities, requests <= limits, and extended
     resources (anything with a domain, like amd.com/gpu) requested exactly at their limit."""
@@ -128,11 +133,11 @@ def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
                 parsed[part][name] = parse_quantity(value)[0]
     requests, limits = parsed.get("requests", {}), parsed.get("limits", {})
     for name, lim in limits.items():
-        if "/" in name and not name.startswith("kubernetes.io/") and lim.denominator != 1:
+        if _extended(name) and lim.denominator != 1:
             out.append(f"{where}.limits[{name}]: must be an integer (extended resource)")
     for name, req in requests.items():
         lim = limits.get(name)
-        extended = "/" in name and not name.startswith("kubernetes.io/")
+        extended = _extended(name)
         if lim is not None and req > lim:
             out.append(f"{where}.requests[{name}]: must be less than or equal to {name} limit")
         if extended and req.denominator != 1:

@@ -15,11 +15,12 @@ import ipaddress
 import re
 from typing import Any
 
+from kuberl.api.common import ANNOTATIONS_MAX_BYTES, annotations_size
+
 _SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 _QUALIFIED = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-ANNOTATIONS_MAX_BYTES = 256 * 1024
 MAX_ID = 2**31 - 1
 
 ENUMS: dict[str, tuple[str, ...]] = {
@@ -79,7 +80,7 @@ def annotation_problems(annotations: Any, where: str) -> list[str]:
     if not isinstance(annotations, dict):
         return [f"{where}: must be a map of strings"]
     out = [f"{where}: {p}" for k in annotations if (p := qualified_key_problem(k))]
-    size = sum(len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items())  # UTF-8 bytes
+    size = annotations_size(annotations)
     if size > ANNOTATIONS_MAX_BYTES:
         out.append(f"{where}: total size {size} bytes is more than the limit of {ANNOTATIONS_MAX_BYTES}")
     return out

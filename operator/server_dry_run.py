@@ -73,20 +73,24 @@ def server_problems(client: Any, docs: list[dict[str, Any]], namespace: str) -> 
     from kuberl.api.loader import ManifestError, parse_resource
     from kuberl.operator.builders import build_for
 
-    problems = []
-    for doc in docs:
-        stored, refusal = dry_run(client, doc, namespace)
+    problems: list[str] = []
+    todo = [(doc, "") for doc in docs]
+    while todo:
+        obj, made_by = todo.pop(0)
+        stored, refusal = dry_run(client, obj, namespace)
         if refusal:
-            problems.append(refusal)
+            problems.append(made_by + refusal)
             continue
         assert stored is not None
+        if not str(obj.get("apiVersion", "")).startswith("kuberl.io/"):
+            continue
+        # A kuberl object, the user's or a job's inline fleet or pool: read again with the
+        # defaults the server filled in, then its own children the same way.
         try:
             resource = parse_resource({k: v for k, v in stored.items() if k != "status"}, "as the server stores it")
         except ManifestError as err:
-            problems.append(f"with the CRD's defaults the server fills in, {err}")
+            problems.append(f"{made_by}with the CRD's defaults the server fills in, {err}")
             continue
-        for child in build_for(resource, (stored.get("metadata") or {}).get("namespace") or namespace):
-            _, refusal = dry_run(client, child, namespace)
-            if refusal:
-                problems.append(f"the operator's {refusal}")
+        ns = (stored.get("metadata") or {}).get("namespace") or namespace
+        todo += [(child, "the operator's ") for child in build_for(resource, ns)]
     return problems

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -96,11 +97,32 @@ def start_control_plane(tmp: Path) -> tuple[ClusterState, bool]:
         raise
 
 
-def install_chart_rbac(kube: Kube) -> str:
-    """The chart's CRDs, ServiceAccount and RBAC as `helm install` makes them; the SA's name."""
+def running_ready(pod: dict) -> bool:
+    st = pod.get("status") or {}
+    conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
+    return st.get("phase") == "Running" and conds.get("Ready") == "True"
+
+
+def new_namespace(kube: Kube, prefix: str) -> str:
+    """A fresh namespace ``prefix-xxxxxx``, once its pods can be admitted (its default
+    ServiceAccount exists)."""
+    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    kube.run("create", "namespace", ns)
+    wait_for(lambda: kube.run("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30,
+             f"the default ServiceAccount of {ns}")
+    return ns
+
+
+def install_crds(kube: Kube) -> None:
+    """The chart's CRDs, server-side applied, and established."""
     kube.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "charts" / "kuberl" / "crds"))
     for crd in ("agenticrljobs", "rolloutfleets", "sandboxpools"):
         kube.run("wait", "--for=condition=Established", f"crd/{crd}.kuberl.io", "--timeout=60s")
+
+
+def install_chart_rbac(kube: Kube) -> str:
+    """The chart's CRDs, ServiceAccount and RBAC as `helm install` makes them; the SA's name."""
+    install_crds(kube)
     kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
     rbac_kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     objs = [o for o in render() if o["kind"] in rbac_kinds]

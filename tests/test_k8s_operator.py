@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from k8s_fixtures import Kube, wait_for
+from k8s_fixtures import Kube, new_namespace, running_ready, wait_for
 
 from kuberl.cluster.nodes import FAIL_LABEL
 
@@ -47,15 +46,6 @@ def namespace(kube):
         kube.run("wait", "--for=delete", f"namespace/{ns}", "--timeout=120s", check=False)
 
 
-def new_namespace(kube: Kube, prefix: str) -> str:
-    ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    kube.run("create", "namespace", ns)
-    # pods are admitted once the namespace's default ServiceAccount exists
-    wait_for(lambda: kube.run("get", "sa", "default", "-n", ns, check=False).returncode == 0, 30,
-             f"the default ServiceAccount of {ns}")
-    return ns
-
-
 def example_docs(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
@@ -70,12 +60,6 @@ def ready_condition(obj_status: dict) -> dict:
 
 def pods_of(kube: Kube, ns: str, selector: str = OWNER) -> list[dict]:
     return kube.items("pods", ns, selector)
-
-
-def running_ready(pod: dict) -> bool:
-    st = pod.get("status") or {}
-    conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
-    return st.get("phase") == "Running" and conds.get("Ready") == "True"
 
 
 def node_of(kube: Kube, pod: dict) -> dict:

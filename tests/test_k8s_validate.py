@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from k8s_fixtures import REPO, Kube
+from k8s_fixtures import REPO, Kube, install_crds
 
 pytestmark = pytest.mark.k8s
 
@@ -31,9 +31,7 @@ FIELD = re.compile(r"\b((?:metadata|spec)(?:\.[A-Za-z0-9_-]+|\[\d+\])*)")
 
 @pytest.fixture(scope="module")
 def crds(kube: Kube) -> Kube:
-    kube.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "charts" / "kuberl" / "crds"))
-    for crd in ("agenticrljobs", "rolloutfleets", "sandboxpools"):
-        kube.run("wait", "--for=condition=Established", f"crd/{crd}.kuberl.io", "--timeout=60s")
+    install_crds(kube)
     if kube.run("get", "namespace", NAMESPACE, check=False).returncode != 0:
         kube.run("create", "namespace", NAMESPACE)
     return kube
