@@ -1,10 +1,16 @@
-"""Pydantic models of the kuberl custom resources: the single source of truth for CRDs and configs."""
+"""Pydantic models of the kuberl custom resources: the single source of truth for CRDs and configs.
 
-from .common import Condition, ObjectMeta, Resource
-from .job import AgenticRLJob, AgenticRLJobSpec, AgenticRLJobStatus, StageSpec
-from .loader import KINDS, ManifestError, load_manifests, parse_resource
-from .rollout_fleet import RolloutFleet, RolloutFleetSpec, RolloutFleetStatus
-from .sandbox_pool import SandboxPool, SandboxPoolSpec, SandboxPoolStatus
+``job``, ``rollout_fleet``, ``sandbox_pool``: the three kinds; ``common``: metadata, status,
+conditions and field rules they share; ``pod_template`` and ``pod_shapes``: podTemplate
+overrides and the PodSpec types they hold; ``tracking``: ``spec.tracking``; ``loader``: reading
+manifests with errors that name the field; ``crdgen``: the CRDs generated from the models.
+"""
+
+from kuberl.api.common import Condition, ObjectMeta, Resource
+from kuberl.api.job import AgenticRLJob, AgenticRLJobSpec, AgenticRLJobStatus, StageSpec
+from kuberl.api.loader import KINDS, ManifestError, load_manifests, parse_resource
+from kuberl.api.rollout_fleet import RolloutFleet, RolloutFleetSpec, RolloutFleetStatus
+from kuberl.api.sandbox_pool import SandboxPool, SandboxPoolSpec, SandboxPoolStatus
 
 __all__ = [
     "KINDS",

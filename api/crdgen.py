@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kuberl import GROUP, VERSION
-
-from .common import RESOURCE_NAME_PATTERN, Resource
-from .loader import KINDS, dump_yaml
+from kuberl.api.common import RESOURCE_NAME_PATTERN, Resource
+from kuberl.api.loader import KINDS, dump_yaml
 
 _DROP = {"title", "discriminator"}
 

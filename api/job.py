@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from .common import (
+from kuberl.api.common import (
     NAME_PATTERN,
     RESOURCE_NAME_PATTERN,
     SUBDOMAIN_PATTERN,
@@ -24,10 +24,10 @@ from .common import (
     ResourceRequirements,
     ResourceStatus,
 )
-from .pod_template import PodTemplateOverride
-from .rollout_fleet import ModelRef, RolloutFleetSpec
-from .sandbox_pool import SandboxPoolSpec
-from .tracking import TrackingSpec
+from kuberl.api.pod_template import PodTemplateOverride
+from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec
+from kuberl.api.sandbox_pool import SandboxPoolSpec
+from kuberl.api.tracking import TrackingSpec
 
 DEFAULT_TRAINER_IMAGES: dict[str, str] = {
     "mi300x": "ghcr.io/kuberl/trainer:0.1.0-rocm",
@@ -180,8 +180,8 @@ class RolloutSpec(KubeModel):
         gt=0,
         description=(
             "Flag an engine whose sampling log-probs of the trained rollouts differ from the trainer's "
-            "by more than this mean (nats/token): it serves other weights than were pushed. Measured "
-            "mismatch of a correct bf16 vLLM server: 0.03 (bench/README.md); null turns the check off."
+            "by more than this mean (nats/token): it serves other weights than were pushed. The default "
+            "is several times a correct bf16 server's mismatch; null turns the check off."
         ),
     )
     spot_check_rollouts: int = Field(

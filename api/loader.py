@@ -15,11 +15,10 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from kuberl import API_VERSION
-
-from .common import PATTERN_RULES, FieldError, Resource
-from .job import AgenticRLJob
-from .rollout_fleet import RolloutFleet
-from .sandbox_pool import SandboxPool
+from kuberl.api.common import PATTERN_RULES, FieldError, Resource
+from kuberl.api.job import AgenticRLJob
+from kuberl.api.rollout_fleet import RolloutFleet
+from kuberl.api.sandbox_pool import SandboxPool
 
 KINDS: dict[str, type[Resource]] = {cls.KIND: cls for cls in (AgenticRLJob, RolloutFleet, SandboxPool)}
 

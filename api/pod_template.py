@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from .common import KubeModel
-from .pod_shapes import POD_SPEC, shape_problems
+from kuberl.api.common import KubeModel
+from kuberl.api.pod_shapes import POD_SPEC, shape_problems
 
 POD_SPEC_FIELDS = frozenset(
     """activeDeadlineSeconds affinity automountServiceAccountToken containers dnsConfig dnsPolicy

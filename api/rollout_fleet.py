@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from .common import (
+from kuberl.api.common import (
     SUBDOMAIN_PATTERN,
     AcceleratorSpec,
     Autoscaling,
@@ -19,7 +19,7 @@ from .common import (
     default_replicas_to_min,
     without_default,
 )
-from .pod_template import PodTemplateOverride
+from kuberl.api.pod_template import PodTemplateOverride
 
 # Default images by engine and accelerator profile; engine.image overrides.
 SGLANG_IMAGES: dict[str, str] = {
@@ -61,7 +61,7 @@ class EngineSpec(KubeModel):
         description=(
             "Weights and compute dtype of the server (--dtype); auto: the model's own. Pushed policy "
             "versions are written in it: bf16 copies of float32 masters miss updates below bf16's "
-            "resolution (bench/README.md, mismatch study)."
+            "resolution."
         ),
     )
     tensor_parallel: int = Field(1, ge=1, le=64)

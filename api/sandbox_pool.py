@@ -6,7 +6,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from .common import (
+from kuberl.api.common import (
     Autoscaling,
     KubeModel,
     Resource,
@@ -16,7 +16,7 @@ from .common import (
     default_replicas_to_min,
     without_default,
 )
-from .pod_template import PodTemplateOverride
+from kuberl.api.pod_template import PodTemplateOverride
 
 DEFAULT_SANDBOX_IMAGE = "ghcr.io/kuberl/sandbox:0.1.0"
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from .common import CONFIG_KEY_PATTERN, SUBDOMAIN_PATTERN, KubeModel
+from kuberl.api.common import CONFIG_KEY_PATTERN, SUBDOMAIN_PATTERN, KubeModel
 
 
 class SecretKeyRef(KubeModel):

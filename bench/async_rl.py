@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     # The sandbox answers the rollouts' tool calls: it belongs to the engine side (on a cluster it
     # is its own pods). Started by the trainer it would share the trainer's core, and tool calls
     # slowed by the update would stall generation (measured: 1.7x slower batches).
-    from kuberl.sandbox.local import running_sandbox
-    from kuberl.trainer.rollout_worker import pin_to_cpus
+    from kuberl.rollout.worker import pin_to_cpus
+    from kuberl.sandbox.service.local import running_sandbox
 
     sandbox = running_sandbox(workers=2, wrapper=["taskset", "-c", "0"])
     os.environ["KUBERL_SANDBOX_URL"] = sandbox.__enter__()

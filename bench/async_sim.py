@@ -16,7 +16,7 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
   reserved; refused splits are printed with the reason). The fleet side is simulated: a run
   of ``--batches`` batches on F engines (``SimConfig.ahead`` = k: batch 0 at once, batches
   1..k at its end, then batch i at batch i-k's end, ``Scheduler.max_active`` at one batch and
-  FIFO admission, as trainer/rl_stage.py and the rollout worker do with a trainer that keeps
+  FIFO admission, as rollout/orchestrator.py and the rollout worker do with a trainer that keeps
   up), through the real Scheduler, SandboxClient and SandboxService, so the tail of long
   multi-turn rollouts is in it (``clustersim.asyncmodel.fleet_generation``):
   - asyncLevel 1: generation = batch 0's end; it runs alone, as every batch does at level 1

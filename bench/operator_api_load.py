@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the km
 
 from kube_emulator import ClusterEmulator  # noqa: E402
 
-from kuberl.operator import handlers
-from kuberl.operator.handlers import OperatorConfig
+from kuberl.operator import context
+from kuberl.operator.context import OperatorConfig
 from kuberl.operator.main import operate
 
 NS = "bench"
@@ -54,9 +54,9 @@ def _doc(kind: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def reads_per_pass(groups: int, *, cached: bool, window: float = 4.0, interval: float = 0.4) -> float:
-    original = handlers.operator_cache
+    original = context.operator_cache
     if not cached:
-        handlers.operator_cache = lambda: None  # type: ignore[assignment,return-value]
+        context.operator_cache = lambda: None  # type: ignore[assignment,return-value]
     try:
         async with (
             CountingEmulator(namespaces={NS}) as emu,
@@ -124,7 +124,7 @@ async def reads_per_pass(groups: int, *, cached: bool, window: float = 4.0, inte
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                     await asyncio.wait_for(task, 10)
     finally:
-        handlers.operator_cache = original
+        context.operator_cache = original
     passes = reads.count(f"{API}/agenticrljobs")
     if passes == 0:
         raise RuntimeError("no resync pass in the window")

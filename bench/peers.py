@@ -242,7 +242,7 @@ def child_trl(settings: Path, out: Path, manifest: Path) -> int:
     """In the child: a sandbox service with the kuberl side's pool settings, then TRL's run."""
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
-    from kuberl.sandbox.local import running_sandbox
+    from kuberl.sandbox.service.local import running_sandbox
 
     pool = find_one(load_manifests(str(manifest)), AgenticRLJob).spec.sandbox.pool
     s = json.loads(settings.read_text())
@@ -289,12 +289,13 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
     from kuberl.api.loader import find_one, load_manifests
     from kuberl.rollout import template
     from kuberl.rollout.fleet import FleetSource
+    from kuberl.rollout.loop import BatchRequest
     from kuberl.rollout.vllm_server import running_vllm
-    from kuberl.sandbox.local import running_sandbox
+    from kuberl.rollout.worker import RolloutWorker
+    from kuberl.sandbox.service.local import running_sandbox
     from kuberl.trainer import data as data_mod
     from kuberl.trainer.local import local_vllm_config
     from kuberl.trainer.policy import build_tokenizer
-    from kuberl.trainer.rollout_worker import RolloutWorker
     from kuberl.trainer.stages import EVAL_SIZE
 
     job = find_one(load_manifests(str(manifest)), AgenticRLJob)
@@ -315,13 +316,15 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
         worker = RolloutWorker(None, tok.to_str(), sandbox, fleet=FleetSource(urls=(url,), engine="vllm"))
         try:
             groups = worker.rollouts(
-                [template.render_prompt(p.question, spec.rollout.prompt_template) for p in probs],
-                [p.answer for p in probs],
-                1,
-                temperature=spec.rollout.temperature,
-                seed=spec.seed * 7919 + 17,
-                max_turns=spec.stage_max_turns(stage),
-                max_response_tokens=spec.stage_max_response_tokens(stage),
+                BatchRequest(
+                    [template.render_prompt(p.question, spec.rollout.prompt_template) for p in probs],
+                    [p.answer for p in probs],
+                    1,
+                    temperature=spec.rollout.temperature,
+                    seed=spec.seed * 7919 + 17,
+                    max_turns=spec.stage_max_turns(stage),
+                    max_response_tokens=spec.stage_max_response_tokens(stage),
+                )
             )
         finally:
             worker.close()

@@ -58,7 +58,7 @@ class Clock:
 
 
 def make_tool(sandbox_url: str, clock: Clock):
-    from kuberl.sandbox.client import SandboxClient
+    from kuberl.sandbox.service.client import SandboxClient
 
     clients: dict[int, SandboxClient] = {}  # one per event loop (TRL's daemon loop)
 
@@ -100,7 +100,7 @@ def completion_answer(completion) -> str | None:
 
 
 def make_reward(sandbox_url: str, clock: Clock, eos_id: int):
-    from kuberl.sandbox.client import SandboxClient
+    from kuberl.sandbox.service.client import SandboxClient
 
     clients: dict[int, SandboxClient] = {}
 

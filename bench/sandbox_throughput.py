@@ -34,8 +34,8 @@ import sys
 import time
 import urllib.request
 
-from kuberl.sandbox.client import SandboxClient
-from kuberl.sandbox.local import running_sandbox
+from kuberl.sandbox.service.client import SandboxClient
+from kuberl.sandbox.service.local import running_sandbox
 
 SNIPPETS = {
     "trivial": "print(sum(range(100)))",

@@ -150,7 +150,7 @@ AUDIT_POLICY = {"apiVersion": "audit.k8s.io/v1", "kind": "Policy", "omitStages":
 
 
 def _audit_args(state: ClusterState) -> list[str]:
-    """Who sent which request: what bench/control_plane.py counts the operator's API calls by."""
+    """Who sent which request: the audit policy by which an operator's API calls are counted."""
     policy = Path(state.dir) / "audit-policy.yaml"
     policy.write_text(yaml.safe_dump(AUDIT_POLICY))
     return [f"--audit-policy-file={policy}", f"--audit-log-path={state.audit_log}", "--audit-log-format=json",

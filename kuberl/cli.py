@@ -203,7 +203,7 @@ def sandbox_limits(env_json: str | None, overrides: dict[str, float | int | None
 
 
 def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
-    from kuberl.sandbox.app import serve
+    from kuberl.sandbox.service.app import serve
 
     limits = sandbox_limits(
         os.environ.get("KUBERL_SANDBOX_LIMITS"),

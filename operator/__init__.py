@@ -7,9 +7,18 @@ Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
   their shared labels, ports and accelerator scheduling;
 * ``autoscale`` -- pure autoscaling decisions and /metrics parsing;
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
-* ``kube``      -- a small async REST client for the children;
-* ``handlers``  -- one reconcile pass over one object; ``loops`` -- the resync and autoscale
+* ``kube``      -- a small async REST client for the children; ``cache`` -- its informer-like
+  read cache; ``canonical`` -- what the API server does to a built-in object before storing it;
+* ``context``   -- the operator's configuration and its memory of the objects;
+  ``handlers``  -- one reconcile pass over one object; ``loops`` -- the resync and autoscale
   loops over all of them; ``registry`` -- their kopf wiring; ``main`` -- ``kuberl operator``;
+  ``leader`` -- leader election on a Lease; ``liveness`` -- the pod's /livez;
+* ``pods``      -- ready pods, their /metrics and a trainer's progress; ``children`` -- rules
+  on children that need the live state (orphans, inline replicas); ``summary`` -- the periodic
+  log line; ``metrics`` -- the operator's own Prometheus metrics;
+* ``engines``   -- what differs between SGLang and vLLM pods; ``isolation`` -- the
+  NetworkPolicies of sandboxes and engines; ``rbac`` -- the operator's own RBAC;
+  ``tracking_env`` -- a trainer pod's tracker environment;
 * ``server_dry_run`` -- ``kuberl validate --server``: the API server's own dry run;
 * ``apirules``  -- what the API server's own validation refuses in built-in objects (names,
   derived names, labels, quantities, Pod Security "restricted"; ``podrules``: the rest of a

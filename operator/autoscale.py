@@ -15,9 +15,9 @@ without a cluster. The algorithm follows the HorizontalPodAutoscaler's:
 
 A RolloutFleet's engines only report the rollouts they admitted. The trainer's KV-aware
 scheduler reserves ``prompt + maxResponseTokens`` per rollout, so during a synchronous RL step
-up to ~10K rollouts wait in the trainer while the engines show 5-28 % KV usage and empty
-queues; seen from the engines alone, the autoscaler would shrink a 64-engine fleet to 4-22
-engines mid-step (bench/cluster_sim.py). The trainers' ``kuberl_rollout_requests_waiting``
+thousands of rollouts wait in the trainer while the engines show low KV usage and empty
+queues; seen from the engines alone, the autoscaler would shrink the fleet mid-step. The
+trainers' ``kuberl_rollout_requests_waiting``
 (and their in-flight count) is therefore part of the fleet's load: while rollouts wait, the
 fleet grows in proportion (``ceil(engines * (inflight + waiting) / inflight)``) and never
 shrinks.

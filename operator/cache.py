@@ -1,8 +1,8 @@
 """An informer-like read cache for the operator's REST client: one LIST per kind and namespace
 per resync pass instead of a GET per child and a LIST per child kind per object.
 
-Without it a resync pass cost about ten reads per object (issue 14: 32 GET/LIST for three
-objects every 30 s), growing with the number of objects. With it, the first read of a kind in a
+Without it a resync pass costs several reads per object, growing with the number of objects.
+With it, the first read of a kind in a
 namespace after ``invalidate`` LISTs that kind once (children and pods: only kuberl's, by the
 ``app.kubernetes.io/name=kuberl`` label every child and pod carries; kuberl's own kinds: all),
 and every later GET or label-selected LIST of it is answered from memory. The client's own

@@ -128,8 +128,8 @@ def _algorithm_notes(job: AgenticRLJob) -> list[str]:
             f"warning: spec.algorithm.asyncLevel {a.async_level} with {passes} optimizer steps per batch "
             f"(ppoEpochs {a.ppo_epochs} x miniBatches {a.mini_batches}): every step trains several times on "
             "rollouts up to "
-            f"{a.async_level} versions old, which truncated importance sampling does not undo (a run of "
-            "the quickstart collapsed this way, bench/README.md); INTELLECT-2 trains one optimizer step "
+            f"{a.async_level} versions old, which truncated importance sampling does not undo (training "
+            "can collapse); INTELLECT-2 trains one optimizer step "
             "per batch: set ppoEpochs and miniBatches to 1, or asyncLevel to 1"
         ]
     return []

@@ -1,9 +1,8 @@
 """How a child the API server refused shows up on its owner, as pure functions.
 
-A refused child used to surface only in the operator's log: the reconcile raised before the
-status was written, so ``status`` stayed empty and kopf retried every few seconds for ever.
-Now each refusal becomes a ``ChildFailure``; the reconcile goes on with the other children and
-the owner's status gets
+A refusal must reach the owner's status, not only the operator's log (a reconcile that raised
+before writing status would leave it empty while kopf retried for ever). Each refusal becomes a
+``ChildFailure``; the reconcile goes on with the other children and the owner's status gets
 
 * an ``Applied`` condition (True when every child was accepted; False naming each refused
   child, the API's status code and its answer);

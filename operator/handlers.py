@@ -1,5 +1,5 @@
 """Reconcile AgenticRLJob, RolloutFleet and SandboxPool into running pods: one pass over one
-object, and the operator's memory of the objects (``OperatorContext``).
+object (the operator's memory of the objects is ``context.OperatorContext``).
 
 ``registry.build_registry(config)`` binds these to kopf's events on a fresh
 ``kopf.OperatorRegistry`` (not kopf's global one), so the CLI and each end-to-end test get their
@@ -37,11 +37,8 @@ Per custom resource:
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -64,97 +61,11 @@ from kuberl.operator import (
     status,
     trainer_runs,
 )
-from kuberl.operator.kube import ApiError, KubeClient, kind_of, operator_cache
-from kuberl.operator.pods import engine_gaps, http_scrape, ready_pods, scrape_pods, train_progress
+from kuberl.operator.context import SCALED, TERMINAL, OperatorContext
+from kuberl.operator.kube import ApiError, kind_of
+from kuberl.operator.pods import engine_gaps, ready_pods, scrape_pods, train_progress
 
 log = logging.getLogger("kuberl.operator")
-SUMMARY_EVERY = 600.0
-"""Seconds between two unchanged summary lines of the resync loop (operator/summary.py)."""
-
-Scraper = Callable[[str], Awaitable[str]]
-KINDS: dict[str, type[Resource]] = {
-    "SandboxPool": SandboxPool,
-    "RolloutFleet": RolloutFleet,
-    "AgenticRLJob": AgenticRLJob,
-}
-PLURALS = {cls.KIND: cls.PLURAL for cls in KINDS.values()}
-SCALED = ("SandboxPool", "RolloutFleet")
-TERMINAL = ("Succeeded", "Failed")
-
-
-def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """In a pod: the service account; elsewhere: the kubeconfig (KUBECONFIG or ~/.kube/config)."""
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-
-
-@dataclass
-class OperatorConfig:
-    reconcile_interval: float = 30.0
-    autoscale_interval: float = 15.0
-    scrape_timeout: float = 2.0
-    login: Callable[..., kopf.ConnectionInfo | None] = default_login
-    scraper: Scraper | None = None
-    clock: Callable[[], float] = time.time
-    # Register the validating/mutating webhooks; kopf then requires settings.admission.server.
-    admission: bool = False
-    # Serve the operator's /metrics on this port (0: any free port; None: not at all).
-    metrics_port: int | None = None
-
-
-@dataclass
-class OperatorContext:
-    config: OperatorConfig
-    namespaces: list[str] | None = None
-    connection: kopf.ConnectionInfo | None = None
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    phases: dict[str, str] = field(default_factory=dict)  # uid -> last phase reported (events)
-    known: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # uid -> (ns, kind, name)
-    refusals: dict[str, set[str]] = field(default_factory=dict)  # uid -> child refusals reported
-    restarts: dict[str, int] = field(default_factory=dict)  # uid -> trainer restarts (until status has it)
-    finished: dict[str, int | None] = field(default_factory=dict)  # uid -> generation found terminal
-    heartbeats: dict[str, float] = field(default_factory=dict)  # loop -> monotonic end of its last pass
-    _locks: dict[str, asyncio.Lock] = field(default_factory=dict, repr=False)
-    _client: KubeClient | None = field(default=None, repr=False)
-
-    def lock(self, uid: str) -> asyncio.Lock:
-        return self._locks.setdefault(uid, asyncio.Lock())
-
-    def remember(self, body: Mapping[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        if meta.get("uid"):
-            self.known[meta["uid"]] = (meta.get("namespace", ""), body.get("kind", ""), meta.get("name", ""))
-
-    def forget(self, uid: str) -> None:
-        """Drop everything kept about a deleted object (phase, lock, metric series)."""
-        self.phases.pop(uid, None)
-        self.refusals.pop(uid, None)
-        self.restarts.pop(uid, None)
-        self.finished.pop(uid, None)
-        lock = self._locks.get(uid)
-        if lock is not None and not lock.locked():
-            del self._locks[uid]
-        where = self.known.pop(uid, None)
-        if where is not None:
-            metrics.forget(*where)
-
-    def client(self) -> KubeClient:
-        if self._client is None:
-            if self.connection is None:
-                raise RuntimeError("not logged in to the Kubernetes API yet")
-            self._client = KubeClient(self.connection, cache=operator_cache())
-        return self._client
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-
-    async def scrape(self, url: str) -> str:
-        if self.config.scraper is not None:
-            return await self.config.scraper(url)
-        return await http_scrape(url, self.config.scrape_timeout)
-
-
 # --- reconcile -----------------------------------------------------------------------------
 
 

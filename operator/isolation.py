@@ -11,7 +11,7 @@ engine reloads weights from any path it is told and vLLM's dev-mode routes run R
   sandbox policy also denies all egress; engines keep theirs (model downloads).
 * **A per-pool token.** The NetworkPolicy is enforced only by CNIs that implement it and still
   admits the monitoring namespace, so ``/v1/*`` also needs the pool's bearer token
-  (``kuberl.sandbox.auth``). The operator generates it once into the Secret
+  (``kuberl.sandbox.service.auth``). The operator generates it once into the Secret
   ``<pool>-token`` (``fill_token``, at apply time: a pure builder cannot make a secret) and
   keeps it; pool pods and the trainer pods of jobs using the pool get it from there (as env,
   read at pod start: to rotate, delete the Secret, then restart the pool's and the trainers'
@@ -27,7 +27,7 @@ import base64
 import secrets
 from typing import Any
 
-from kuberl.sandbox.auth import TOKEN_ENV
+from kuberl.sandbox.service.auth import TOKEN_ENV
 
 MONITORING_NAMESPACE = "monitoring"
 ANNOTATION_MONITORING_NAMESPACE = "kuberl.io/monitoring-namespace"

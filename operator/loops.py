@@ -26,21 +26,15 @@ import kopf
 from kuberl import GROUP, VERSION
 from kuberl.api import ManifestError, RolloutFleet, SandboxPool
 from kuberl.operator import autoscale, builders, metrics, status
-from kuberl.operator.handlers import (
-    PLURALS,
-    SCALED,
-    SUMMARY_EVERY,
-    OperatorContext,
-    parse_body,
-    pod_selector,
-    post_events,
-    reconcile,
-)
+from kuberl.operator.context import PLURALS, SCALED, OperatorContext
+from kuberl.operator.handlers import parse_body, pod_selector, post_events, reconcile
 from kuberl.operator.kube import ApiError, is_subset, kind_of
 from kuberl.operator.pods import fleet_trainer_pods, ready_pods, scrape_pods
 from kuberl.operator.summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
+SUMMARY_EVERY = 600.0
+"""Seconds between two unchanged summary lines of the resync loop (``summary.summary_line``)."""
 
 
 # --- autoscaling ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from typing import Any
 import kopf
 
 from kuberl.operator import metrics
-from kuberl.operator.handlers import OperatorConfig
+from kuberl.operator.context import OperatorConfig
 from kuberl.operator.kube import KubeClient
 from kuberl.operator.leader import ElectionConfig, LeaderElector
 from kuberl.operator.liveness import serve_livez
@@ -59,8 +59,8 @@ def service_client_config(
     """kopf's URL-based client config turned into a Service reference (caBundle kept).
 
     kopf appends each handler's id to ``service.path`` itself, so the root path is empty.
-    (kopf only uses it for configurations it manages, which kuberl no longer asks for; kept
-    so ``kopf.build_webhooks`` output can be compared with the chart's.)
+    (kopf only uses it for configurations it manages, which kuberl does not ask for; it lets
+    ``kopf.build_webhooks`` output be compared with the chart's.)
     """
     out: dict[str, Any] = {"service": {"name": service, "namespace": namespace, "port": port, "path": ""}}
     if config.get("caBundle"):

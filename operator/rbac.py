@@ -18,8 +18,8 @@ Every verb below is one the operator (its KubeClient or the kopf runtime) really
 * endpointslices get/list/watch: never called by the operator, held only because RBAC forbids
   granting a permission one lacks and the trainer's Role grants exactly these.
 * cluster scope: kopf's namespace and CRD observers (list, watch). Webhook configurations are
-  the chart's objects: the operator needs no access to them (it used to be able to patch every
-  webhook configuration in the cluster).
+  the chart's objects: the operator needs no access to them, so it cannot patch any webhook
+  configuration in the cluster.
 * the leader-election Lease, in the operator's own namespace only (a Role there).
 """
 

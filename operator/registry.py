@@ -17,7 +17,8 @@ import kopf
 
 from kuberl import GROUP, VERSION
 from kuberl.operator import admission, status
-from kuberl.operator.handlers import PLURALS, OperatorConfig, OperatorContext, post_events, reconcile
+from kuberl.operator.context import PLURALS, OperatorConfig, OperatorContext
+from kuberl.operator.handlers import post_events, reconcile
 from kuberl.operator.kube import kind_of
 from kuberl.operator.loops import autoscale_loop, resync_loop, stale_loops
 

@@ -8,7 +8,11 @@
   them and :mod:`.fleet` keeps a run's engines in step with its RolloutFleet.
 * :mod:`.vllm_server` - a local vLLM server: ``kuberl vllm install`` (from PyPI alone) and start/stop.
 * :mod:`.scheduler` - KV-cache-aware assignment of rollouts to engines.
-* :mod:`.loop` - the multi-turn tool-calling loop producing Trajectories.
+* :mod:`.loop` - the multi-turn tool-calling loop producing Trajectories (a ``BatchRequest`` in).
+* :mod:`.worker` - the rollout worker: engines, scheduler and sandbox client, scoring rollouts;
+  :mod:`.client` - how the trainer reaches it (``RolloutClient``: in-process or a Ray actor);
+  :mod:`.orchestrator` - which batch generates when (asynchronous RL, ``asyncLevel``) and the
+  order of weight push and release; :mod:`.engines` - the HTTP client for a server kind.
 
 Submodules are imported explicitly (``from kuberl.rollout.loop import rollout_one``) so that
 importing the template does not pull in torch or aiohttp.

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from kuberl.rollout.engines import make_engine as new_engine
 from kuberl.rollout.http_engine import HTTPEngine
-from kuberl.rollout.http_engine import make_engine as new_engine
 from kuberl.rollout.scheduler import Scheduler
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"

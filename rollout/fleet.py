@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list, sync_engines
-from kuberl.rollout.http_engine import ENGINE_KINDS, HTTPEngine, make_engine
+from kuberl.rollout.engines import make_engine
+from kuberl.rollout.http_engine import ENGINE_KINDS, HTTPEngine
 from kuberl.rollout.scheduler import Scheduler
 
 log = logging.getLogger("kuberl.rollout.fleet")

@@ -228,16 +228,3 @@ def load_from_metrics(
     if not use:
         raise missing()
     return EngineLoad(max(use), int(run), int(queue))
-
-
-def make_engine(kind: str, base_url: str, **kwargs: Any) -> HTTPEngine:
-    """The client for ``kind`` ("sglang" or "vllm") at ``base_url``."""
-    if kind == "sglang":
-        from kuberl.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(base_url, **kwargs)
-    if kind == "vllm":
-        from kuberl.rollout.vllm_engine import VLLMEngine
-
-        return VLLMEngine(base_url, **kwargs)
-    raise ValueError(f"unknown engine type {kind!r}; expected one of {', '.join(ENGINE_KINDS)}")

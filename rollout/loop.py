@@ -49,9 +49,24 @@ class ToolResult(Protocol):
 
 @runtime_checkable
 class ToolExecutor(Protocol):
-    """What the loop needs from a sandbox; ``kuberl.sandbox.client.SandboxClient`` fits."""
+    """What the loop needs from a sandbox; ``kuberl.sandbox.service.client.SandboxClient`` fits."""
 
     async def execute(self, code: str, stdin: str = "") -> ToolResult: ...
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One step's rollouts: ``n`` per prompt, each scored against its gold answer; ``seed``
+    derives every rollout's own seed (see :func:`rollout_group`)."""
+
+    prompts: list[str]
+    golds: list[str]
+    n: int
+    max_turns: int
+    max_response_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass

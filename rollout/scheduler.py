@@ -21,9 +21,8 @@ Policies:
 so with the cap at one batch's size, a batch submitted ahead (asynchronous RL) takes the places
 the batch before it frees as its rollouts finish: it fills the older batch's tail instead of
 sharing the engines with all of it. Without the cap the two batches decode together from the
-start and the one the trainer needs next finishes only about when both do (measured on the
-quickstart: steps alternate between waiting for two batches and none, no faster than
-synchronous).
+start and the one the trainer needs next finishes only about when both do: steps alternate
+between waiting for two batches and none.
 
 The capacity-blind policies admit immediately unless ``max_inflight_per_engine`` is set, in
 which case they wait for a free slot. Reservations are tracked for every policy, so overflow

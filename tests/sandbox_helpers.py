@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from kuberl.sandbox.client import SandboxClient
+from kuberl.sandbox.service.client import SandboxClient
 from kuberl.sandbox.types import ExecResult
 
 
@@ -39,7 +39,7 @@ def readyz(url: str) -> tuple[int, dict]:
 
 
 _UNPRIVILEGED = """import os, sys
-from kuberl.sandbox.worker import _hide_home_keep_python
+from kuberl.sandbox.process.worker import _hide_home_keep_python
 _hide_home_keep_python()
 os.environ["HOME"] = "/tmp"
 uid = sys.argv[1]

@@ -132,7 +132,7 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
     """A batch submitted before the wait for the due one fills that batch's tail and ends with it,
     leaving the engines idle through the update; submitted after it, a batch generates during
     every update (k batches in flight then), and none beyond the stage's last step."""
-    from kuberl.trainer.rollout_worker import RolloutWorker
+    from kuberl.rollout.worker import RolloutWorker
 
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
     calls: list[str] = []
@@ -173,7 +173,7 @@ def test_on_engines_that_pad_rows_a_batch_ahead_starts_when_the_one_before_ends(
     import threading
 
     from kuberl.rollout.local_engine import LocalEngine
-    from kuberl.trainer.rollout_worker import RolloutWorker
+    from kuberl.rollout.worker import RolloutWorker
 
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
     monkeypatch.setattr(LocalEngine, "pads_rows", pads_rows)
@@ -212,8 +212,8 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
     import threading
     import time as time_mod
 
-    from kuberl.trainer import rl_stage
-    from kuberl.trainer.rollout_worker import RolloutWorker
+    from kuberl.rollout.worker import RolloutWorker
+    from kuberl.trainer import rl_step
     from kuberl.trainer.weight_sync import LocalWeights
 
     monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
@@ -235,13 +235,13 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
             def push():
                 n = log("push", "-start")
                 time_mod.sleep(0.4)
-                self.call("set_weights", sd, version)
+                self.client.set_weights(sd, version)
                 with lock:
                     events.append(f"push{n}-end")
 
             return push
 
-    update = rl_stage.rl_update
+    update = rl_step.rl_update
 
     def updating(*args, **kwargs):
         log("update")
@@ -260,7 +260,7 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
 
     monkeypatch.setattr("kuberl.trainer.stages.LocalWeights", FolderLikeWeights)
     monkeypatch.setattr(RolloutWorker, "score_on_engines", scoring)
-    monkeypatch.setattr(rl_stage, "rl_update", updating)
+    monkeypatch.setattr(rl_step, "rl_update", updating)
     monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
     res = run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     # the first RL step pushes in line (its batch needs the version at once); steps 1-3 beside the update
@@ -380,7 +380,7 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
 
 _PIN_PROBE = r"""
 import os, sys, threading
-from kuberl.trainer.rollout_worker import pin_to_cpus
+from kuberl.rollout.worker import pin_to_cpus
 release = threading.Event()
 early = threading.Thread(target=release.wait)  # started before pinning, like Ray's own threads
 early.start()
@@ -409,7 +409,7 @@ def test_pinning_the_engine_side_moves_every_thread_of_its_process():
 
 
 def test_a_malformed_core_list_is_named():
-    from kuberl.trainer.rollout_worker import parse_cpus
+    from kuberl.rollout.worker import parse_cpus
 
     assert parse_cpus("0-2,5") == {0, 1, 2, 5}
     with pytest.raises(ValueError, match="KUBERL_ROLLOUT_CPUS='zero'"):

@@ -767,7 +767,7 @@ def test_chart_owns_the_webhook_configurations():
     """helm uninstall / admission.enabled=false removes them (kopf-written ones stayed behind and
     blocked every write of kuberl objects). They point at exactly the operator's handlers, trust
     the generated CA, fail closed only for validation, and bound the wait."""
-    from kuberl.operator.handlers import OperatorConfig
+    from kuberl.operator.context import OperatorConfig
     from kuberl.operator.registry import build_registry
 
     objs = render({"admission": {"enabled": True}})

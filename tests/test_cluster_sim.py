@@ -32,8 +32,8 @@ from clustersim.workload import (  # noqa: E402
 from rollout_sim import run_virtual  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits  # noqa: E402
-from kuberl.sandbox.client import SandboxClient  # noqa: E402
-from kuberl.sandbox.server import ServiceConfig  # noqa: E402
+from kuberl.sandbox.config import ServiceConfig  # noqa: E402
+from kuberl.sandbox.service.client import SandboxClient  # noqa: E402
 
 TINY = WorkloadSpec(prompts=2, rollouts_per_prompt=4, max_turns=4, max_response_tokens=2048)
 

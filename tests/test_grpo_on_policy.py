@@ -117,7 +117,7 @@ def _counted_run(tmp_path, algo: dict) -> tuple[list[dict], list[dict]]:
     """An RL stage of 3 steps; per step the trainer model's forwards by role: ``update`` (inside
     rl_update), ``pi_old`` (recompute_old_logprobs on the trained batch), ``probe`` (the spot
     check's rescoring of rollouts of engines without a fresh trained row)."""
-    from kuberl.trainer import rl_stage as stages
+    from kuberl.trainer import rl_step as stages
 
     doc = copy.deepcopy(TINY)
     doc["spec"]["algorithm"].update(algo, filterZeroAdvantage=False)  # rows to train every step

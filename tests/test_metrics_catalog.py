@@ -20,7 +20,7 @@ from kuberl.dashboards.metrics_catalog import CATALOG
 COMPONENT_MODULES = {
     "rollout": ["kuberl.rollout.scheduler"],
     "trainer": ["kuberl.trainer.metrics"],
-    "sandbox": ["kuberl.sandbox.server"],
+    "sandbox": ["kuberl.sandbox.service.server"],
     "operator": ["kuberl.operator.metrics"],
 }
 KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}

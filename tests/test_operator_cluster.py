@@ -16,7 +16,7 @@ import pytest
 from kube_emulator import ClusterEmulator
 
 from kuberl.operator import admission
-from kuberl.operator.handlers import OperatorConfig, OperatorContext
+from kuberl.operator.context import OperatorConfig, OperatorContext
 from kuberl.operator.loops import stale_loops
 from kuberl.operator.main import operate
 from kuberl.ports import free_port

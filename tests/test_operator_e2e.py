@@ -20,7 +20,7 @@ import pytest
 from kube_emulator import ClusterEmulator, write_kubeconfig
 
 from kuberl.api.crdgen import all_crds
-from kuberl.operator.handlers import OperatorConfig
+from kuberl.operator.context import OperatorConfig
 from kuberl.operator.main import operate
 from kuberl.ports import free_port
 from tests.apiserver_emulation import strict_admission

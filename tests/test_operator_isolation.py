@@ -25,8 +25,8 @@ def test_sandbox_service_needs_the_pools_token(monkeypatch: pytest.MonkeyPatch) 
     import urllib.error
     import urllib.request
 
-    from kuberl.sandbox.client import SandboxClient, SandboxError
-    from kuberl.sandbox.local import running_sandbox
+    from kuberl.sandbox.service.client import SandboxClient, SandboxError
+    from kuberl.sandbox.service.local import running_sandbox
 
     monkeypatch.setenv("KUBERL_SANDBOX_TOKEN", "pool-secret")
     with running_sandbox(workers=1) as url:

@@ -9,7 +9,7 @@ import pytest
 from kube_emulator import ClusterEmulator, matches_selector, merge_patch
 
 from kuberl.operator import admission, children, main, status
-from kuberl.operator.handlers import OperatorConfig
+from kuberl.operator.context import OperatorConfig
 from kuberl.operator.kube import KubeClient, is_subset, kind_of
 from kuberl.operator.pods import train_progress
 from kuberl.operator.registry import build_registry

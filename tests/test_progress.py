@@ -137,7 +137,7 @@ def test_run_to_a_file_prints_progress_lines_while_it_runs(tmp_path, monkeypatch
 
 
 def test_sandbox_window_line_and_idle_silence():
-    from kuberl.sandbox.progress import Window, format_window
+    from kuberl.sandbox.service.progress import Window, format_window
 
     w = Window()
     assert format_window(w.take(), 60, 0, 0, 4, 0) is None  # idle: no line

@@ -44,7 +44,7 @@ JOB = "obs-e2e"
 POOL = "obs-e2e"
 FLEET = "obs-fleet"
 NS = "obs"
-HAVE_SANDBOX = importlib.util.find_spec("kuberl.sandbox.local") is not None
+HAVE_SANDBOX = importlib.util.find_spec("kuberl.sandbox.service.local") is not None
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
     reason="Debian package `prometheus` (installed by .ci/run) is required",
@@ -93,7 +93,7 @@ class _ToolTraffic:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from kuberl.sandbox.client import SandboxClient
+        from kuberl.sandbox.service.client import SandboxClient
 
         async def main() -> None:
             async with SandboxClient(self.url) as client:
@@ -275,7 +275,7 @@ def scraped(tmp_path_factory):
         executor_factory = None
         traffic = None
         if HAVE_SANDBOX:
-            from kuberl.sandbox.local import running_sandbox
+            from kuberl.sandbox.service.local import running_sandbox
 
             sandbox_url = stack.enter_context(running_sandbox(workers=2, pool=POOL))
             mp.setenv("KUBERL_SANDBOX_URL", sandbox_url)
@@ -331,7 +331,7 @@ def scraped(tmp_path_factory):
 @pytest.mark.parametrize(("uid", "title", "expr"), all_expressions(), ids=lambda x: str(x)[:60])
 def test_every_panel_query_has_data(scraped, uid, title, expr):
     if uid == "kuberl-sandbox" and not HAVE_SANDBOX:
-        pytest.skip("kuberl.sandbox.local (the sandbox component) is not in this checkout yet")
+        pytest.skip("kuberl.sandbox.service.local (the sandbox component) is not in this checkout yet")
     prom, _, _, at = scraped
     result = query(prom, concrete(expr), at)
     assert result, f"{uid} / {title}: empty result for {concrete(expr)}"

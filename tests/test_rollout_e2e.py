@@ -105,8 +105,8 @@ async def test_tool_using_policy_on_local_engine_with_an_in_process_executor():
 
 
 async def test_tool_using_policy_on_local_engine_with_the_real_sandbox():
-    local = pytest.importorskip("kuberl.sandbox.local", reason="sandbox component not installed yet")
-    client_mod = pytest.importorskip("kuberl.sandbox.client")
+    local = pytest.importorskip("kuberl.sandbox.service.local", reason="sandbox component not installed yet")
+    client_mod = pytest.importorskip("kuberl.sandbox.service.client")
     with local.running_sandbox(workers=2) as url:
         async with client_mod.SandboxClient(url) as client:
             await _check(client)

@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 
 from kuberl.rollout.engine import GenerateRequest
-from kuberl.rollout.http_engine import engine_kind, error_message, make_engine
+from kuberl.rollout.engines import make_engine
+from kuberl.rollout.http_engine import engine_kind, error_message
 from kuberl.rollout.vllm_engine import (
     VLLMEngine,
     VLLMError,

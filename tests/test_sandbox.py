@@ -23,22 +23,15 @@ import pytest
 from sandbox_helpers import unprivileged_wrapper
 
 from kuberl.api.sandbox_pool import SandboxLimits
-from kuberl.sandbox import landlock
-from kuberl.sandbox.client import SandboxClient
-from kuberl.sandbox.idempotency import Conflict, ResultMemory, answer_size, payload_digest
-from kuberl.sandbox.local import running_sandbox
-from kuberl.sandbox.server import (
-    SandboxService,
-    ServiceConfig,
-    WorkerLost,
-    WorkerProc,
-    build_result,
-    integer_fast_path,
-    worker_cpus,
-)
-from kuberl.sandbox.slot import Slot
+from kuberl.sandbox.config import ServiceConfig, WorkerConfig
+from kuberl.sandbox.containment import landlock
+from kuberl.sandbox.containment.slot import Slot
+from kuberl.sandbox.service.client import SandboxClient
+from kuberl.sandbox.service.idempotency import Conflict, ResultMemory, answer_size, payload_digest
+from kuberl.sandbox.service.local import running_sandbox
+from kuberl.sandbox.service.server import SandboxService, build_result, integer_fast_path
+from kuberl.sandbox.service.workers import WorkerLost, WorkerProc, worker_cpus
 from kuberl.sandbox.types import ExecResult
-from kuberl.sandbox.worker import WorkerConfig
 
 # diskMB above the 64 MB per-file limit (write_10gb meets that one) but small enough that
 # write_many_files crosses it fast even on a busy disk
@@ -1105,7 +1098,7 @@ def _descendants(roots: list[int]) -> list[str]:
     its zygote (which forks those children)."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm=,args="], capture_output=True, text=True).stdout
     rows = [ln.split(None, 3) for ln in out.splitlines()]
-    workers = {int(r[0]) for r in rows if len(r) == 4 and "kuberl.sandbox.worker" in r[3]}
+    workers = {int(r[0]) for r in rows if len(r) == 4 and "kuberl.sandbox.process.worker" in r[3]}
     ready = {int(r[0]) for r in rows if r[2] in ("kuberl-ready", "kuberl-zygote") and int(r[1]) in workers}
     found, frontier = [], set(roots)
     while frontier:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kuberl.sandbox.cgroups import CGROUP_ROOT, V2_PARENT, SlotCgroup, slot_cgroup
+from kuberl.sandbox.containment.cgroups import CGROUP_ROOT, V2_PARENT, SlotCgroup, slot_cgroup
 
 MB = 2**20
 
@@ -127,8 +127,8 @@ def test_v2_children_waiting_in_the_slot_get_room_and_are_not_swept_with_cgroup_
     """Where clone3 puts children into the slot's cgroup v2 as they are born, the child each
     other zygote forked ahead waits there during a call: the cap makes room for it and clearing
     the slot kills process by process (sparing it) instead of writing ``cgroup.kill``."""
-    from kuberl.sandbox.slot import Slot
-    from kuberl.sandbox.worker import WorkerConfig
+    from kuberl.sandbox.config import WorkerConfig
+    from kuberl.sandbox.containment.slot import Slot
 
     root = _v2_tree(tmp_path)
     cfg = WorkerConfig(slot=0, pool=f"room{os.getpid()}", isolation="basic", memory_mb=256, max_processes=16)

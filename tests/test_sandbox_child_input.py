@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kuberl.sandbox.child import decode_request, encode_request, split_trailing_expression
+from kuberl.sandbox.process.child import decode_request, encode_request, split_trailing_expression
 
 SNIPPETS = {
     "print": ("print(sum(range(100)))", True),

@@ -1,4 +1,4 @@
-"""The zygote's trimmed after-fork hooks (sandbox/forkhooks.py), in a fresh interpreter each:
+"""The zygote's trimmed after-fork hooks (sandbox/process/forkhooks.py), in a fresh interpreter each:
 the hook list is the interpreter's own and these tests change it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 FORKS = """
 import json, os, random, resource, sys, threading
-from kuberl.sandbox.forkhooks import ForkHooks
+from kuberl.sandbox.process.forkhooks import ForkHooks
 
 def forks(n, restore=None):
     out = []
@@ -76,7 +76,7 @@ def test_no_trim_while_another_thread_runs():
     out = _run(
         "stop = threading.Event()\n"
         "t = threading.Thread(target=stop.wait); t.start()\n"
-        "from kuberl.sandbox.forkhooks import _hook_list\n"
+        "from kuberl.sandbox.process.forkhooks import _hook_list\n"
         "before = len(_hook_list())\n"
         "trimmed = ForkHooks.trim()\n"
         "after = len(_hook_list())\n"

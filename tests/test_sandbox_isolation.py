@@ -19,10 +19,10 @@ import pytest
 from sandbox_helpers import alive, exec_code, memory_probe, readyz, unprivileged_wrapper
 
 from kuberl.api.sandbox_pool import SandboxLimits
-from kuberl.sandbox.fsview import readonly_paths
-from kuberl.sandbox.local import running_sandbox
-from kuberl.sandbox.routing import zygote_for
-from kuberl.sandbox.slot import CLEAN_BUDGET_SECONDS
+from kuberl.sandbox.containment.fsview import readonly_paths
+from kuberl.sandbox.containment.slot import CLEAN_BUDGET_SECONDS
+from kuberl.sandbox.process.routing import zygote_for
+from kuberl.sandbox.service.local import running_sandbox
 
 LIMITS = SandboxLimits(timeout_seconds=3, memoryMB=256, max_output_bytes=4096, max_processes=16, diskMB=64)
 SECRET = f"kuberl-secret-{os.getpid()}-do-not-leak"
@@ -117,7 +117,7 @@ def test_the_environment_is_an_allowlist(svc, zygote):
 
 
 def _host_paths() -> list[str]:
-    import kuberl.sandbox.server as server_module
+    import kuberl.sandbox.service.server as server_module
 
     return [
         str(REPO / "pyproject.toml"),
@@ -576,7 +576,7 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
 
 
 def test_read_rules_cut_a_hidden_directory_out_of_an_allowlist():
-    from kuberl.sandbox.fsview import hidden_beneath, minimal, read_rules
+    from kuberl.sandbox.containment.fsview import hidden_beneath, minimal, read_rules
 
     tree = {
         "/py/lib": ["python3.11", "libpython.so"],
@@ -596,8 +596,8 @@ def test_read_rules_cut_a_hidden_directory_out_of_an_allowlist():
 
 def test_landlock_list_only_directories_hide_their_files(tmp_path):
     """What basic isolation does to kuberl's own package when it is installed in site-packages."""
-    from kuberl.sandbox import landlock
-    from kuberl.sandbox.fsview import read_rules
+    from kuberl.sandbox.containment import landlock
+    from kuberl.sandbox.containment.fsview import read_rules
 
     abi = landlock.abi_version()
     if abi < 1:
@@ -659,7 +659,7 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         shutil.copytree(installed_wheel, purelib, dirs_exist_ok=True)
-        server_py = Path(purelib) / "kuberl" / "sandbox" / "server.py"
+        server_py = Path(purelib) / "kuberl" / "sandbox" / "service" / "server.py"
         assert server_py.is_file()
         with running_sandbox(
             workers=1, limits=LIMITS, pool=f"wheel-{mode}", extra_args=["--isolation", mode],
@@ -670,7 +670,7 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
             assert protections["fs_view"] and protections["private_root"] == (mode == "full"), protections
             code = (
                 "import numpy\n"
-                f"for p in ({str(server_py)!r}, {str(server_py.parent.parent / '__init__.py')!r}):\n"
+                f"for p in ({str(server_py)!r}, {str(server_py.parents[2] / '__init__.py')!r}):\n"
                 "    try:\n"
                 "        print('READ', len(open(p).read()))\n"
                 "    except OSError as e:\n"
@@ -684,7 +684,7 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
 
 
 def test_clear_dir_removes_any_tree_and_stops_at_its_budget(tmp_path):
-    from kuberl.sandbox.fsview import clear_dir
+    from kuberl.sandbox.containment.fsview import clear_dir
 
     top = tmp_path / "slot"
     top.mkdir()
@@ -751,7 +751,7 @@ def test_a_call_finds_nothing_of_earlier_calls_in_its_memory(svc):
     control must be found (the scan is real), each marker no more often than the control."""
     import asyncio
 
-    from kuberl.sandbox.client import SandboxClient
+    from kuberl.sandbox.service.client import SandboxClient
 
     mode, url = svc
     before = readyz(url)[1]

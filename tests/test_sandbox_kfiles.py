@@ -1,4 +1,4 @@
-"""sandbox/kfiles.py: raw reads and writes behave as open() did for the worker's files."""
+"""sandbox/containment/kfiles.py: raw reads and writes behave as open() did for the worker's files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kuberl.sandbox.kfiles import read_bytes, write_text
+from kuberl.sandbox.containment.kfiles import read_bytes, write_text
 
 
 def test_read_bytes_reads_a_whole_file_of_any_size(tmp_path):

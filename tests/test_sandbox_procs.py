@@ -1,4 +1,4 @@
-"""The /proc and pidfd helpers the worker cleans up with (sandbox/procs.py)."""
+"""The /proc and pidfd helpers the worker cleans up with (sandbox/containment/procs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kuberl.sandbox.procs import uid_has_processes, wait_for_exit
+from kuberl.sandbox.containment.procs import uid_has_processes, wait_for_exit
 
 
 def _child(seconds: float) -> int:
@@ -53,7 +53,7 @@ def test_unlinked_files_held_only_by_a_mapping_are_counted(tmp_path):
     blocks; the mapping (/proc/PID/maps, followed through map_files) is how to find it."""
     import ctypes
 
-    from kuberl.sandbox.procs import unlinked_bytes
+    from kuberl.sandbox.containment.procs import unlinked_bytes
 
     if os.geteuid() != 0:
         pytest.skip("/proc/PID/map_files needs CAP_CHECKPOINT_RESTORE or root")

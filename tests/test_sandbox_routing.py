@@ -1,4 +1,4 @@
-"""The light zygote (sandbox/routing.py): which zygote forks a call, and a lost zygote costs no call."""
+"""The light zygote (sandbox/process/routing.py): which zygote forks a call, and a lost zygote costs no call."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import signal
 
 import pytest
 
-from kuberl.sandbox.calls import run_call
-from kuberl.sandbox.routing import Zygotes, zygote_for
-from kuberl.sandbox.slot import Slot
-from kuberl.sandbox.worker import WorkerConfig, preload_light
-from kuberl.sandbox.zygote import Zygote, ZygoteGone
+from kuberl.sandbox.config import WorkerConfig
+from kuberl.sandbox.containment.slot import Slot
+from kuberl.sandbox.process.calls import run_call
+from kuberl.sandbox.process.routing import Zygotes, zygote_for
+from kuberl.sandbox.process.worker import preload_light
+from kuberl.sandbox.process.zygote import Zygote, ZygoteGone
 
 
 def _exec(code: str) -> dict:

@@ -1,4 +1,4 @@
-"""The zygote (sandbox/zygote.py): calls' children are forked from a process that never saw a
+"""The zygote (sandbox/process/zygote.py): calls' children are forked from a process that never saw a
 call, yet are the worker's own children."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import threading
 import pytest
 from sandbox_helpers import memory_probe
 
-from kuberl.sandbox.calls import OwnForks, run_call
-from kuberl.sandbox.slot import Slot
-from kuberl.sandbox.worker import WorkerConfig
-from kuberl.sandbox.zygote import Zygote, fork_sibling
+from kuberl.sandbox.config import WorkerConfig
+from kuberl.sandbox.containment.slot import Slot
+from kuberl.sandbox.process.calls import OwnForks, run_call
+from kuberl.sandbox.process.zygote import Zygote, fork_sibling
 
 
 def _read_all(fd: int) -> bytes:
@@ -109,7 +109,7 @@ def test_a_zygote_that_cannot_clone_into_the_cgroup_forks_plainly_for_good():
     zygote's children are forked as before (and join the cgroup per call), and it stops trying."""
     from types import SimpleNamespace
 
-    from kuberl.sandbox.zygote import _fork_child
+    from kuberl.sandbox.process.zygote import _fork_child
 
     not_a_cgroup = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
     slot = SimpleNamespace(clone_fd=not_a_cgroup, born_inside=False)
@@ -171,7 +171,7 @@ def test_zygote_children_hold_nothing_the_worker_read_after_the_zygote_started(s
 
 
 def test_a_dead_zygote_is_reported_not_waited_for(slot):
-    from kuberl.sandbox.zygote import ZygoteGone
+    from kuberl.sandbox.process.zygote import ZygoteGone
 
     zygote = Zygote.start(slot, slot.cfg, close=())
     zygote.close()

@@ -148,7 +148,7 @@ def test_run_file_errors(tmp_path, capsys, monkeypatch):
 @pytest.mark.timeout(180)
 def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
     """Also: the Ray actor's kuberl_rollout_* series reach the driver's exporter (mirrored)."""
-    pytest.importorskip("kuberl.sandbox.local", reason="the sandbox component is not in this checkout yet")
+    pytest.importorskip("kuberl.sandbox.service.local", reason="the sandbox component is not in this checkout yet")
     from prometheus_client import REGISTRY
 
     from kuberl.trainer import metrics
@@ -274,29 +274,32 @@ def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
     tok = load_tokenizer("builtin:arith-bpe", tmp_path)
     calls = []
 
-    def call(name, *args, **kwargs):
-        calls.append((name, args, kwargs))
-        if name != "rollouts":
-            return None
-        prompts, golds, n = args
-        # problem i is solved by rollout j iff j < i % 4: i % 4 == 3 -> 3/3 solved -> dropped
-        return [
-            [
-                Scored(
-                    Trajectory([1], [2], [1], [0.0], 1, 1, 0, 0, "x", False, "answer", text="<answer>"),
-                    1.0 if j < i % 4 else 0.0,
-                )
-                for j in range(n)
+    class ScriptedClient:
+        """A rollout client whose rollouts are scripted; every other request answers None."""
+
+        def generate(self, request):
+            calls.append(("rollouts", request))
+            # problem i is solved by rollout j iff j < i % 4: i % 4 == 3 -> 3/3 solved -> dropped
+            return [
+                [
+                    Scored(
+                        Trajectory([1], [2], [1], [0.0], 1, 1, 0, 0, "x", False, "answer", text="<answer>"),
+                        1.0 if j < i % 4 else 0.0,
+                    )
+                    for j in range(request.n)
+                ]
+                for i in range(len(request.prompts))
             ]
-            for i in range(len(prompts))
-        ]
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append((name, args, kwargs))
 
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=2))
     pipe = Pipeline(
         job,
         model,
         tok,
-        call,
+        ScriptedClient(),
         CheckpointStore(str(tmp_path / "ck")),
         MetricsSink("t", tmp_path),
         algorithm="grpo-roc",
@@ -317,8 +320,8 @@ def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
     kept = pipe.state.extra["filter:stage-3"]
     pool_size = 2 * 4  # steps x batchSize
     assert kept == [0, 1, 2, 4, 5, 6]
-    filt = [c for c in calls if c[0] == "rollouts" and c[1][2] == 3]
-    assert len(filt) == 1 and len(filt[0][1][0]) == pool_size
+    filt = [c for c in calls if c[0] == "rollouts" and c[1].n == 3]
+    assert len(filt) == 1 and len(filt[0][1].prompts) == pool_size
     assert pipe.optimizer is not opt_before
     events = [e["text"] for e in _lines(tmp_path / "events.jsonl")]
     assert any("difficulty filter kept" in t for t in events)

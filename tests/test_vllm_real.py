@@ -158,8 +158,8 @@ async def test_the_server_scores_what_it_sampled_and_what_the_trainer_scores(vll
 
 
 async def test_multi_turn_tool_calling_rollout_through_the_real_sandbox(vllm_url, smollm2_dir):
-    from kuberl.sandbox.client import SandboxClient
-    from kuberl.sandbox.local import running_sandbox
+    from kuberl.sandbox.service.client import SandboxClient
+    from kuberl.sandbox.service.local import running_sandbox
 
     tok = _tok(smollm2_dir)
     engine = VLLMEngine(vllm_url)

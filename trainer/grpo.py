@@ -1,8 +1,7 @@
-"""One GRPO-RoC step: rollouts (2G per prompt) -> reward -> RoC (2G -> G) -> advantages ->
-clipped loss -> optimizer step. The rollout side (engine + sandbox) lives in
-:class:`kuberl.trainer.rollout_worker.RolloutWorker`, which ``kuberl.trainer.local`` runs as a
-Ray actor (or in-process with ``--no-ray``); the update side (:func:`rl_update`) runs where the
-trainable model is.
+"""The trainer's half of a GRPO-RoC step: scored rollouts (2G per prompt) -> RoC (2G -> G) ->
+advantages -> clipped loss -> optimizer steps. The rollouts come from
+:class:`kuberl.rollout.worker.RolloutWorker`; :mod:`kuberl.trainer.rl_step` runs the step in
+order, and :func:`rl_update` runs where the trainable model is.
 """
 
 from __future__ import annotations
@@ -213,8 +212,7 @@ def micro_batches(
     each: at most ``micro_batch`` rows, and with ``max_tokens`` about that many tokens.
 
     The token bound is what bounds the update's memory: activations grow with the tokens of a
-    forward (SmolLM2-135M keeps ~1.3 MB per token over its 30 layers, bench/update_memory.py),
-    whatever the row count. The loss does not change: every micro-batch divides by the whole
+    forward, whatever the row count. The loss does not change: every micro-batch divides by the whole
     mini-batch's token count. Without ``max_tokens`` rows are taken in order, ``micro_batch`` at
     a time (as always); with it the rows are balanced by tokens over as many micro-batches as
     the largest rank needs (FSDP: every rank runs the same number of forwards; their row counts
@@ -479,8 +477,8 @@ def engine_gaps(batch: StepBatch) -> dict[str, float]:
     """Mean |engine - trainer| log-prob per engine over the batch's fresh rows (sampled by the
     policy version being trained: older rows differ by the update, not by the engine).
 
-    The spot check of asynchronous and fleet runs: an engine far above the measured mismatch
-    (bench/README.md) serves other weights than were pushed to it. Pure, after
+    The spot check of asynchronous and fleet runs: an engine far above a correct server's
+    mismatch serves other weights than were pushed to it. Pure, after
     :func:`recompute_old_logprobs` filled ``batch.gaps``.
     """
     sums: dict[str, list[float]] = {}

@@ -63,7 +63,7 @@ class HFPolicy(nn.Module):
         logits_from: int = 0,
     ):
         """``use_cache=False`` (training and scoring forwards) builds no KV cache and returns None
-        for it: HF's cache holds a copy of every layer's keys and values (bench/update_memory.py).
+        for it: HF's cache holds a copy of every layer's keys and values.
         ``logits_from``: logits of positions from there on only (HF's ``logits_to_keep``): the
         output layer over a 49k vocabulary is a fifth of SmolLM2-135M's FLOPs, wasted on the
         prompt's positions, which train nothing."""

@@ -2,13 +2,12 @@
 
 Ray is the execution engine: the driver (this process) holds the trainable model and runs
 the update; the rollout side - LocalEngine + Scheduler + sandbox client, which also computes
-rewards through the sandbox's verifier - is a Ray actor. By default a local Ray instance is
-started (``ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)``); with
-``RAY_ADDRESS`` set the same code joins that cluster. Measured on the 2-core dev machine the
-local Ray start costs ~8 s and the actor ~3 s; ``KUBERL_NO_RAY=1`` runs the worker in-process
-(same code path minus Ray) for debugging and for the fast end-to-end test.
+rewards through the sandbox's verifier - is a Ray actor (``rollout.client.RayClient``). By
+default a local Ray instance is started; with ``RAY_ADDRESS`` set the same code joins that
+cluster. ``KUBERL_NO_RAY=1`` runs the worker in-process (``InProcessClient``: the same worker
+minus Ray) for debugging and for the fast end-to-end test.
 
-The sandbox is the real one (``kuberl.sandbox.local.running_sandbox``) started as a subprocess
+The sandbox is the real one (``kuberl.sandbox.service.local.running_sandbox``) started as a subprocess
 with the job's inline pool limits, unless ``KUBERL_SANDBOX_URL`` points at a running service.
 """
 
@@ -19,7 +18,6 @@ import dataclasses
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,14 +26,16 @@ import torch
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
+from kuberl.rollout.client import InProcessClient, RayClient
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
 from kuberl.rollout.http_engine import EngineError
 from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
+from kuberl.rollout.worker import RolloutWorker
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
 from kuberl.trainer.hf import meta_hf_policy
-from kuberl.trainer.metrics import MetricsSink, NullSink, RolloutMirror
+from kuberl.trainer.metrics import MetricsSink, NullSink
 from kuberl.trainer.policy import (
     BUILTIN_MODEL,
     build_policy,
@@ -46,7 +46,6 @@ from kuberl.trainer.policy import (
     same_architecture,
 )
 from kuberl.trainer.progress import LogProgress, use_plain
-from kuberl.trainer.rollout_worker import RolloutWorker
 from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.tracking import check_installed, open_trackers
@@ -119,7 +118,9 @@ def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
     """The local server for a job: its inline fleet's context length, extra args and dtype; the
     context defaults to the job's longest response budget plus room for the prompt."""
     fleet = job.spec.rollout.fleet
-    longest = max([job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages])
+    longest = max(
+        [job.spec.rollout.max_response_tokens] + [s.max_response_tokens or 0 for s in job.spec.stages]
+    )
     context = (fleet.engine.context_length if fleet and fleet.engine.context_length else None) or max(
         2048, longest + 1024
     )
@@ -142,81 +143,6 @@ def weights_dir(out: Path, explicit: str | None) -> Path:
     return Path(where)
 
 
-class _Local:
-    """The rollout worker in-process; ``call(name, *args)`` mirrors the Ray actor handle."""
-
-    def __init__(self, *args, **kwargs):
-        self.w = RolloutWorker(*args, **kwargs)
-
-    def __call__(self, name: str, *args, **kwargs):
-        return getattr(self.w, name)(*args, **kwargs)
-
-    def close(self) -> None:
-        self.w.close()
-
-
-class _Ray:
-    """The rollout worker as a Ray actor, its metrics mirrored into the driver's exporter.
-
-    The actor's registry is never served, so a thread polls ``rollout_metrics`` every
-    ``POLL_SECONDS`` (live KV use and in-flight rollouts, like a scrape would see them) and after
-    every ``rollouts`` call; the actor takes two concurrent calls so the poll is answered mid-step.
-    """
-
-    POLL_SECONDS = 1.0
-
-    def __init__(self, worker_args: tuple, worker_kwargs: dict, use_gpu: bool):
-        import ray
-
-        if not ray.is_initialized():
-            if os.environ.get("RAY_ADDRESS"):
-                ray.init(log_to_driver=False)
-            else:
-                ray.init(
-                    num_cpus=2,
-                    num_gpus=1 if use_gpu else 0,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                )
-        self.ray = ray
-        actor = ray.remote(num_cpus=1, num_gpus=0.5 if use_gpu else 0, max_concurrency=2)(RolloutWorker)
-        self.handle = actor.remote(*worker_args, **worker_kwargs)
-        self.mirror = RolloutMirror()
-        self.poll_error: BaseException | None = None  # telemetry only: the next real call surfaces failures
-        self._mirror_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="rollout-metrics", daemon=True)
-        self._poller.start()
-
-    def sync_metrics(self) -> None:
-        snapshot = self.ray.get(self.handle.rollout_metrics.remote(), timeout=60)
-        with self._mirror_lock:
-            self.mirror.apply(snapshot)
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self.POLL_SECONDS):
-            try:
-                self.sync_metrics()
-            except Exception as err:  # noqa: BLE001 - the actor may be starting or stopping
-                self.poll_error = err
-
-    def __call__(self, name: str, *args, **kwargs):
-        result = self.ray.get(getattr(self.handle, name).remote(*args, **kwargs))
-        if name in ("rollouts", "collect_rollouts"):
-            self.sync_metrics()
-        return result
-
-    def close(self) -> None:
-        self._stop.set()
-        self._poller.join(timeout=10)
-        with contextlib.suppress(Exception):
-            self.sync_metrics()
-        with contextlib.suppress(Exception):
-            self.ray.get(self.handle.close.remote())
-        self.ray.kill(self.handle)
-
-
 @contextlib.contextmanager
 def _sandbox(job: AgenticRLJob):
     url = os.environ.get("KUBERL_SANDBOX_URL")
@@ -224,7 +150,7 @@ def _sandbox(job: AgenticRLJob):
         yield url
         return
     try:
-        from kuberl.sandbox.local import running_sandbox
+        from kuberl.sandbox.service.local import running_sandbox
     except ImportError as err:
         raise ManifestError(
             f"the local sandbox service is not available ({err}); start one and set KUBERL_SANDBOX_URL"
@@ -388,7 +314,7 @@ def _run_pipeline(
 
     with contextlib.ExitStack() as stack:
         stack.callback(sink.close)  # last out: trackers see the final records and events
-        worker = None
+        client = None
         if main:
             sandbox_url = None
             if executor_factory is None:
@@ -405,17 +331,19 @@ def _run_pipeline(
                 "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
             }
             use_gpu = device.type == "cuda" and not fleet
-            worker = _Ray(wargs, wkw, use_gpu) if use_ray else _Local(*wargs, **wkw)
-            stack.callback(worker.close)
+            client = (
+                RayClient(wargs, wkw, use_gpu) if use_ray else InProcessClient(RolloutWorker(*wargs, **wkw))
+            )
+            stack.callback(client.close)
         weights = None
         if fleet is not None:
-            weights = DiskWeights(worker, DiskWeightSync(shared), model_dir(job, out), ctx, engine_dtype(job))
+            weights = DiskWeights(client, DiskWeightSync(shared), model_dir(job, out), ctx, engine_dtype(job))
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,
             model,
             tok,
-            worker,
+            client,
             store,
             sink,
             algorithm=algorithm,
@@ -459,7 +387,9 @@ def _write_report(out: Path, console, store: CheckpointStore | None = None) -> N
         print(f"warning: could not write the run report: {err}", file=sys.stderr)
         return
     if console is not None:
-        console.print(f"report: {path}" + (f" (kept at {kept})" if kept and not kept.startswith(str(out)) else ""))
+        console.print(
+            f"report: {path}" + (f" (kept at {kept})" if kept and not kept.startswith(str(out)) else "")
+        )
 
 
 def _ui(quiet: bool):

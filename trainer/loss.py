@@ -168,7 +168,7 @@ def token_logprobs(
 
     Without the entropy, log pi(target) is the target's logit minus the logsumexp: no [B, T, V]
     log-softmax, exp or product is kept: with a 49k vocabulary each is ~0.5 GB for 8 rollouts
-    of 300 tokens (bench/README.md, peers: 2.27 -> 1.82 GB on that part).
+    of 300 tokens.
     """
     logits = logits.float()
     if not with_entropy:

@@ -7,8 +7,7 @@ update's own forward when a step is on-policy: ``grpo.rl_update(on_policy=True)`
 mismatch does not enter the clipped ratio itself; it measures how far the behaviour policy that
 sampled the tokens is from the policy being trained, which is what an
 importance-sampling correction (verl's TIS, prime-rl's) would reweight, and it is the signal
-that tells a server serving stale or wrong weights apart (measured tolerances in
-bench/README.md).
+that tells a server serving stale or wrong weights apart.
 
 Everything here is pure: token log-prob lists in, statistics out.
 """

@@ -1,4 +1,4 @@
-"""Spot-checking the engines of an asynchronous run by rescoring (issue 20, item 4).
+"""Spot-checking the engines of an asynchronous run by rescoring.
 
 An engine that serves other weights than were pushed to it (a replica that restarted from the
 base model, a push that failed on one of N servers) samples rollouts that look like any other.
@@ -14,17 +14,17 @@ now (``Engine.score``: prompt log-probs on vLLM, ``logprob_start_len`` on SGLang
 step's push, and the answers are compared with pi_old, which the trainer recomputed with the same
 weights. Which version sampled a sequence does not matter; every engine is asked (sequences are
 dealt out over the fleet), and the mean absolute gap per engine is compared with
-``rollout.spotCheckTolerance`` (0.15 nats/token by default; a correct bf16 vLLM server measured
-0.03, bench/mismatch.py).
+``rollout.spotCheckTolerance`` (0.15 nats/token by default, several times the gap of a correct
+bf16 server).
 
 The comparison is pure (``probe_rows``, ``probe_requests``, ``probe_gaps``, ``finding_texts``);
-``probe_engines`` is the thin shell that asks ``RolloutWorker.score_on_engines``, and
+``probe_engines`` is the thin shell that asks the engines to score, and
 ``EngineWatch`` keeps which engines are out of tolerance between steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,14 +96,19 @@ def probe_gaps(
     return out
 
 
-def probe_engines(call: Any, batch: StepBatch, version: int | None, count: int) -> ProbeResult:
-    """Ask the rollout worker's engines (``call("score_on_engines", ...)``) to score up to
+def probe_engines(
+    score: Callable[[list[list[int]], list[int]], list[dict[str, Any]]],
+    batch: StepBatch,
+    version: int | None,
+    count: int,
+) -> ProbeResult:
+    """Ask the engines (``score(seqs, starts)``: ``RolloutClient.score``) to score up to
     ``count`` of ``batch``'s rows and compare with its pi_old (the thin I/O shell of this module)."""
     rows = probe_rows(batch, count)
     if not rows:
         return ProbeResult()
     seqs, starts = probe_requests(batch, rows)
-    return probe_gaps(batch, rows, starts, call("score_on_engines", seqs, starts), version)
+    return probe_gaps(batch, rows, starts, score(seqs, starts), version)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 response length / turn limits, the stage-3 offline difficulty filter and optimizer resets.
 
 :class:`Pipeline` is the trainer driver. It owns the trainable model and optimizer and talks
-to a rollout worker (a Ray actor, or the same object in-process) through ``call(name, ...)``.
+to the rollout worker (a Ray actor, or the same object in-process) through a
+:class:`~kuberl.rollout.client.RolloutClient`; an RL stage's steps are :func:`rl_step.rl_step`
+calls, their batches owned by an :class:`~kuberl.rollout.orchestrator.Orchestrator`.
 Every step is seeded from (seed, global step) and every rollout from (step seed, prompt,
 sample, turn), so a resumed run continues exactly where the checkpoint left off: SFT, the
 rollouts' tokens and the update. Tool latency and thread timing change how the engine batches
@@ -31,16 +33,19 @@ import torch
 
 from kuberl.api.job import AgenticRLJob, StageSpec
 from kuberl.rollout import template
+from kuberl.rollout.client import RolloutClient
+from kuberl.rollout.loop import BatchRequest
+from kuberl.rollout.orchestrator import Orchestrator
 from kuberl.trainer import data as data_mod
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.distributed import DistContext
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
-from kuberl.trainer.rl_stage import RLStage
+from kuberl.trainer.rl_step import StepSettings, rl_step
 from kuberl.trainer.sft import sft_loss
-from kuberl.trainer.spot_check import EngineWatch
-from kuberl.trainer.weight_sync import BackgroundPush, LocalWeights
+from kuberl.trainer.spot_check import EngineWatch, finding_texts
+from kuberl.trainer.weight_sync import LocalWeights
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -62,13 +67,13 @@ class RunResult:
     stopped_early: bool = False
 
 
-class Pipeline(RLStage):
+class Pipeline:
     def __init__(
         self,
         job: AgenticRLJob,
         model: GPT,
         tokenizer,
-        call: Callable[..., Any],
+        client: RolloutClient | None,
         store: CheckpointStore,
         sink: MetricsSink,
         *,
@@ -83,16 +88,17 @@ class Pipeline(RLStage):
         rollout batch (default: the state dict to the worker's local engine, ``LocalWeights``).
 
         ``ctx``: FSDP ranks (see :mod:`kuberl.trainer.distributed`). Every rank runs this same
-        loop in lockstep; rank 0 alone holds the rollout worker (``call``), the store writes and
-        the sink, and decides what the others must agree on (time limit, filters, evals).
+        loop in lockstep; rank 0 alone holds the rollout worker (``client``; None elsewhere), the
+        store writes and the sink, and decides what the others must agree on (time limit,
+        filters, evals).
         """
         self.ctx = ctx or DistContext()
         self.job = job
         self.spec = job.spec
         self.model = model
         self.tok = tokenizer
-        self.call = call
-        self.weights = weights if weights is not None else LocalWeights(call, self.ctx)
+        self.client = client
+        self.weights = weights if weights is not None else LocalWeights(client, self.ctx)
         self.store = store
         self.sink = sink
         self.algorithm = algorithm
@@ -118,8 +124,6 @@ class Pipeline(RLStage):
         self._saved_step: int | None = None  # global step of the newest checkpoint
         self._pools: dict[str, list[data_mod.Problem]] = {}
         self._engines = EngineWatch(self.spec.rollout.spot_check_tolerance)  # what the spot check flagged
-        self._engine_busy_mark: float | None = None
-        self._background: BackgroundPush | None = None  # a weight push beside the RL step (rl_stage)
         self._sft_cache: dict[str, tuple[list[list[int]], list[list[int]]]] = {}
 
     # -- helpers ----------------------------------------------------------------------------
@@ -145,14 +149,7 @@ class Pipeline(RLStage):
         return self.ctx.broadcast(self.deadline is not None and time.time() > self.deadline)
 
     def _sync_weights(self) -> None:
-        self._join_background()  # a push still running on its thread comes first
         self.weights.sync(self.model, self.state.global_step)
-
-    def _join_background(self) -> float:
-        """Wait for the background push of the RL step before, if any (its errors raise here);
-        returns the seconds waited."""
-        background, self._background = self._background, None
-        return background.join() if background is not None else 0.0
 
     def _pool(self, source: str, n: int, seed: int) -> list[data_mod.Problem]:
         key = f"{source}|{n}|{seed}"
@@ -168,14 +165,18 @@ class Pipeline(RLStage):
             out += self._pool(s, EVAL_SIZE, d.seed + data_mod.EVAL_SEED_OFFSET)
         return out
 
-    def _rl_limits(self, stage: StageSpec) -> dict[str, int]:
-        return {
-            "max_turns": self.spec.stage_max_turns(stage),
-            "max_response_tokens": self.spec.stage_max_response_tokens(stage),
-        }
-
-    def _prompt(self, p: data_mod.Problem) -> str:
-        return template.render_prompt(p.question, self.spec.rollout.prompt_template)
+    def _request(
+        self, stage: StageSpec, probs: list[data_mod.Problem], n: int, **sampling: Any
+    ) -> BatchRequest:
+        """``n`` rollouts of each problem under the stage's turn and response limits."""
+        return BatchRequest(
+            [template.render_prompt(p.question, self.spec.rollout.prompt_template) for p in probs],
+            [p.answer for p in probs],
+            n,
+            max_turns=self.spec.stage_max_turns(stage),
+            max_response_tokens=self.spec.stage_max_response_tokens(stage),
+            **sampling,
+        )
 
     def checkpoint(self, stage: StageSpec) -> str:
         self.state.extra["history"] = self.result.history
@@ -238,14 +239,10 @@ class Pipeline(RLStage):
         return self.result.evals[label]
 
     def _evaluate_on(self, probs: list[data_mod.Problem], stage: StageSpec, label: str) -> None:
-        groups = self.call(
-            "rollouts",
-            [self._prompt(p) for p in probs],
-            [p.answer for p in probs],
-            1,
-            temperature=self.spec.rollout.temperature,
-            seed=self.spec.seed * 7919 + 17,
-            **self._rl_limits(stage),
+        groups = self.client.generate(
+            self._request(
+                stage, probs, 1, temperature=self.spec.rollout.temperature, seed=self.spec.seed * 7919 + 17
+            )
         )
         acc = sum(g[0].reward for g in groups) / len(groups)
         pos = [g[0] for g in groups if g[0].reward > 0]
@@ -277,7 +274,7 @@ class Pipeline(RLStage):
             if stage.type == "sft":
                 self._run_sft(stage)
             else:
-                self._run_rl(stage)
+                self.run_rl(stage)
             if self.result.stopped_early:
                 break
             self.state.stage_index += 1
@@ -329,8 +326,8 @@ class Pipeline(RLStage):
             batch = stage.batch_size or 32
             n = min(stage.steps * batch, SFT_POOL_MAX)
             probs = self._pool(source, n, self.spec.data.seed + 11)
-            traces = self.call(
-                "build_sft", probs, seed=self.spec.data.seed, error_fraction=SFT_ERROR_FRACTION, style=style
+            traces = self.client.build_sft(
+                probs, seed=self.spec.data.seed, error_fraction=SFT_ERROR_FRACTION, style=style
             )
         else:
             try:
@@ -411,3 +408,101 @@ class Pipeline(RLStage):
         last = self.state.stage_step == stage.steps  # saved after the stage's eval instead
         if self.state.global_step % self.spec.checkpoint.every_steps == 0 and not last:
             self.checkpoint(stage)
+
+    # -- RL stages ----------------------------------------------------------------------------
+
+    def _rl_pool(self, stage: StageSpec) -> list[data_mod.Problem]:
+        batch = stage.batch_size or self.spec.algorithm.batch_prompts
+        source = stage.data or self.spec.data.train
+        idx = self.spec.stages.index(stage)
+        probs = self._pool(source, stage.steps * batch, self.spec.data.seed + 1000 * (idx + 1))
+        keep = self.state.extra.get(f"filter:{stage.name}")
+        if stage.difficulty_filter is not None and keep is None:
+            keep = self._difficulty_filter(stage, probs)
+            self.state.extra[f"filter:{stage.name}"] = keep
+        return [probs[i] for i in keep] if keep is not None else probs
+
+    def _difficulty_filter(self, stage: StageSpec, probs: list[data_mod.Problem]) -> list[int]:
+        """Indices of problems the current policy does NOT solve k/k (paper stage 3)."""
+        self._sync_weights()
+        return self.ctx.broadcast(self._filter_on(stage, probs) if self.ctx.is_main else None)
+
+    def _filter_on(self, stage: StageSpec, probs: list[data_mod.Problem]) -> list[int]:
+        f = stage.difficulty_filter
+        assert f is not None
+        request = self._request(
+            stage, probs, f.rollouts, temperature=self.spec.rollout.temperature, seed=self.spec.seed * 31 + 5
+        )
+        groups = self.client.generate(request)
+        keep = [
+            i for i, g in enumerate(groups) if not (f.drop_if_all_correct and all(s.reward > 0 for s in g))
+        ]
+        if not keep:
+            keep = list(range(len(probs)))  # everything solved: keep the pool rather than train on nothing
+        self.sink.event(
+            "filter",
+            f"difficulty filter kept {len(keep)}/{len(probs)} problems",
+            stage.name,
+            self.state.global_step,
+        )
+        return keep
+
+    def run_rl(self, stage: StageSpec) -> None:
+        """The stage's GRPO-RoC steps (:func:`rl_step`), then its eval and checkpoint; with
+        ``algorithm.asyncLevel`` k > 0 the batches of the next k steps generate while a step
+        trains (the orchestrator's part)."""
+        a = self.spec.algorithm
+        batch = stage.batch_size or a.batch_prompts
+        pool = self._rl_pool(stage)
+        n = a.rollouts_per_prompt if self.algorithm == "grpo-roc" else a.group_size
+        settings = StepSettings(self.spec, self.algorithm, self.loss_cfg, self.ctx, self.device)
+        self.model.eval()
+
+        def request(ahead: int) -> BatchRequest:
+            """The batch of the step ``ahead`` steps after the current one."""
+            probs = [pool[(self.state.cursor + ahead * batch + i) % len(pool)] for i in range(batch)]
+            seed = self.spec.seed * 1_000_003 + self.state.global_step + ahead
+            return self._request(
+                stage,
+                probs,
+                n,
+                temperature=self.spec.rollout.temperature,
+                top_p=self.spec.rollout.top_p,
+                seed=seed,
+            )
+
+        client = self.client if self.ctx.is_main else None
+        with Orchestrator(client, self.weights, request, ahead=a.async_level) as orch:
+            while self.state.stage_step < stage.steps:
+                if self._out_of_time():
+                    self.result.stopped_early = True
+                    break
+                self._seed_step()
+                lr = self._set_lr(stage, self.state.stage_step)
+                step = rl_step(
+                    self.model,
+                    self.optimizer,
+                    orch,
+                    settings,
+                    version=self.state.global_step,
+                    steps_left=stage.steps - self.state.stage_step,
+                    lr=lr,
+                )
+                self.state.cursor = (self.state.cursor + batch) % len(pool)
+                if step.probe is not None:
+                    self._engine_events(stage, finding_texts(step.probe, self.state.global_step))
+                if step.gaps:
+                    self._engine_events(stage, self._engines.update(step.gaps))
+                self._after_step(stage, step.record)
+            orch.join()  # the last push (its errors raise here)
+        if self.result.stopped_early:
+            self._checkpoint_unless_saved(stage)
+            self.evaluate(stage, stage.name)  # the accuracy at the time limit; not in the checkpoint
+            return
+        if stage.name not in self.result.evals:  # a run resumed at the stage's end has it already
+            self.evaluate(stage, stage.name)
+        self._checkpoint_unless_saved(stage)
+
+    def _engine_events(self, stage: StageSpec, texts: list[str]) -> None:
+        for text in texts:
+            self.sink.event("engine", text, stage.name, self.state.global_step)

@@ -1,8 +1,8 @@
 """``builtin:arith-bpe``: a byte-level BPE trained locally in seconds on the synthetic corpus.
 
 Digits are pre-tokenized into groups of up to 2 (``\\d{1,2}``, all 110 such groups are single tokens) before BPE, so a number is a few
-tokens that the model copies as units; a measured prototype with character-level digits could
-not learn to copy 5-6 digit results. Everything else goes through byte-level BPE without the
+tokens that the model copies as units (with character-level digits a small model does not
+learn to copy 5-6 digit results). Everything else goes through byte-level BPE without the
 GPT-2 word regex, so the fixed tool-call boilerplate merges into a handful of tokens and
 rollouts stay short. The template's SPECIAL_TOKENS are single special tokens.
 

@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import re
 import shutil
-import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kuberl.rollout.fleet import push_weights
 from kuberl.trainer.distributed import DistContext, full_state_dict
+
+if TYPE_CHECKING:
+    from kuberl.rollout.client import RolloutClient
 
 VERSION_RE = re.compile(r"^v(\d{8})$")
 
@@ -101,14 +102,14 @@ class LocalWeights:
     With FSDP every rank calls :meth:`sync` (it gathers the shards); rank 0 hands them over.
     """
 
-    def __init__(self, call: Callable[..., Any], ctx: DistContext | None = None):
-        self.call = call
+    def __init__(self, client: RolloutClient | None, ctx: DistContext | None = None):
+        self.client = client
         self.ctx = ctx or DistContext()
 
     def sync(self, model, version: int) -> None:
         sd = full_state_dict(model, self.ctx)
-        if self.ctx.is_main:
-            self.call("set_weights", sd, version)
+        if self.client is not None:
+            self.client.set_weights(sd, version)
 
 
 class DiskWeights:
@@ -120,13 +121,13 @@ class DiskWeights:
 
     def __init__(
         self,
-        call: Callable[..., Any],
+        client: RolloutClient | None,
         disk: DiskWeightSync,
         source_dir: str | Path,
         ctx: DistContext | None = None,
         dtype: str = "auto",
     ):
-        self.call = call
+        self.client = client
         self.disk = disk
         self.source_dir = Path(source_dir)
         self.ctx = ctx or DistContext()
@@ -161,65 +162,6 @@ class DiskWeights:
 
         def push() -> None:
             path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
-            self.call("load_weights", path, version)
+            self.client.load_weights(path, version)
 
         return push
-
-
-class BackgroundPush:
-    """A weight push on a thread of its own from the RL step's start, and what must wait for it.
-
-    The push overlaps both the trainer's wait for the due batch (as an in-line push did) and
-    its update (which an in-line push delayed). The batches ahead may only be submitted once the
-    version is on the engines (the staleness bound) and once the trainer has the due batch (so
-    they do not fill its tail): :meth:`release` hands over those submissions, which the thread
-    runs after the push. :meth:`join` waits for all of it and raises what it raised; a push that
-    failed submits nothing.
-    """
-
-    def __init__(self, push: Callable[[], None], name: str = "kuberl-push"):
-        self._error: BaseException | None = None
-        self._pushed = threading.Event()  # set when the push ended (done or failed)
-        self._released = threading.Event()
-        self._then: list[Callable[[], None]] = []
-
-        def run() -> None:
-            try:
-                push()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever waits or joins
-                self._error = err
-                return
-            finally:
-                self._pushed.set()  # after _error: a waiter sees the failure
-            try:
-                self._released.wait()
-                for fn in self._then:
-                    fn()
-            except BaseException as err:  # noqa: BLE001 - handed to whoever joins
-                self._error = err
-
-        self._thread = threading.Thread(target=run, name=name, daemon=True)
-        self._thread.start()
-
-    def wait_pushed(self) -> None:
-        """Wait until the engines have the version (the spot check asks them what they serve);
-        raises the push's exception."""
-        self._pushed.wait()
-        if self._error is not None:
-            raise self._error
-
-    def release(self, then: Iterable[Callable[[], None]] = ()) -> None:
-        """Run ``then`` once the push is done (at once if it is)."""
-        if not self._released.is_set():
-            self._then = list(then)
-            self._released.set()
-
-    def join(self) -> float:
-        """Seconds waited; re-raises the push's (or a submission's) exception. Not released by
-        then (the step failed before its due batch arrived): nothing is submitted."""
-        self.release()
-        t = time.perf_counter()
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return time.perf_counter() - t

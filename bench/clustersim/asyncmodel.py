@@ -5,8 +5,8 @@ trains, then the weights are synced; nothing overlaps, so a step is the sum of t
 
 Asynchronous (asyncLevel k >= 1): the trainer pods hold T GPUs (``trainer.replicas`` x the
 accelerator count, operator/job_builder.py) and the RolloutFleet F = G - T engines (one GPU an
-engine for a 14B model), separate hardware. The trainer's loop per step (trainer/rl_stage.py
-``_rl_step``): push the weights (blocks the trainer: write, engines read and reload), wait for
+engine for a 14B model), separate hardware. The trainer's loop per step (trainer/rl_step.py
+``rl_step``): push the weights (blocks the trainer: write, engines read and reload), wait for
 the due batch, submit the next k batches, update. The fleet generates meanwhile; each push
 pauses it for the engines' reload (a vLLM push with ``mode=wait`` lets running turns end, then
 loads). In steady state each side does one batch a step, so
@@ -88,7 +88,7 @@ def timeline_step(
     snapshot_s: float | None = None,
     steps: int = 60,
 ) -> float:
-    """Steady step time from the event timeline of ``steps`` steps (trainer/rl_stage.py's loop).
+    """Steady step time from the event timeline of ``steps`` steps (trainer/rl_step.py's loop).
 
     ``snapshot_s`` None: the push in line (the trainer pushes, then collects the due batch,
     submits batch n+k, updates): its steady step is :func:`pipelined_step`. A number: the push on

@@ -1,7 +1,7 @@
 """The operator's autoscaling loop and the Deployment controller's pod life cycle, in virtual time.
 
 Every ``interval_s`` (the operator's ``autoscale_interval``, 15 s by default) the loop does
-what ``kuberl.operator.handlers.autoscale_once`` does: scrape the ready pods' gauges
+what ``kuberl.operator.loops.autoscale_once`` does: scrape the ready pods' gauges
 (Prometheus text), aggregate them with ``autoscale.pool_load`` / ``autoscale.fleet_load``,
 recommend with ``recommend_pool`` / ``recommend_fleet`` and decide with ``decide``, keeping the
 stabilization history between decisions as the object's status would. The replica count it
@@ -22,7 +22,7 @@ from kuberl.api.sandbox_pool import SandboxAutoscaling
 from kuberl.operator import autoscale
 from kuberl.operator.engines import ENGINE_METRICS
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.sandbox.server import ServiceConfig
+from kuberl.sandbox.config import ServiceConfig
 
 from .pods import SandboxPod, Service
 

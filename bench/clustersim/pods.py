@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from kuberl.sandbox.app import make_app
-from kuberl.sandbox.server import SandboxService as _RealService
-from kuberl.sandbox.server import ServiceConfig, WorkerProc
+from kuberl.sandbox.config import ServiceConfig
+from kuberl.sandbox.service.app import make_app
+from kuberl.sandbox.service.server import SandboxService as _RealService
+from kuberl.sandbox.service.workers import WorkerProc
 
 from .workload import decode_cost
 

@@ -9,7 +9,7 @@ autoscaler runs throughout, across steps.
 
 ``SimConfig.ahead`` = k >= 1: the fleet side of asynchronous RL at asyncLevel k
 (bench/async_sim.py), with a trainer that keeps up. As the trainer submits them
-(trainer/rl_stage.py ``_rl_step``): batch 0 at once, batches 1..k when batch 0 ends (is
+(rollout/orchestrator.py ``Orchestrator.acquire``): batch 0 at once, batches 1..k when batch 0 ends (is
 collected), then batch i when batch i-k ends; ``Scheduler.max_active`` is one batch's rollouts,
 as the rollout worker sets it, and admission is FIFO, so a batch submitted ahead takes the
 places the batch before it frees as its rollouts end (it fills that batch's tail). No update
@@ -29,8 +29,8 @@ from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler
-from kuberl.sandbox.client import SandboxClient, SandboxError
-from kuberl.sandbox.server import ServiceConfig
+from kuberl.sandbox.config import ServiceConfig
+from kuberl.sandbox.service.client import SandboxClient, SandboxError
 
 from .control import FleetController, PoolController, autoscaler_loop
 from .pods import Service

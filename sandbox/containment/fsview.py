@@ -24,10 +24,12 @@ import site
 import stat
 import sys
 import sysconfig
+import tempfile
 import time
 from collections.abc import Callable
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
+from kuberl.sandbox.libc import LIBC
+
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_PRIVATE, MS_REC = 32, 4096, 1 << 18, 16384
 MNT_DETACH = 2
@@ -160,14 +162,14 @@ def read_rules(
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: s.encode() if s is not None else None)  # noqa: E731
-    if _LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
+    enc = lambda s: s.encode() if s is not None else None  # noqa: E731
+    if LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} on {target}: {os.strerror(err)}")
 
 
 def _umount(target: str) -> None:
-    if _LIBC.umount2(target.encode(), MNT_DETACH) != 0:
+    if LIBC.umount2(target.encode(), MNT_DETACH) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"umount {target}: {os.strerror(err)}")
 
@@ -227,7 +229,9 @@ class PrivateRoot:
         os.symlink(self.scratch, os.path.join(base, "dev", "shm"))  # POSIX semaphores and shared memory
         os.symlink("/proc/self/fd", os.path.join(base, "dev", "fd"))
         os.makedirs(os.path.join(base, "proc"))
-        _mount("proc", os.path.join(base, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+        _mount(
+            "proc", os.path.join(base, "proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible"
+        )
         os.makedirs(self.tmp)
         _mount(None, base, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, None)
         self.fresh_tmp()
@@ -325,3 +329,23 @@ def clear_dir(path: str, budget_s: float) -> bool:
                 os.unlink(entry.name, dir_fd=fd)
     finally:
         os.close(fd)
+
+
+_env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
+
+
+def use_call_environment(call_dir: str) -> None:
+    """Make this process's environment the call's: nothing of the service's (the worker started
+    with an allowlist), only the call's own HOME and TMPDIR on top of fixed values.
+
+    The zygote does this once per slot directory, so its children inherit the environment
+    instead of rebuilding it (and copying the pages that touches) per call."""
+    os.environ.clear()
+    os.environ.update(child_env(call_dir, call_dir))
+    tempfile.tempdir = None  # the worker's cached choice (/tmp) is not the call's
+    _env_for[0] = call_dir
+
+
+def environment_for() -> str | None:
+    """The call directory this process's environment was last made for (None: the service's)."""
+    return _env_for[0]

@@ -2,9 +2,9 @@
 
 Every fork of the interpreter (``os.fork``, and the zygote's ``fork_sibling``) runs each
 ``os.register_at_fork(after_in_child=...)`` hook in the child. A zygote has two, both from the
-standard library: threading's ``_after_fork`` and random's reseeding. Measured on a light
-zygote they cost a child ~145 copy-on-write page faults (of ~230 from fork to its first line),
-about 0.5 ms of CPU per call, mostly threading's Python walking its thread registry.
+standard library: threading's ``_after_fork`` and random's reseeding. On a light zygote they
+are most of a child's copy-on-write page faults from fork to its first line, mostly
+threading's Python walking its thread registry.
 
 threading's hook repairs a fork taken while *other* threads ran: it re-creates the locks one
 of them may have held and forgets the threads that did not survive. The zygote has a single

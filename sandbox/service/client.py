@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from kuberl.sandbox.auth import auth_headers, token_from_env
+from kuberl.sandbox.service.auth import auth_headers, token_from_env
 from kuberl.sandbox.types import ExecResult
 
 _RETRY_STATUS = {429, 502, 503, 504}

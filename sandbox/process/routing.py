@@ -1,9 +1,8 @@
 """Which of a worker's two zygotes forks a call's process, and the pair of zygotes itself.
 
-A trivial call's CPU floor is forking and tearing down the image its process is forked from
-(bench/README.md, "Sandbox: the zygote"): the full zygote holds numpy, scipy, sympy and
-math-verify (~100 MB), the light one only the interpreter and the preloaded standard library
-(~25 MB). :func:`zygote_for` sends a call to the light zygote only when its code plainly uses
+A trivial call's CPU floor is forking and tearing down the image its process is forked from:
+the full zygote holds numpy, scipy, sympy and math-verify (~100 MB), the light one only the
+interpreter and the preloaded standard library (~25 MB). :func:`zygote_for` sends a call to the light zygote only when its code plainly uses
 nothing but the standard library. It is a scan of the text, nothing the worker has to parse or
 run, and it errs only one way: anything that could import a module by a name it builds at run
 time (``__import__``, ``importlib``, ``exec``/``eval``/``compile``, ``getattr`` on builtins,
@@ -19,8 +18,8 @@ import sys
 import unicodedata
 from typing import Any, Literal
 
-from kuberl.sandbox.calls import Prepared
-from kuberl.sandbox.zygote import Zygote, ZygoteGone
+from kuberl.sandbox.process.calls import Prepared
+from kuberl.sandbox.process.zygote import Zygote, ZygoteGone
 
 Kind = Literal["light", "full"]
 

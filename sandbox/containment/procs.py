@@ -13,7 +13,7 @@ import select
 import signal
 import time
 
-from kuberl.sandbox.kfiles import read_bytes
+from kuberl.sandbox.containment.kfiles import read_bytes
 
 
 def _children_by_parent() -> dict[int, list[int]]:

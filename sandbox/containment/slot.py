@@ -1,7 +1,7 @@
 """A worker's slot: the cgroup, uid, scratch space, filesystem view and seccomp filter its
 calls run in, and what is done to it before and after each call (see :class:`Slot`).
 
-Split from :mod:`kuberl.sandbox.worker` (which owns the protocol and the process setup): the
+Split from :mod:`kuberl.sandbox.process.worker` (which owns the protocol and the process setup): the
 slot's methods run in three processes, the worker (clearing it after a call), the zygote
 (keeping its filter and directory current, living in its cgroup) and a call's child (entering
 it), and each says which.
@@ -18,12 +18,19 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from kuberl.sandbox import landlock
-from kuberl.sandbox.cgroups import SlotCgroup, slot_cgroup
-from kuberl.sandbox.child import use_call_environment
-from kuberl.sandbox.fsview import DEVICES, PrivateRoot, clear_dir, read_rules, readonly_paths, service_paths
-from kuberl.sandbox.kfiles import write_text
-from kuberl.sandbox.procs import (
+from kuberl.sandbox.containment import landlock
+from kuberl.sandbox.containment.cgroups import SlotCgroup, slot_cgroup
+from kuberl.sandbox.containment.fsview import (
+    DEVICES,
+    PrivateRoot,
+    clear_dir,
+    read_rules,
+    readonly_paths,
+    service_paths,
+    use_call_environment,
+)
+from kuberl.sandbox.containment.kfiles import write_text
+from kuberl.sandbox.containment.procs import (
     descendants,
     kill_children,
     reap_zombies,
@@ -31,10 +38,10 @@ from kuberl.sandbox.procs import (
     unlinked_bytes,
     wait_for_exit,
 )
-from kuberl.sandbox.seccomp import SeccompProgram
+from kuberl.sandbox.containment.seccomp import SeccompProgram
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.worker import WorkerConfig
+    from kuberl.sandbox.config import WorkerConfig
 
 UNREADABLE_BYTES = 1 << 50  # what a directory the worker cannot read counts as: over any quota
 CLEAN_BUDGET_SECONDS = 1.0  # removing what a call left (basic isolation); the rest is moved aside
@@ -85,7 +92,9 @@ class Slot:
         self.seccomp = SeccompProgram.compile(self.protected, **self._filter_opts)
         self._filter_pids = self.protected  # what self.seccomp was compiled for
         self.generation = 0  # bumped when the filter or ruleset a child inherits changes
-        self.keep_alive: frozenset[int] = frozenset()  # our children that are not calls' (zygotes, children forked ahead)
+        self.keep_alive: frozenset[int] = (
+            frozenset()
+        )  # our children that are not calls' (zygotes, children forked ahead)
         self.born_inside = False  # (in a zygote and its children) forked inside the slot's cgroup
         self.clone_fd: int | None = None  # (in a zygote, v2) the cgroup its children are cloned into
         self.ready_inside = False  # (in the worker) children forked ahead wait in the slot's cgroup
@@ -118,7 +127,7 @@ class Slot:
 
     def _new_dir(self) -> str:
         """The slot directory; replacements (after a tree was moved aside) are named after the
-        first one, so whoever cleans up after this worker finds them all (``server._remove_leftovers``)."""
+        first one, so whoever cleans up after this worker finds them all (``service.workers.remove_leftovers``)."""
         if not hasattr(self, "base_dir"):
             path = self.base_dir = tempfile.mkdtemp(prefix=f"kuberl-sbx-{self.cfg.pool}-{self.cfg.slot}-")
         else:
@@ -193,8 +202,7 @@ class Slot:
         """In a zygote, once it has preloaded: move into the slot's cgroup, so that every child
         it forks is born there. A call's child then joins no cgroup: a migration takes the
         kernel's cgroup_threadgroup_rwsem for writing, which waits for an RCU grace period
-        (5-15 ms on this 2-core VM) whenever the last one was more than ~20 ms ago, and costs
-        ~0.4 ms on a memory cgroup v1 even when not (bench/README.md: the p99 at 180 calls/s).
+        whenever the last one was a while ago: milliseconds on a call's tail latency.
 
         The pages the zygote has so far stay charged where they were (cgroups never move
         charges); the out-of-memory killer, which picks the process of the cgroup with the most
@@ -203,7 +211,7 @@ class Slot:
         under ``pids.max`` (:meth:`make_room`) and spares them when it clears the slot
         (``keep_alive``). On cgroup v2 the zygote stays outside (``cgroup.kill`` empties a
         slot there) and clone3 puts each child into the cgroup as it is born
-        (:func:`~kuberl.sandbox.zygote.fork_sibling`)."""
+        (:func:`~kuberl.sandbox.process.zygote.fork_sibling`)."""
         if self.cgroup.version == 2:
             self.clone_fd = self.cgroup.open_dir()
             return
@@ -269,7 +277,9 @@ class Slot:
         # the call's own process is often still exiting when we get here (we answered first):
         # reaped, it is not mistaken for a process of the uid that escaped (a sweep per call)
         reap_zombies(self.keep_alive)
-        if self.uid is not None and (not tracked or uid_has_processes(self.uid, self.keep_alive | {os.getpid()})):
+        if self.uid is not None and (
+            not tracked or uid_has_processes(self.uid, self.keep_alive | {os.getpid()})
+        ):
             pid = os.fork()
             if pid == 0:  # pragma: no cover - child
                 try:
@@ -372,4 +382,3 @@ def _dir_bytes(path: str) -> int:
         finally:
             os.close(fd)
     return total
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -21,14 +20,15 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kuberl.api.sandbox_pool import SandboxLimits
-from kuberl.sandbox.auth import require_token, token_from_env
-from kuberl.sandbox.idempotency import Conflict, Key, payload_digest
-from kuberl.sandbox.progress import every_seconds, format_window
-from kuberl.sandbox.server import (
+from kuberl.sandbox.config import ServiceConfig
+from kuberl.sandbox.libc import LIBC
+from kuberl.sandbox.service.auth import require_token, token_from_env
+from kuberl.sandbox.service.idempotency import Conflict, Key, payload_digest
+from kuberl.sandbox.service.progress import every_seconds, format_window
+from kuberl.sandbox.service.server import (
     QUEUE_DEPTH,
     WORKERS_BUSY,
     SandboxService,
-    ServiceConfig,
     ServiceUnavailable,
 )
 
@@ -83,7 +83,9 @@ def make_app(svc: SandboxService) -> web.Application:
             return web.json_response(body, status=409)
         if len(new) > svc.capacity_left():
             return too_busy()
-        futs = [svc.submit(key, payload, digest) for (key, payload), digest in zip(items, digests, strict=True)]
+        futs = [
+            svc.submit(key, payload, digest) for (key, payload), digest in zip(items, digests, strict=True)
+        ]
         try:
             return list(await asyncio.gather(*(asyncio.shield(f) for f in futs)))
         except ServiceUnavailable as err:
@@ -216,10 +218,9 @@ def _guard_this_process(loop: asyncio.AbstractEventLoop) -> None:
     them. Not dumpable: a call under our uid cannot open /proc/<us>/mem or fd. A pidfd child
     watcher: asyncio's default one (Python < 3.12) runs a thread per worker, and every thread
     id is one more pid a call could SIGKILL the whole server through."""
-    libc = ctypes.CDLL(None, use_errno=True)
     with contextlib.suppress(Exception):
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+        LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
         with contextlib.suppress(OSError):
             os.close(os.pidfd_open(os.getpid()))

@@ -19,7 +19,9 @@ DEFAULT_EVERY_SECONDS = 60.0
 def every_seconds(env: dict[str, str] | None = None) -> float:
     """The interval ($KUBERL_PROGRESS_EVERY_SECONDS, default 60; 0 turns the lines off)."""
     try:
-        return env_number(EVERY_SECONDS_ENV, DEFAULT_EVERY_SECONDS, dict(env if env is not None else os.environ))
+        return env_number(
+            EVERY_SECONDS_ENV, DEFAULT_EVERY_SECONDS, dict(env if env is not None else os.environ)
+        )
     except ValueError as err:
         raise SystemExit(str(err)) from None
 

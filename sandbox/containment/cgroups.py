@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 
-from kuberl.sandbox.kfiles import read_bytes, write_text
+from kuberl.sandbox.containment.kfiles import read_bytes, write_text
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 # one core per slot (a worker per core), on request: a call's threads cannot starve the other
 # slots and the server. Off by default: joining a third cgroup and CFS bandwidth accounting
-# cost ~16 % of the service's calls/s on 2 cores (bench/README.md), and the deadline and
-# RLIMIT_CPU already bound a hog. Where the cpu controller is available.
+# slow every call, and the deadline and RLIMIT_CPU already bound a hog. Where the cpu
+# controller is available.
 CPU_PERIOD_US = 100_000
 V2_PARENT = "kuberl-sandbox"  # one parent for every slot on the host (no processes of its own)
 

@@ -1,9 +1,10 @@
-"""The rollout side of a GRPO-RoC step: engines, the KV-aware scheduler and the sandbox client,
-producing scored rollout groups for the trainer (:mod:`kuberl.trainer.grpo` does the update).
+"""The rollout worker: engines, the KV-aware scheduler and the sandbox client, producing scored
+rollout groups for the trainer (:mod:`kuberl.trainer.grpo` does the update).
 
-``kuberl.trainer.local`` runs :class:`RolloutWorker` as a Ray actor (or in-process with
-``--no-ray``): its asyncio loop runs in a thread of its own so that rollouts can be submitted
-for a later step while the trainer updates (asynchronous RL, ``algorithm.asyncLevel``).
+The trainer reaches it through a :class:`~kuberl.rollout.client.RolloutClient` (the worker as a
+Ray actor, or in-process with ``--no-ray``). Its asyncio loop runs in a thread of its own, so a
+batch submitted for a later step generates while the trainer updates; which batches go out
+when is the :class:`~kuberl.rollout.orchestrator.Orchestrator`'s decision.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from kuberl.rollout.loop import BatchRequest, rollout_group
 from kuberl.trainer.grpo import Scored
 from kuberl.trainer.tool_stats import ToolTally
 
@@ -41,10 +43,9 @@ def pin_to_cpus(spec: str | None) -> None:
 
     ``sched_setaffinity(0, ...)`` moves only the calling thread. In a Ray actor that is one
     executor thread; the process's main thread (which receives every call), Ray's gRPC and IO
-    threads and the GC thread keep the mask the actor was started with, which in a bench is the
-    trainer's core, and they run Python (they take the GIL), so the engine side would not be
-    the cores it stands for in bench/async_rl.py. Threads started later inherit the mask of the
-    thread that starts them.
+    threads and the GC thread keep the mask the actor was started with and run Python too, so
+    every thread listed in /proc/self/task is moved. Threads started later inherit the mask of
+    the thread that starts them.
     """
     if not spec:
         return
@@ -97,7 +98,7 @@ class RolloutWorker:
         if executor_factory is None:
             if sandbox_url is None:
                 raise ValueError("RolloutWorker needs a sandbox_url or an executor_factory")
-            from kuberl.sandbox.client import SandboxClient
+            from kuberl.sandbox.service.client import SandboxClient
 
             def executor_factory():
                 return SandboxClient(sandbox_url)
@@ -155,39 +156,24 @@ class RolloutWorker:
             raise RuntimeError("this worker rolls out on a local engine: new weights go through set_weights")
         self._run(self.fleet.load_weights(path, version))
 
-    def rollouts(self, *args: Any, **kwargs: Any) -> list[list[Scored]]:
+    def rollouts(self, request: BatchRequest) -> list[list[Scored]]:
         """:meth:`submit_rollouts` and wait for them: the synchronous path."""
-        return self.collect_rollouts(self.submit_rollouts(*args, **kwargs))
+        return self.collect_rollouts(self.submit_rollouts(request))
 
-    def submit_rollouts(
-        self,
-        prompts: Sequence[str],
-        golds: Sequence[str],
-        n: int,
-        *,
-        max_turns: int,
-        max_response_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-    ) -> int:
-        """Start ``n`` scored rollouts per prompt (reward = sandbox verify of the extracted answer)
-        in the background; returns a ticket for :meth:`collect_rollouts`.
+    def submit_rollouts(self, request: BatchRequest) -> int:
+        """Start ``request.n`` scored rollouts per prompt (reward = sandbox verify of the extracted
+        answer) in the background; returns a ticket for :meth:`collect_rollouts`.
 
-        With ``seed`` every rollout samples from its own seed derived from (seed, prompt index,
-        sample index, turn), so the result does not depend on tool latency or batching.
-        Asynchronous RL generates the next batches this way while the trainer updates; the
-        worker's event loop keeps serving weight pushes and other calls meanwhile.
+        With ``request.seed`` every rollout samples from its own seed derived from (seed, prompt
+        index, sample index, turn), so the result does not depend on tool latency or batching.
+        The worker's event loop keeps serving weight pushes and other calls meanwhile.
         """
-        coro = self._rollouts(
-            list(prompts), list(golds), n, max_turns, max_response_tokens, temperature, top_p, seed
-        )
         # At most one batch's rollouts in flight: a batch submitted ahead fills the tail of the
         # one before it instead of halving its speed (Scheduler.max_active; FIFO admission), or on
         # engines that pad rows waits for it to end (_batches_in_turn).
-        self._run(self._limit_active(len(prompts) * n))
+        self._run(self._limit_active(len(request.prompts) * request.n))
         ticket = next(self._tickets)
-        self._inflight[ticket] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._inflight[ticket] = asyncio.run_coroutine_threadsafe(self._rollouts(request), self.loop)
         return ticket
 
     async def _limit_active(self, rollouts: int) -> None:
@@ -238,13 +224,12 @@ class RolloutWorker:
         """Whether a batch submitted ahead waits for the one before it to end instead of filling
         its tail: on engines that pad every row to the longest (``Engine.pads_rows``: the local
         engine), fresh short rows beside an old batch's long ones pay for its long context in
-        every decode step. Measured on the quickstart at asyncLevel 2 (bench/README.md): 2.6 s a
-        step in turn against 3.2-3.6 s filling the tail, the engine's core saturated either way.
-        Paged KV caches (vLLM, SGLang) charge each row its own context: there the tail is filled."""
+        every decode step, so a batch in turn is the faster order there. Paged KV caches (vLLM,
+        SGLang) charge each row its own context: there the tail is filled."""
         engines = self.scheduler.engines
         return bool(engines) and all(getattr(e, "pads_rows", False) for e in engines)
 
-    async def _rollouts(self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed):
+    async def _rollouts(self, request: BatchRequest) -> list[list[Scored]]:
         before = done = None
         if self._batches_in_turn():
             before, done = self._last_batch_end, self.loop.create_future()
@@ -252,9 +237,7 @@ class RolloutWorker:
         try:
             if before is not None:
                 await asyncio.shield(before)  # a batch cancelled while it waits leaves the one before alone
-            return await self._timed_rollouts(
-                prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-            )
+            return await self._timed_rollouts(request)
         finally:
             if done is not None:  # ends no earlier than the batch before it (a cancelled one included)
                 if before is None or before.done():
@@ -262,18 +245,14 @@ class RolloutWorker:
                 else:
                     before.add_done_callback(lambda _f: done.done() or done.set_result(None))
 
-    async def _timed_rollouts(
-        self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-    ):
+    async def _timed_rollouts(self, request: BatchRequest) -> list[list[Scored]]:
         if self._active == 0:
             self._busy_since = time.monotonic()
         self._active += 1
         if self._sampler is None:
             self._sampler = asyncio.ensure_future(self._sample_kv())
         try:
-            return await self._rollouts_inner(
-                prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-            )
+            return await self._scored_rollouts(request)
         finally:
             self._active -= 1
             if self._active == 0:
@@ -282,23 +261,20 @@ class RolloutWorker:
                     self._sampler.cancel()
                     self._sampler = None
 
-    async def _rollouts_inner(
-        self, prompts, golds, n, max_turns, max_response_tokens, temperature, top_p, seed
-    ):
-        from kuberl.rollout.loop import rollout_group
-
+    async def _scored_rollouts(self, request: BatchRequest) -> list[list[Scored]]:
         groups = await rollout_group(
             self.scheduler,
             self.tokenizer,
             self.executor,
-            prompts,
-            n,
-            seed=seed,
-            max_turns=max_turns,
-            max_response_tokens=max_response_tokens,
-            temperature=temperature,
-            top_p=top_p,
+            request.prompts,
+            request.n,
+            seed=request.seed,
+            max_turns=request.max_turns,
+            max_response_tokens=request.max_response_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
         )
+        golds = request.golds
         pairs, where = [], []
         for i, group in enumerate(groups):
             for j, t in enumerate(group):

@@ -95,6 +95,8 @@ def answer_size(value: Any) -> int:
     """Approximate bytes one remembered answer holds (its texts plus bookkeeping). A flat dict
     of texts and scalars (every answer the service keeps) is measured in memory, without
     serialising it (``sys.getsizeof``: a text of wide characters counts what it holds)."""
-    if isinstance(value, dict) and all(isinstance(v, str | bool | int | float | None) for v in value.values()):
+    if isinstance(value, dict) and all(
+        isinstance(v, str | bool | int | float | None) for v in value.values()
+    ):
         return 200 + sum(len(k) + (sys.getsizeof(v) if isinstance(v, str) else 8) for k, v in value.items())
     return len(json.dumps(value)) + 200

@@ -6,7 +6,7 @@ server and the other workers: it could read the service's files and the other sl
 Landlock (Linux 5.13+) lets any process that set ``no_new_privs`` drop those rights for itself
 and its descendants, root included: writes are allowed only beneath the slot directory (and to
 ``/dev/null``), reads only beneath the interpreter, its packages and the shared libraries
-(:func:`kuberl.sandbox.fsview.readonly_paths`) and the slot directory.
+(:func:`kuberl.sandbox.containment.fsview.readonly_paths`) and the slot directory.
 From ABI 6 (Linux 6.12) the same domain also scopes signals and abstract unix sockets to
 the call's own processes. Where the kernel or the container's seccomp profile lacks
 Landlock, :func:`abi_version` is 0 and the worker reports ``landlock: false``.
@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+
+from kuberl.sandbox.libc import LIBC
 
 _SYS_CREATE_RULESET = 444  # the same number on every architecture (added after the unification)
 _SYS_ADD_RULE = 445
@@ -51,15 +53,9 @@ _READS = EXECUTE | READ_FILE | READ_DIR
 _FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE  # the subset that applies to a non-directory
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def abi_version() -> int:
     """The kernel's Landlock ABI, 0 where Landlock is missing, disabled or filtered out."""
-    libc = _libc()
-    libc.syscall.restype = ctypes.c_long
-    version = libc.syscall(
+    version = LIBC.syscall(
         _SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_CREATE_RULESET_VERSION)
     )
     return max(0, int(version))
@@ -108,8 +104,7 @@ class Ruleset:
         fs, scoped = handled_rights(abi, reads=readable is not None)
         if not fs:
             raise OSError(0, "Landlock is not available")
-        syscall = _libc().syscall
-        syscall.restype = ctypes.c_long
+        syscall = LIBC.syscall
         # struct landlock_ruleset_attr {u64 handled_access_fs; u64 handled_access_net; u64 scoped}:
         # older kernels only know a prefix of it, and reject a size they do not know
         attr = struct.pack("=QQQ", fs, 0, scoped)
@@ -120,7 +115,9 @@ class Ruleset:
             raise OSError(ctypes.get_errno(), "landlock_create_ruleset")
         try:
             reads = fs & _READS
-            rules = [(p, fs, True) for p in writable_dirs] + [(p, fs & _FILE_RIGHTS, True) for p in writable_files]
+            rules = [(p, fs, True) for p in writable_dirs] + [
+                (p, fs & _FILE_RIGHTS, True) for p in writable_files
+            ]
             rules += [(p, reads, False) for p in readable or ()]
             rules += [(p, reads & READ_DIR, False) for p in (list_only if readable is not None else ())]
             for path, rights, required in rules:

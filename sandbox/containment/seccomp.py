@@ -23,8 +23,9 @@ import ctypes
 import errno
 import tempfile
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PRCTL = _LIBC.prctl  # resolved here, in the worker: resolving it in every call's child costs page faults
+from kuberl.sandbox.libc import LIBC
+
+_PRCTL = LIBC.prctl  # looked up in the worker, used by every forked child
 PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2

@@ -2,7 +2,7 @@
 
 The expensive part of a call is forking the preloaded interpreter (its page tables) and tearing
 the child down again; neither depends on the call. So the next child is forked as soon as the
-worker has cleaned up after the last one, by the worker's zygote (:mod:`kuberl.sandbox.zygote`)
+worker has cleaned up after the last one, by the worker's zygote (:mod:`kuberl.sandbox.process.zygote`)
 or, where none can run, by the worker itself (:class:`OwnForks`), and that child waits on a pipe
 for its request: a call arriving at an idle worker starts at once (:func:`run_call`). And the answer
 goes out as soon as the child has written its result record and every writer of its output
@@ -21,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kuberl.sandbox.child import Pipes, encode_request, run_prepared, set_name
+from kuberl.sandbox.process.child import Pipes, encode_request, run_prepared, set_name
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.slot import Slot
-    from kuberl.sandbox.worker import WorkerConfig
+    from kuberl.sandbox.config import WorkerConfig
+    from kuberl.sandbox.containment.slot import Slot
 
 DISK_POLL_SECONDS = 0.05  # a call may overshoot its disk quota by what it writes in one poll
 META_LIMIT = 1 << 20  # what the worker reads of a call's result record (its own code could write there)
@@ -119,9 +119,9 @@ def prepare(slot: Slot, cfg: WorkerConfig) -> Prepared:
 
 class OwnForks:
     """Where no zygote can run (``clone(CLONE_PARENT)`` refused): the worker forks each child
-    itself, with the same interface as :class:`~kuberl.sandbox.zygote.Zygote`. Its children
-    then inherit the worker's heap, so the worker scrubs freed memory (glibc ``M_PERTURB``,
-    ~25 % of calls/s) and reads calls unbuffered."""
+    itself, with the same interface as :class:`~kuberl.sandbox.process.zygote.Zygote`. Its children
+    then inherit the worker's heap, so the worker scrubs freed memory (glibc ``M_PERTURB``, at a
+    cost in calls/s) and reads calls unbuffered."""
 
     pid = None
     pids: tuple[int, ...] = ()

@@ -18,26 +18,24 @@ import math
 import os
 import resource
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from types import CodeType
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kuberl.sandbox.fsview import child_env
-from kuberl.sandbox.kfiles import read_bytes
-from kuberl.sandbox.procs import uid_task_count
-from kuberl.sandbox.seccomp import PR_SET_NO_NEW_PRIVS
+from kuberl.sandbox.containment.fsview import environment_for, use_call_environment
+from kuberl.sandbox.containment.kfiles import read_bytes
+from kuberl.sandbox.containment.procs import uid_task_count
+from kuberl.sandbox.containment.seccomp import PR_SET_NO_NEW_PRIVS
+from kuberl.sandbox.libc import LIBC
 from kuberl.sandbox.types import valid_text
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.slot import Slot
-    from kuberl.sandbox.worker import WorkerConfig
+    from kuberl.sandbox.config import WorkerConfig
+    from kuberl.sandbox.containment.slot import Slot
 
-# prepared in the worker, used by every forked child (a CDLL built, or a function of it looked up
-# for the first time, in the child costs page faults)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PRCTL, _MALLOPT, _CAPSET = _LIBC.prctl, _LIBC.mallopt, _LIBC.capset
+# looked up in the worker, used by every forked child
+_PRCTL, _MALLOPT, _CAPSET = LIBC.prctl, LIBC.mallopt, LIBC.capset
 # Python frames of 3.11 live on the heap, not the C stack: with sys.setrecursionlimit(10**7)
 # runaway recursion takes seconds and gigabytes before it fails; 100k frames fail in ~50 ms
 MAX_RECURSION_DEPTH = 100_000
@@ -50,24 +48,11 @@ _SECBITS_NOROOT_LOCKED = 0x2F  # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS: each set an
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
-_env_for: list[str | None] = [None]  # the call directory os.environ was last set up for
 _STDIO: list[Any] = []  # sys.stdin, stdout and stderr for the children, made by the zygote
 _M_ARENA_MAX = -8
 _M_PERTURB = -6
 _DEFAULT_SIGNALS = (_signal.SIGINT, _signal.SIGTERM, _signal.SIGPIPE, _signal.SIGCHLD)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def use_call_environment(call_dir: str) -> None:
-    """Make this process's environment the call's: nothing of the service's (the worker started
-    with an allowlist), only the call's own HOME and TMPDIR on top of fixed values.
-
-    The zygote does this once per slot directory, so its children inherit the environment
-    instead of rebuilding it per call (~0.3 ms of a trivial call's CPU, mostly page faults)."""
-    os.environ.clear()
-    os.environ.update(child_env(call_dir, call_dir))
-    tempfile.tempdir = None  # the worker's cached choice (/tmp) is not the call's
-    _env_for[0] = call_dir
 
 
 def _drop_capabilities() -> None:
@@ -125,7 +110,7 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         os.setuid(slot.uid)
     elif os.geteuid() == 0:
         _drop_capabilities()
-    if _env_for[0] != slot.call_dir:  # forked by the worker itself, not by a zygote
+    if environment_for() != slot.call_dir:  # forked by the worker itself, not by a zygote
         use_call_environment(slot.call_dir)
     if _PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
@@ -157,7 +142,7 @@ def split_trailing_expression(code: str) -> tuple[CodeType, CodeType] | None:
     (the head as statements, the tail as an expression; then the tail is exactly the module's
     last statement, an expression statement). None where that does not hold: the caller
     parses the code (``ast.parse`` builds a Python object per syntax node, and in a forked
-    child each page those touch is copied: ~75 page faults of a trivial call's ~500).
+    child each page those touch is copied on write, a cost every call would pay).
 
     Line numbers stay the code's own: the tail is compiled after as many empty lines."""
     lines = code.split("\n")
@@ -278,7 +263,7 @@ _REQUEST_TEXTS = {b"exec": ("code", "stdin"), b"verify": ("prediction", "gold")}
 def encode_request(req: dict[str, Any]) -> bytes:
     """The worker's side of the request pipe (pure): ``op timeout length-of-first-text`` on a
     line, then the two texts (UTF-8; lone surrogates pass as they are). Not JSON: decoding
-    JSON in the child runs the json module's Python and a regex, ~35 page faults a call."""
+    JSON in the child runs the json module's Python and a regex, copying pages on every call."""
     op = req["op"].encode()
     first, second = (req.get(name, "").encode("utf-8", "surrogatepass") for name in _REQUEST_TEXTS[op])
     return b"%s %r %d\n%s%s" % (op, float(req["timeout"]), len(first), first, second)

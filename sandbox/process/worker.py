@@ -1,16 +1,16 @@
 """Warm fork-server: one per core, forks one contained child per tool call.
 
-Started by the server as ``python -m kuberl.sandbox.worker CONFIG_JSON`` (under
+Started by the server as ``python -m kuberl.sandbox.process.worker CONFIG_JSON`` (under
 ``unshare --net --pid --ipc --fork --mount-proc --kill-child`` when available) with an
 allowlisted environment, it builds the filesystem view its calls get
-(:mod:`kuberl.sandbox.fsview`: a private read-only root with a per-call tmpfs, or a Landlock
-read allowlist), forks its two zygotes (:mod:`kuberl.sandbox.zygote`): the full one preloads and
+(:mod:`kuberl.sandbox.containment.fsview`: a private read-only root with a per-call tmpfs, or a Landlock
+read allowlist), forks its two zygotes (:mod:`kuberl.sandbox.process.zygote`): the full one preloads and
 warms numpy, sympy, scipy and math-verify, the light one only the standard library; they fork
-every call's child (:mod:`kuberl.sandbox.routing` picks which), so no child inherits memory that
+every call's child (:mod:`kuberl.sandbox.process.routing` picks which), so no child inherits memory that
 held an earlier call. It then reads one length-prefixed frame (a call) at a time
 on its protocol pipe and answers one JSON line per call, as soon as that call is done (so the
 server knows which call was running if the worker dies). Per call the cost is one ``fork`` (of
-the zygote): the child (:mod:`kuberl.sandbox.child`) enters the sandbox and runs the code; its
+the zygote): the child (:mod:`kuberl.sandbox.process.child`) enters the sandbox and runs the code; its
 output comes back on pipes opened for it, never through files the call could swap. The worker
 (the child's parent: the zygote forks with ``CLONE_PARENT``) enforces the wall deadline and the
 slot's disk quota, afterwards kills everything left in the slot (cgroup members, the process
@@ -25,7 +25,6 @@ nor ptrace them, and the seccomp filter refuses to signal them (see :class:`Secc
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import json
 import os
@@ -35,41 +34,19 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from dataclasses import dataclass, field
 from typing import Any
 
-from kuberl.sandbox.calls import ChildGone, OwnForks, run_call
-from kuberl.sandbox.fsview import PrivateRoot
-from kuberl.sandbox.routing import Zygotes, zygote_for
-from kuberl.sandbox.slot import Slot
-from kuberl.sandbox.zygote import Zygote, ZygoteGone
+from kuberl.sandbox.config import WorkerConfig
+from kuberl.sandbox.containment.fsview import PrivateRoot
+from kuberl.sandbox.containment.slot import Slot
+from kuberl.sandbox.libc import LIBC
+from kuberl.sandbox.process.calls import ChildGone, OwnForks, run_call
+from kuberl.sandbox.process.routing import Zygotes, zygote_for
+from kuberl.sandbox.process.zygote import Zygote, ZygoteGone
 
-DEFAULT_UID_BASE = 61000
 _PR_SET_DUMPABLE = 4
 _PR_SET_CHILD_SUBREAPER = 36
 M_PERTURB = -6  # glibc mallopt: fill freed (and fresh) blocks with a byte (only without a zygote)
-# prepared in the worker, used by every forked child (a CDLL built in the child costs page faults)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-
-
-@dataclass
-class WorkerConfig:
-    """Everything a worker needs; passed as one JSON argument by the server."""
-
-    slot: int
-    pool: str = "local"
-    timeout_seconds: float = 10.0
-    memory_mb: int = 1024
-    max_output_bytes: int = 16384
-    max_processes: int = 32
-    max_file_mb: int = 64
-    disk_mb: int = 256
-    verify_timeout_seconds: float = 5.0
-    in_namespace: bool = False
-    isolation: str = "full"  # "basic": no slot uid, no cgroups (see ServiceConfig.isolation)
-    uid_base: int = DEFAULT_UID_BASE  # the server draws a random block so services never share uids
-    protections: dict[str, bool] = field(default_factory=dict)
-    cpu: int | None = None  # the CPU this worker, its zygotes and its calls keep to (server.worker_cpus)
 
 
 # Preloaded so that no call pays for these imports (and so the slot uid needs no access to them).
@@ -173,7 +150,9 @@ def _private_root(cfg: WorkerConfig) -> tuple[PrivateRoot | None, bool]:
     try:
         root = PrivateRoot.build(base, cfg.disk_mb, uid=None)
     except OSError as err:
-        print(f"kuberl sandbox worker: no private root ({err}); Landlock limits reads instead", file=sys.stderr)
+        print(
+            f"kuberl sandbox worker: no private root ({err}); Landlock limits reads instead", file=sys.stderr
+        )
         with contextlib.suppress(OSError):
             os.rmdir(base)
         return None, False
@@ -251,8 +230,8 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     with contextlib.suppress(Exception):
-        _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
+        LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/PID/mem, fd or ptrace for our calls
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     root, readable = _private_root(cfg)
     if root is None:
@@ -268,7 +247,11 @@ def main(argv: list[str]) -> int:
         "slot": cfg.slot,
         "pid": os.getpid(),
         "zygote_pids": list(forker.pids),
-        "protections": {**slot.protections, "zygote": not forker.scrub, "light_zygote": len(forker.pids) == 2},
+        "protections": {
+            **slot.protections,
+            "zygote": not forker.scrub,
+            "light_zygote": len(forker.pids) == 2,
+        },
         # if we die uncleanly (a private root is an empty directory outside our mount namespace)
         "leftovers": {"dir": root.root if root else slot.dir, "cgroups": slot.cgroup.dirs()},
     }
@@ -302,7 +285,8 @@ def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Z
     """The full and the light zygote (children never inherit memory that held a call), both
     before the first call; without a light one the full one forks every call. Where the kernel
     refuses ``clone(CLONE_PARENT)``, this worker forks its children itself with freed memory
-    scrubbed (so a call finds no trace of earlier calls in the heap it inherits; ~25 % of calls/s)."""
+    scrubbed (so a call finds no trace of earlier calls in the heap it inherits, at a cost in
+    calls/s)."""
     try:
         full = Zygote.start(slot, cfg, close=protocol, preload=preload)
         light = None
@@ -313,7 +297,7 @@ def _start_forker(slot: Slot, cfg: WorkerConfig, protocol: tuple[int, int]) -> Z
         return Zygotes(full, light)
     except (OSError, ZygoteGone) as err:
         print(f"kuberl sandbox worker: no zygote ({err}); scrubbing freed memory instead", file=sys.stderr)
-    _LIBC.mallopt(M_PERTURB, 0xA5)
+    LIBC.mallopt(M_PERTURB, 0xA5)
     preload()
     gc.collect()
     gc.freeze()

@@ -9,7 +9,7 @@ building the slot, before the first request; it only ever receives commands (for
 slot's current filter pids and directory), never a call, so a child forked from it holds
 nothing of any call, whatever the worker's allocator does. A worker starts two: the full one
 (numpy, scipy, sympy, math-verify) and a light one (the standard library), and
-:mod:`kuberl.sandbox.routing` picks one per call.
+:mod:`kuberl.sandbox.process.routing` picks one per call.
 
 The child is nevertheless the *worker's* child (``clone`` with ``CLONE_PARENT``): the worker
 waits for it, kills and reaps it, reads its exit status and adopts its orphans exactly as if it
@@ -41,13 +41,15 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
-from kuberl.sandbox.calls import Prepared
-from kuberl.sandbox.child import Pipes, prepare_children, run_prepared, set_name, use_call_environment
-from kuberl.sandbox.forkhooks import ForkHooks
+from kuberl.sandbox.containment.fsview import use_call_environment
+from kuberl.sandbox.libc import LIBC, PYAPI
+from kuberl.sandbox.process.calls import Prepared
+from kuberl.sandbox.process.child import Pipes, prepare_children, run_prepared, set_name
+from kuberl.sandbox.process.forkhooks import ForkHooks
 
 if TYPE_CHECKING:
-    from kuberl.sandbox.slot import Slot
-    from kuberl.sandbox.worker import WorkerConfig
+    from kuberl.sandbox.config import WorkerConfig
+    from kuberl.sandbox.containment.slot import Slot
 
 CLONE_PARENT = 0x00008000
 _SIGCHLD = int(signal.SIGCHLD)
@@ -62,11 +64,15 @@ _ZERO = ctypes.c_long(0)
 _CLONE_ARGS = (ctypes.c_long(_CLONE_NR or -1), ctypes.c_long(CLONE_PARENT | _SIGCHLD))
 # what a kernel or a container's seccomp profile answers where clone3 into a cgroup is not to be
 # had (too old, filtered, not a cgroup v2 directory we may use): the zygote falls back for good
-_NO_CLONE_INTO = (errno.ENOSYS, errno.EPERM, errno.EACCES, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP, errno.EBADF)
-# PyDLL: the GIL stays held across the call, as os.fork holds it across fork()
-_PYAPI = ctypes.PyDLL(None, use_errno=True)
-_PYAPI.syscall.restype = ctypes.c_long
-_LIBC = ctypes.CDLL(None, use_errno=True)
+_NO_CLONE_INTO = (
+    errno.ENOSYS,
+    errno.EPERM,
+    errno.EACCES,
+    errno.EINVAL,
+    errno.E2BIG,
+    errno.EOPNOTSUPP,
+    errno.EBADF,
+)
 _BEFORE_FORK = ctypes.pythonapi.PyOS_BeforeFork
 _AFTER_FORK_CHILD = ctypes.pythonapi.PyOS_AfterFork_Child
 _AFTER_FORK_PARENT = ctypes.pythonapi.PyOS_AfterFork_Parent
@@ -107,18 +113,20 @@ def fork_sibling(cgroup: int | None = None) -> int:
         raise OSError(errno.ENOSYS, f"no clone syscall number known for {platform.machine()}")
     _BEFORE_FORK()
     if cgroup is None:
-        pid = _PYAPI.syscall(_CLONE_ARGS[0], _CLONE_ARGS[1], _ZERO, _ZERO, _ZERO, _ZERO)
+        pid = PYAPI.syscall(_CLONE_ARGS[0], _CLONE_ARGS[1], _ZERO, _ZERO, _ZERO, _ZERO)
     else:
         # no exit_signal with CLONE_PARENT (clone3 refuses one): the child's is ours, SIGCHLD
         args = _CloneArgs(flags=CLONE_PARENT | CLONE_INTO_CGROUP, cgroup=cgroup)
-        pid = _PYAPI.syscall(ctypes.c_long(number), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
+        pid = PYAPI.syscall(ctypes.c_long(number), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
     if pid == 0:
         _AFTER_FORK_CHILD()
         return 0
     err = ctypes.get_errno()
     _AFTER_FORK_PARENT()
     if pid < 0:
-        raise OSError(err, f"clone(CLONE_PARENT{'' if cgroup is None else ' | CLONE_INTO_CGROUP'}): {os.strerror(err)}")
+        raise OSError(
+            err, f"clone(CLONE_PARENT{'' if cgroup is None else ' | CLONE_INTO_CGROUP'}): {os.strerror(err)}"
+        )
     return pid
 
 
@@ -156,7 +164,7 @@ class Zygote:
                 ours.close()
                 for fd in close:
                     os.close(fd)
-                _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+                LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
                 if os.getppid() != worker:  # the worker died before the line above
                     os._exit(0)
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -282,7 +290,7 @@ def _serve(
     sock: socket.socket, slot: Slot, cfg: WorkerConfig, hooks: ForkHooks | None
 ) -> NoReturn:  # pragma: no cover - zygote
     """The zygote's loop: apply state updates, fork children, until the worker goes away.
-    ``hooks``: the after-fork hooks it forks with trimmed (see :mod:`kuberl.sandbox.forkhooks`)."""
+    ``hooks``: the after-fork hooks it forks with trimmed (see :mod:`kuberl.sandbox.process.forkhooks`)."""
     buf = bytearray(_MAX_MESSAGE)
     fork_size = len(_FORK_MSG)
     while True:
