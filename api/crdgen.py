@@ -13,6 +13,7 @@ from typing import Any
 
 from kuberl import GROUP, VERSION
 from kuberl.api.common import RESOURCE_NAME_PATTERN, Resource
+from kuberl.api.job import RolloutSpec
 from kuberl.api.loader import KINDS, dump_yaml
 
 _DROP = {"title", "discriminator"}
@@ -47,6 +48,10 @@ _WHOLE_NODES_RULE = {
 _FLEET_RULES = [_REPLICAS_RULE, _TP_SPAN_RULE, _WHOLE_NODES_RULE]
 _HAS_CONTEXT = "has(self.fleet) && has(self.fleet.engine) && has(self.fleet.engine.contextLength)"
 _CONTEXT = "self.rollout.fleet.engine.contextLength"
+_ROLLOUT_BUDGET = (
+    "has(self.rollout) && has(self.rollout.maxResponseTokens) ? self.rollout.maxResponseTokens : "
+    f"{RolloutSpec.model_fields['max_response_tokens'].default}"
+)
 
 CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
     "AgenticRLJob": {
@@ -57,7 +62,14 @@ CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
                 f"s.maxResponseTokens < {_CONTEXT})",
                 "message": "every rl stage's maxResponseTokens must be < rollout.fleet.engine.contextLength "
                 "(SGLang rejects requests whose prompt + response reach it)",
-            }
+            },
+            {
+                "rule": "!has(self.algorithm) || !has(self.algorithm.lengthReward) || !has(self.stages) || "
+                "self.stages.all(s, s.type != 'rl' || self.algorithm.lengthReward.targets.all(t, t < "
+                f"(has(s.maxResponseTokens) ? s.maxResponseTokens : {_ROLLOUT_BUDGET})))",
+                "message": "every algorithm.lengthReward target must be below each rl stage's response "
+                "budget (maxResponseTokens)",
+            },
         ],
         ("algorithm",): [
             {
@@ -69,6 +81,12 @@ CEL_RULES: dict[str, dict[tuple[str, ...], list[dict[str, str]]]] = {
                 "rule": "self.miniBatches <= self.batchPrompts",
                 "message": "algorithm.miniBatches must be <= algorithm.batchPrompts",
             },
+        ],
+        ("algorithm", "lengthReward"): [
+            {
+                "rule": "!has(self.instruction) || self.instruction.contains('{target}')",
+                "message": "algorithm.lengthReward.instruction must contain {target}",
+            }
         ],
         ("algorithm", "clip"): [
             {"rule": "self.high >= self.low", "message": "clip.high must be >= clip.low"},

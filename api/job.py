@@ -8,7 +8,7 @@ offline difficulty filter (8 rollouts, drop all-correct) and an optimizer reset 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -78,6 +78,61 @@ DEFAULT_TIS_CAP = 2.0
 """verl's default TIS cap: enough to undo typical staleness, small enough to bound the variance."""
 
 
+class LengthRewardSpec(KubeModel):
+    """A thinking budget per problem (INTELLECT-2 section 3.1.2, after L1): the prompt asks for
+    l_target tokens and the reward becomes r_task - alpha * |l_target - l_y|."""
+
+    targets: list[Annotated[int, Field(ge=1)]] = Field(
+        ...,
+        min_length=1,
+        max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "Target lengths l_target in tokens; each problem draws one uniformly. Every target must be "
+            "below the response budget (maxResponseTokens) of every RL stage."
+        ),
+    )
+    alpha: float = Field(
+        0.0003,
+        ge=0,
+        le=1,
+        description="Weight of |l_target - l_y| subtracted from the task reward (INTELLECT-2: 0.0003).",
+    )
+    instruction: str = Field(
+        "Think for {target} tokens before giving a response.",
+        min_length=1,
+        max_length=1024,
+        description="The budget's words in the prompt; {target} becomes the drawn target length.",
+    )
+    position: Literal["before", "after"] = Field(
+        "after",
+        description="Where the instruction goes: before or after the problem's text in the prompt template.",
+    )
+    count_tool_tokens: bool = Field(
+        False,
+        description=(
+            "Whether tool-response tokens count toward l_y. Off (as INTELLECT-2 and L1, where every "
+            "response token is the model's): l_y is the tokens the model wrote."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _instruction(self) -> LengthRewardSpec:
+        try:
+            self.instruction.format(target=1)
+        except (KeyError, IndexError, ValueError) as err:
+            raise FieldError(
+                ("instruction",),
+                f"instruction {self.instruction!r} is not a template with only {{target}} to fill in "
+                f"({type(err).__name__}: {err}); write literal braces as {{{{ and }}}}",
+            ) from None
+        if "{target}" not in self.instruction:
+            raise FieldError(("instruction",), f"instruction {self.instruction!r} must contain {{target}}")
+        if len(set(self.targets)) != len(self.targets):
+            raise FieldError(("targets",), f"targets {self.targets} name a length twice")
+        return self
+
+
 class AlgorithmSpec(KubeModel):
     name: Literal["grpo-roc", "grpo"] = Field("grpo-roc", description="grpo disables Resample-on-Correct.")
     group_size: int = Field(16, ge=2, le=1024, description="G: rollouts kept per prompt.")
@@ -117,6 +172,9 @@ class AlgorithmSpec(KubeModel):
             "Truncated importance sampling cap C: tokens weigh min(pi_old/mu, C), mu the engine that "
             "sampled them. Default 2 when asyncLevel > 0, off at 0; 0 turns it off."
         ),
+    )
+    length_reward: LengthRewardSpec | None = Field(
+        None, description="Thinking budgets: a target length in each prompt and a length term in the reward."
     )
 
     @property
@@ -304,7 +362,8 @@ class TrainerSpec(KubeModel):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Torch device for local runs.")
     pod_template: PodTemplateOverride | None = Field(
-        None, description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...)."
+        None,
+        description="PodTemplateSpec merged over the rendered trainer pods (env, secrets, scheduling, ...).",
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (local runs).")
     micro_batch_tokens: int | None = Field(
@@ -341,7 +400,10 @@ class CheckpointSpec(KubeModel):
     keep: int = Field(3, ge=1)
     volume_size: Quantity = Field("100Gi", description="Size of the checkpoint volume (relative uri only).")
     storage_class_name: str | None = Field(
-        None, max_length=253, pattern=SUBDOMAIN_PATTERN, description="StorageClass of the checkpoint volume; the cluster default when unset."
+        None,
+        max_length=253,
+        pattern=SUBDOMAIN_PATTERN,
+        description="StorageClass of the checkpoint volume; the cluster default when unset.",
     )
 
     @property
@@ -381,6 +443,16 @@ class AgenticRLJobSpec(KubeModel):
                     ("stages", i, "name"),
                     f"{name!r} is already the name of stages[{names.index(name)}]; stage names must be unique",
                 )
+        lr = self.algorithm.length_reward
+        if lr is not None:
+            for i, stage in enumerate(self.stages):
+                budget = self.stage_max_response_tokens(stage)
+                if stage.type == "rl" and max(lr.targets) >= budget:
+                    raise FieldError(
+                        ("algorithm", "lengthReward", "targets"),
+                        f"target {max(lr.targets)} is not below stages[{i}] ('{stage.name}')'s response budget "
+                        f"({budget} tokens): a rollout is cut there, so it could never reach the target",
+                    )
         too_long = self.response_budgets_over_context()
         if too_long:
             ctx = self.rollout.fleet.engine.context_length  # type: ignore[union-attr]
@@ -404,14 +476,24 @@ class AgenticRLJobSpec(KubeModel):
             return []
         over = []
         if self.rollout.max_response_tokens >= ctx:
-            over.append((("rollout", "maxResponseTokens"), f"rollout.maxResponseTokens is {self.rollout.max_response_tokens}"))
+            over.append(
+                (
+                    ("rollout", "maxResponseTokens"),
+                    f"rollout.maxResponseTokens is {self.rollout.max_response_tokens}",
+                )
+            )
         for i, stage in enumerate(self.stages):
             if (
                 stage.type == "rl"
                 and stage.max_response_tokens is not None
                 and stage.max_response_tokens >= ctx
             ):
-                over.append((("stages", i, "maxResponseTokens"), f"stage '{stage.name}' has {stage.max_response_tokens}"))
+                over.append(
+                    (
+                        ("stages", i, "maxResponseTokens"),
+                        f"stage '{stage.name}' has {stage.max_response_tokens}",
+                    )
+                )
         return over
 
     def stage_max_turns(self, stage: StageSpec) -> int:

@@ -131,6 +131,18 @@ TRAINING: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
+        "Thinking budgets (lengthReward)",
+        "Mean |l_target - l_y| in tokens per target length (and over all), and the fraction of rollouts "
+        "within 10 % of their target (INTELLECT-2 section 3.1.2): both fall and rise as the model learns "
+        "to keep the budget its prompt names. Empty without spec.algorithm.lengthReward.",
+        (
+            Query(f"kuberl_train_length_gap_tokens{{{J}}}", "{{job}} |gap| target {{target}}"),
+            Query(f"kuberl_train_length_adherence{{{J}}}", "{{job}} adherence target {{target}}"),
+            Query(f"kuberl_train_length_penalty_mean{{{J}}}", "{{job}} penalty"),
+        ),
+        min=0,
+    ),
+    PanelSpec(
         "Step time",
         "Wall time of the last optimizer step including rollouts, rewards and weight sync.",
         (Query(f"kuberl_train_step_seconds{{{J}}}", "{{job}}"),),

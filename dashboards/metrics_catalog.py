@@ -130,6 +130,27 @@ CATALOG: dict[str, MetricSpec] = {
             "Mean |engine - trainer| log-prob of the step's fresh rollouts, per engine (spot check)",
         ),
         MetricSpec(
+            "kuberl_train_length_penalty_mean",
+            "gauge",
+            ("job",),
+            "trainer",
+            "Mean alpha * |l_target - l_y| subtracted from the task reward (lengthReward)",
+        ),
+        MetricSpec(
+            "kuberl_train_length_gap_tokens",
+            "gauge",
+            ("job", "target"),
+            "trainer",
+            "Mean |l_target - l_y| of the step's rollouts, per target length and over all (lengthReward)",
+        ),
+        MetricSpec(
+            "kuberl_train_length_adherence",
+            "gauge",
+            ("job", "target"),
+            "trainer",
+            "Fraction of the step's rollouts within 10 % of their target length, per target and over all",
+        ),
+        MetricSpec(
             "kuberl_train_rollouts_stale_total",
             "counter",
             ("job",),

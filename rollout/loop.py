@@ -57,7 +57,8 @@ class ToolExecutor(Protocol):
 @dataclass(frozen=True)
 class BatchRequest:
     """One step's rollouts: ``n`` per prompt, each scored against its gold answer; ``seed``
-    derives every rollout's own seed (see :func:`rollout_group`)."""
+    derives every rollout's own seed (see :func:`rollout_group`); ``length_targets``: the
+    thinking budget each prompt asks for (the length reward), one per prompt."""
 
     prompts: list[str]
     golds: list[str]
@@ -67,6 +68,7 @@ class BatchRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    length_targets: list[int] | None = None
 
 
 @dataclass

@@ -285,8 +285,10 @@ class RolloutWorker:
         rewards = [[0.0] * len(g) for g in groups]
         for (i, j), good in zip(where, ok, strict=True):
             rewards[i][j] = 1.0 if good else 0.0
+        targets = request.length_targets or [None] * len(groups)
         return [
-            [Scored(t, r) for t, r in zip(g, rw, strict=True)] for g, rw in zip(groups, rewards, strict=True)
+            [Scored(t, r, target) for t, r in zip(g, rw, strict=True)]
+            for g, rw, target in zip(groups, rewards, targets, strict=True)
         ]
 
     def rollout_metrics(self) -> list[dict[str, Any]]:

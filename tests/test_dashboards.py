@@ -36,6 +36,9 @@ EXTENSIONS = {
     "kuberl_train_rollouts_stale_total": "asynchronous RL: rollouts dropped as stale or out of step",
     "kuberl_train_engine_logprob_gap": "spot check: an engine serving other weights than pushed",
     "kuberl_rollout_requests_waiting": "the trainers' backlog the fleet autoscaler reads (issue 18)",
+    "kuberl_train_length_penalty_mean": "thinking budgets: the length term of the reward (lengthReward)",
+    "kuberl_train_length_gap_tokens": "thinking budgets: |l_target - l_y| per target length",
+    "kuberl_train_length_adherence": "thinking budgets: rollouts within 10 % of their target",
 }
 
 

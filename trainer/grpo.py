@@ -17,6 +17,7 @@ from torch import nn
 from kuberl.rollout.loop import Trajectory
 from kuberl.trainer.advantage import filter_groups, group_advantages
 from kuberl.trainer.distributed import DistContext, split_evenly
+from kuberl.trainer.length_reward import length_penalty, length_stats, response_length
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights, token_logprobs
 from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
@@ -24,10 +25,12 @@ from kuberl.trainer.sft import pad_batch
 
 @dataclass
 class Scored:
-    """A rollout with its binary reward (truncated rollouts keep reward 0)."""
+    """A rollout with its binary task reward (truncated rollouts keep reward 0) and the thinking
+    budget its prompt asked for, if any (the length reward)."""
 
     traj: Trajectory
     reward: float
+    length_target: int | None = None
 
     @property
     def candidate(self) -> RocCandidate:
@@ -90,8 +93,14 @@ def prepare_batch(
     filter_zero: bool = True,
     version: int | None = None,
     max_staleness: int | None = None,
+    length_alpha: float | None = None,
+    count_tool_tokens: bool = False,
 ) -> StepBatch:
     """RoC-select G per group, compute advantages, drop zero-advantage groups; collect stats.
+
+    With ``length_alpha`` (the length reward) a rollout whose prompt asked for a thinking
+    budget is rewarded r_task - alpha * |l_target - l_y| (INTELLECT-2 section 3.1.2): RoC still
+    selects on r_task (rStar2-Agent eqs. 4-5), the advantages (eq. 7) are of the shaped reward.
 
     Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
     dropped before selection and only counted (``rollouts_aborted``). With ``version`` (the
@@ -115,11 +124,17 @@ def prepare_batch(
     all_scored = [s for g in groups for s in g]
     kept_groups: list[list[Scored]] = []
     advs: list[list[float]] = []
+
+    def shaped(s: Scored) -> float:
+        if length_alpha is None or s.length_target is None:
+            return s.reward
+        return s.reward - length_penalty(_length(s.traj, count_tool_tokens), s.length_target, length_alpha)
+
     for gi, g in enumerate(groups):
-        idx = select([s.candidate for s in g], group_size, seed=seed * 100_003 + gi, roc=roc)
+        idx = select([s.candidate for s in g], group_size, seed=seed * 100_003 + gi, roc=roc)  # on r_task
         kg = [g[i] for i in idx]
         kept_groups.append(kg)
-        advs.append(group_advantages([s.reward for s in kg]))
+        advs.append(group_advantages([shaped(s) for s in kg]))
     keep, dropped = filter_groups(advs) if filter_zero else (list(range(len(advs))), 0)
     for gi in keep:
         for s, a in zip(kept_groups[gi], advs[gi], strict=True):
@@ -151,6 +166,10 @@ def prepare_batch(
         "rollouts_aborted": float(generated - len(all_scored) - stale),
         "rollouts_kept": float(len(out.seqs)),
     }
+    if length_alpha is not None:
+        budgeted = [s for s in all_scored if s.length_target is not None]
+        rows = [(_length(s.traj, count_tool_tokens), s.length_target, s.reward - shaped(s)) for s in budgeted]
+        out.stats.update(length_stats(rows))
     known = [a for a in ages if a is not None]
     if known:
         out.stats["rollouts_stale"] = float(stale)
@@ -159,6 +178,10 @@ def prepare_batch(
         for k in sorted(set(known)):
             out.stats[f"staleness_{k}"] = float(sum(a == k for a in known))
     return out
+
+
+def _length(traj: Trajectory, count_tool_tokens: bool) -> int:
+    return response_length(traj.loss_mask, len(traj.response_ids), count_tool_tokens)
 
 
 def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
@@ -501,7 +524,10 @@ def trained_engines(batch: StepBatch) -> set[str]:
 
 
 def spot_rows(
-    groups: Sequence[Sequence[Scored]], version: int | None, count: int, skip: set[str] | frozenset = frozenset()
+    groups: Sequence[Sequence[Scored]],
+    version: int | None,
+    count: int,
+    skip: set[str] | frozenset = frozenset(),
 ) -> StepBatch:
     """Up to ``count`` of the step's rollouts for the engine spot check, trained on or not:
     fresh (sampled by the current policy version), complete, taken in turn from each engine so

@@ -62,6 +62,21 @@ def _gauges() -> dict[str, Gauge]:
                 "Mean |engine - trainer| log-prob of the step's fresh rollouts, per engine (spot check)",
                 ["job", "engine"],
             ),
+            length_penalty=Gauge(
+                "kuberl_train_length_penalty_mean",
+                "Mean alpha * |l_target - l_y| subtracted from the task reward (lengthReward)",
+                ["job"],
+            ),
+            length_gap=Gauge(
+                "kuberl_train_length_gap_tokens",
+                "Mean |l_target - l_y| of the step's rollouts, per target length and over all (lengthReward)",
+                ["job", "target"],
+            ),
+            length_adherence=Gauge(
+                "kuberl_train_length_adherence",
+                "Fraction of the step's rollouts within 10 % of their target length, per target and over all",
+                ["job", "target"],
+            ),
             stale=Counter(
                 "kuberl_train_rollouts_stale",
                 "Rollouts dropped for being older than asyncLevel or from a version never pushed",
@@ -134,6 +149,14 @@ class MetricsSink:
                 g[gauge].labels(self.job, *extra).set(v)
         for engine, gap in (record.get("engine_logprob_gap") or {}).items():
             g["engine_gap"].labels(self.job, engine).set(gap)
+        if record.get("length_penalty_mean") is not None:
+            g["length_penalty"].labels(self.job).set(record["length_penalty_mean"])
+            for stat, overall in (("length_gap", "length_gap_mean"), ("length_adherence", "length_adherence")):
+                if record.get(overall) is not None:
+                    g[stat].labels(self.job, "all").set(record[overall])
+                for key, value in record.items():  # length_gap_t64: target 64
+                    if key.startswith(f"{stat}_t") and value is not None:
+                        g[stat].labels(self.job, key.removeprefix(f"{stat}_t")).set(value)
         if "staleness_max" in record:
             for age in range(int(record["staleness_max"]) + 1):
                 g["staleness"].labels(self.job, str(age)).set(record.get(f"staleness_{age}", 0.0))

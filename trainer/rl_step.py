@@ -141,9 +141,11 @@ def rl_step(
 
 
 def advantages(groups: list[list[Scored]], cfg: StepSettings, version: int) -> list[StepBatch]:
-    """RoC selection, advantages and the zero-advantage filter (``grpo.prepare_batch``), dropping
-    rollouts older than asyncLevel versions; one share per FSDP rank."""
+    """RoC selection, advantages (of the length-shaped reward with ``lengthReward``) and the
+    zero-advantage filter (``grpo.prepare_batch``), dropping rollouts older than asyncLevel
+    versions; one share per FSDP rank."""
     a = cfg.spec.algorithm
+    budget = a.length_reward
     batch = prepare_batch(
         groups,
         a.group_size,
@@ -152,6 +154,8 @@ def advantages(groups: list[list[Scored]], cfg: StepSettings, version: int) -> l
         filter_zero=a.filter_zero_advantage,
         version=version,
         max_staleness=a.async_level,
+        length_alpha=budget.alpha if budget is not None else None,
+        count_tool_tokens=budget is not None and budget.count_tool_tokens,
     )
     return shard_step_batch(batch, cfg.ctx.world_size) if cfg.ctx.enabled else [batch]
 

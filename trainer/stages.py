@@ -37,8 +37,10 @@ from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.orchestrator import Orchestrator
 from kuberl.trainer import data as data_mod
+from kuberl.trainer import length_reward
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.distributed import DistContext
+from kuberl.trainer.grpo import Scored
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
@@ -166,15 +168,27 @@ class Pipeline:
         return out
 
     def _request(
-        self, stage: StageSpec, probs: list[data_mod.Problem], n: int, **sampling: Any
+        self, stage: StageSpec, probs: list[data_mod.Problem], n: int, *, seed: int, **sampling: Any
     ) -> BatchRequest:
-        """``n`` rollouts of each problem under the stage's turn and response limits."""
+        """``n`` rollouts of each problem under the stage's turn and response limits; with
+        ``algorithm.lengthReward`` each problem's prompt asks for a target length drawn from
+        ``seed``."""
+        questions, targets = [p.question for p in probs], None
+        budget = self.spec.algorithm.length_reward
+        if budget is not None:
+            targets = length_reward.draw_targets(budget.targets, len(probs), seed)
+            questions = [
+                length_reward.budget_prompt(q, budget.instruction, t, budget.position)
+                for q, t in zip(questions, targets, strict=True)
+            ]
         return BatchRequest(
-            [template.render_prompt(p.question, self.spec.rollout.prompt_template) for p in probs],
+            [template.render_prompt(q, self.spec.rollout.prompt_template) for q in questions],
             [p.answer for p in probs],
             n,
             max_turns=self.spec.stage_max_turns(stage),
             max_response_tokens=self.spec.stage_max_response_tokens(stage),
+            seed=seed,
+            length_targets=targets,
             **sampling,
         )
 
@@ -250,6 +264,10 @@ class Pipeline:
         terr = sum(s.traj.tool_errors for s in pos) / calls if calls else math.nan
         self.result.evals[label] = acc
         self.result.evals[label + ":tool_error_ratio_positive"] = terr
+        budgets = self._budget_stats([g[0] for g in groups])
+        self.result.evals.update(
+            {f"{label}:{k}": budgets[k] for k in ("length_gap_mean", "length_adherence") if k in budgets}
+        )
         self.sink.step(
             {
                 "type": "eval",
@@ -258,8 +276,25 @@ class Pipeline:
                 "label": label,
                 "accuracy": acc,
                 "tool_error_ratio_positive": terr,
+                **budgets,
             }
         )
+
+    def _budget_stats(self, scored: list[Scored]) -> dict[str, float]:
+        """How the held-out rollouts kept their thinking budgets ({} without a length reward)."""
+        budget = self.spec.algorithm.length_reward
+        if budget is None:
+            return {}
+        rows = []
+        for s in scored:
+            if s.length_target is not None:
+                n = length_reward.response_length(
+                    s.traj.loss_mask, len(s.traj.response_ids), budget.count_tool_tokens
+                )
+                rows.append(
+                    (n, s.length_target, length_reward.length_penalty(n, s.length_target, budget.alpha))
+                )
+        return length_reward.length_stats(rows)
 
     # -- stages -------------------------------------------------------------------------------
 
