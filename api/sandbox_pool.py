@@ -35,6 +35,19 @@ class SandboxLimits(KubeModel):
     disk_mb: int = Field(
         256, alias="diskMB", ge=16, le=65536, description="Files one call may keep in its scratch directory."
     )
+    max_code_kb: int = Field(
+        256, alias="maxCodeKB", ge=1, le=65536, description="Largest code of one call (UTF-8); larger is refused with 413."
+    )
+    max_stdin_kb: int = Field(
+        1024, alias="maxStdinKB", ge=0, le=65536, description="Largest stdin of one call (UTF-8); larger is refused with 413."
+    )
+    max_request_mb: int = Field(
+        16,
+        alias="maxRequestMB",
+        ge=1,
+        le=1024,
+        description="Largest HTTP request body (a batch's total); refused with 413 before it is read whole.",
+    )
 
 
 class SandboxAutoscaling(Autoscaling):
@@ -53,10 +66,13 @@ class SandboxPoolSpec(KubeModel):
     )
     image: str = DEFAULT_SANDBOX_IMAGE
     workers_per_pod: int = Field(2, ge=1, le=256, description="Warm fork-server workers in each pod.")
+    # Requests equal to limits and whole CPUs: a Guaranteed pod, which the kubelet's static CPU
+    # manager gives an exclusive cpuset, so each worker keeps to a CPU of its own (workersPerPod 2).
     resources: ResourceRequirements = Field(
         default_factory=lambda: ResourceRequirements(
-            requests={"cpu": "2", "memory": "4Gi"}, limits={"cpu": "2", "memory": "8Gi"}
-        )
+            requests={"cpu": "2", "memory": "8Gi"}, limits={"cpu": "2", "memory": "8Gi"}
+        ),
+        description="The sandbox container's resources; by default a Guaranteed pod with whole CPUs.",
     )
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     network: Literal["none"] = Field("none", description="Sandboxed code never gets network access.")

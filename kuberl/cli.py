@@ -226,6 +226,9 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
         verify_timeout_seconds=args.verify_timeout_seconds,
         isolation=args.isolation,
         pin_workers=args.pin_workers,
+        idle_timeout_s=args.idle_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
     )
 
 
@@ -461,6 +464,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="let workers run on any CPU (default: one CPU each where the service may use no more "
         "CPUs than it has workers, e.g. one worker per core)",
     )
+    serve.add_argument(
+        "--idle-timeout", type=float, default=15.0,
+        help="seconds a connection may stay without a complete request head (new or kept alive)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--body-timeout", type=float, default=10.0,
+        help="seconds a request's body may take to arrive (else 408 and the connection closed)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connections", type=int, default=4096,
+        help="open connections beyond which new ones are closed as they arrive",
+    )  # fmt: skip
     serve.set_defaults(func=_cmd_sandbox_serve)
 
     o = sub.add_parser(

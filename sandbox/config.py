@@ -64,6 +64,14 @@ class ServiceConfig:
     # one CPU per worker where this process may run on no more CPUs than there are workers
     # (a laptop's cores, a pod's exclusive cpuset; see worker_cpus)
     pin_workers: bool = True
+    # The HTTP front's bounds: a connection that sends no complete request head within
+    # idle_timeout_s (a new one, or one kept alive between requests) is closed, a request whose
+    # body does not arrive within body_timeout_s gets 408 and its connection is closed, and
+    # connections beyond max_connections are closed as they arrive (the open-file limit is raised
+    # at start to what the cap needs).
+    idle_timeout_s: float = 15.0
+    body_timeout_s: float = 10.0
+    max_connections: int = 4096
 
     @property
     def lim(self) -> SandboxLimits:

@@ -95,6 +95,19 @@ def test_sandbox_pool_security_and_egress() -> None:
     )
 
 
+def test_a_default_sandbox_pod_is_guaranteed_with_whole_cpus() -> None:
+    """requests == limits for cpu and memory in every container, cpu a whole number: the QoS
+    class the kubelet's static CPU manager gives an exclusive cpuset (one CPU per worker)."""
+    for spec in ({}, {"workersPerPod": 2}):
+        dep = _by_kind(build_for(SandboxPool.model_validate({"metadata": {"name": "p"}, "spec": spec})))["Deployment"]
+        pod = dep["spec"]["template"]["spec"]
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            res = c["resources"]
+            assert res["requests"] == res["limits"], (c["name"], res)
+            assert set(res["limits"]) >= {"cpu", "memory"}
+            assert str(res["limits"]["cpu"]).isdigit(), res
+
+
 def test_fleet_mi300x_profile() -> None:
     fleet = _fleet(
         replicas=4,

@@ -108,7 +108,7 @@ def rl_step(
         push_wait = orch.push(model, version)
     with clock("rollout"):
         groups = orch.acquire(version, steps_left) if cfg.ctx.is_main else []
-        parts = advantages(groups, cfg, version) if cfg.ctx.is_main else None
+        parts = advantages(groups, cfg, version, max_staleness=orch.ahead) if cfg.ctx.is_main else None
     batch = cfg.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
     a = cfg.spec.algorithm
     mini_batches = min(a.mini_batches, max(1, len(batch.seqs)))
@@ -119,7 +119,7 @@ def rl_step(
         if not on_policy:
             logprob_gap = pi_old(model, batch, cfg)
     with clock("spot_check"):
-        gaps, probe_target = check_engines_before_update(model, batch, groups, cfg, version)
+        gaps, probe_target = check_engines_before_update(model, batch, groups, cfg, version, ahead=orch.ahead)
     with clock("optimizer"):
         upd = update(model, optimizer, batch, cfg, mini_batches=mini_batches, on_policy=on_policy)
     if on_policy:
@@ -140,10 +140,12 @@ def rl_step(
     return StepResult(rec, gaps, probe)
 
 
-def advantages(groups: list[list[Scored]], cfg: StepSettings, version: int) -> list[StepBatch]:
+def advantages(
+    groups: list[list[Scored]], cfg: StepSettings, version: int, *, max_staleness: int
+) -> list[StepBatch]:
     """RoC selection, advantages (of the length-shaped reward with ``lengthReward``) and the
-    zero-advantage filter (``grpo.prepare_batch``), dropping rollouts older than asyncLevel
-    versions; one share per FSDP rank."""
+    zero-advantage filter (``grpo.prepare_batch``), dropping rollouts more than
+    ``max_staleness`` versions old; one share per FSDP rank."""
     a = cfg.spec.algorithm
     budget = a.length_reward
     batch = prepare_batch(
@@ -153,7 +155,7 @@ def advantages(groups: list[list[Scored]], cfg: StepSettings, version: int) -> l
         seed=cfg.spec.seed + version,
         filter_zero=a.filter_zero_advantage,
         version=version,
-        max_staleness=a.async_level,
+        max_staleness=max_staleness,
         length_alpha=budget.alpha if budget is not None else None,
         count_tool_tokens=budget is not None and budget.count_tool_tokens,
     )
@@ -195,7 +197,13 @@ def update(
 
 
 def check_engines_before_update(
-    model: torch.nn.Module, batch: StepBatch, groups: list[list[Scored]], cfg: StepSettings, version: int
+    model: torch.nn.Module,
+    batch: StepBatch,
+    groups: list[list[Scored]],
+    cfg: StepSettings,
+    version: int,
+    *,
+    ahead: int,
 ) -> tuple[dict[str, float], StepBatch | None]:
     """The spot check's part before the update changes the weights: (gaps measured now, rows
     the engines are to score after the update, or None).
@@ -208,7 +216,7 @@ def check_engines_before_update(
     count = cfg.spot_check
     if not count:
         return {}, None
-    if cfg.spec.algorithm.async_level > 0:
+    if ahead > 0:  # batches generate ahead: sampled by older versions
         if any(map(any, batch.masks)) or cfg.ctx.enabled:
             return {}, batch
         target = spot_rows(groups, None, count)  # nothing trained: any of the step's rollouts

@@ -2,6 +2,13 @@
 ``make_app`` (the aiohttp routes: /v1/execute, /v1/verify, /readyz, /healthz, /metrics, with
 the pool's bearer token on /v1/*), and ``serve`` (`kuberl sandbox serve`: process-wide guards,
 the service, a progress line per window).
+
+The front is bounded so that no client can take the service's memory or connections: a body
+over ``limits.maxRequestMB`` is refused with 413 from its Content-Length (or once that much has
+arrived), code and stdin over ``maxCodeKB``/``maxStdinKB`` with 413 naming the field; a body
+that does not arrive within ``body_timeout_s`` gets 408 and its connection closed, a connection
+without a complete request head for ``idle_timeout_s`` is closed, and connections beyond
+``max_connections`` are closed as they arrive.
 """
 
 from __future__ import annotations
@@ -33,6 +40,21 @@ from kuberl.sandbox.service.server import (
 )
 
 
+def _utf8_size(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_size(field: str, text: str, limit_kb: int, setting: str) -> None:
+    """413 for a text over ``limit_kb`` KiB of UTF-8 (a str holds at most 4 bytes a character)."""
+    limit = limit_kb * 1024
+    if len(text) > limit or (4 * len(text) > limit and _utf8_size(text) > limit):
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=limit,
+            actual_size=_utf8_size(text),
+            text=f"'{field}' is {_utf8_size(text)} bytes, over the pool's limits.{setting} ({limit_kb} KiB)",
+        )
+
+
 def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
     code = item.get("code")
     if not isinstance(code, str):
@@ -40,6 +62,8 @@ def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
     stdin = item.get("stdin", "")
     if not isinstance(stdin, str):
         raise web.HTTPBadRequest(text="'stdin' must be a string")
+    _check_size("code", code, lim.max_code_kb, "maxCodeKB")
+    _check_size("stdin", stdin, lim.max_stdin_kb, "maxStdinKB")
     timeout = item.get("timeout", lim.timeout_seconds)
     # JSON's NaN and Infinity parse as floats here, and true as an int: none is a deadline
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
@@ -50,9 +74,24 @@ def _exec_payload(item: dict[str, Any], lim: SandboxLimits) -> dict[str, Any]:
 def make_app(svc: SandboxService) -> web.Application:
     lim = svc.cfg.lim
 
+    max_body = lim.max_request_mb * 2**20
+
     async def body(request: web.Request) -> Any:
+        size = request.content_length
+        if size is not None and size > max_body:  # refused before a byte of it is read
+            raise _closing(web.HTTPRequestEntityTooLarge(
+                max_size=max_body, actual_size=size,
+                text=f"request body is {size} bytes, over the pool's limits.maxRequestMB ({lim.max_request_mb})",
+            ))  # fmt: skip
         try:
-            return await request.json()
+            async with asyncio.timeout(svc.cfg.body_timeout_s):
+                raw = await request.read()  # aiohttp stops at client_max_size (413) without a length
+        except TimeoutError:
+            raise _closing(
+                web.HTTPRequestTimeout(text=f"request body not received within {svc.cfg.body_timeout_s:g} s")
+            ) from None
+        try:
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
 
@@ -163,7 +202,7 @@ def make_app(svc: SandboxService) -> web.Application:
         WORKERS_BUSY.labels(svc.cfg.pool).set(svc.busy)
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(client_max_size=256 * 2**20, middlewares=[require_token(svc.cfg.token)])
+    app = web.Application(client_max_size=max_body, middlewares=[require_token(svc.cfg.token)])
     app.router.add_post("/v1/execute", execute)
     app.router.add_post("/v1/execute_batch", execute_batch)
     app.router.add_post("/v1/verify", verify)
@@ -174,22 +213,87 @@ def make_app(svc: SandboxService) -> web.Application:
     return app
 
 
+def _closing(response: web.HTTPException) -> web.HTTPException:
+    """The error response, and the connection closed after it (the rest of its body unread)."""
+    response.force_close()
+    return response
+
+
+class _Refused(asyncio.Protocol):
+    """A connection beyond ``max_connections``: closed as it arrives."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()
+
+
+class ConnectionCap:
+    """A protocol factory for ``loop.create_server``: aiohttp's handler while fewer than ``cap``
+    connections are open, else one that closes the connection at once.
+
+    It counts connections itself, from the factory call to aiohttp's ``connection_lost``: the
+    event loop accepts a burst of connections, calling the factory for each, before any of them
+    is registered with the server."""
+
+    def __init__(self, server: web.Server, cap: int):
+        self.server, self.cap, self.open = server, cap, 0
+        lost = server.connection_lost
+
+        def connection_lost(handler: Any, exc: BaseException | None) -> None:
+            self.open -= 1
+            lost(handler, exc)
+
+        server.connection_lost = connection_lost  # type: ignore[method-assign]
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self.cap:
+            return _Refused()
+        self.open += 1
+        return self.server()
+
+
+def raise_open_files(need: int) -> int:
+    """Raise this process's soft limit on open files toward ``need`` (at most the hard limit, as
+    an unprivileged process may); returns the soft limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+FILES_BESIDE_CONNECTIONS = 512  # workers' pipes, pidfds, the cgroup and /proc files the service opens
+
+
 async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
     svc = SandboxService(cfg)
     QUEUE_DEPTH.labels(cfg.pool).set(0)
     WORKERS_BUSY.labels(cfg.pool).set(0)
     app = make_app(svc)
-    runner = web.AppRunner(app, access_log=None)
+    # lingering_time: after an error answered before the body was read, what is still arriving is
+    # read and dropped this long (so the client sees the answer, not a reset), then the connection goes
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=cfg.idle_timeout_s, lingering_time=1.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # noqa: SLF001 - port 0 -> the real port
+    files = raise_open_files(cfg.max_connections + FILES_BESIDE_CONNECTIONS)
+    cap = max(1, min(cfg.max_connections, files - FILES_BESIDE_CONNECTIONS))
+    if cap < cfg.max_connections:
+        logging.getLogger("kuberl.sandbox").warning(
+            "open-file limit %d allows %d connections, not %d", files, cap, cfg.max_connections
+        )
+    loop = asyncio.get_running_loop()
+    listener = await loop.create_server(
+        ConnectionCap(runner.server, cap), host, port, reuse_address=True, backlog=1024
+    )
+    bound = listener.sockets[0].getsockname()[1]
     print(f"kuberl sandbox listening on http://{host}:{bound}", flush=True)
     try:
         await svc.start()
         print(f"kuberl sandbox ready; protections {json.dumps(svc.protections())}", flush=True)
         await _log_progress(svc, every_seconds())
     finally:
+        listener.close()
         await svc.stop()
         await runner.cleanup()
 
@@ -241,6 +345,9 @@ def serve(
     verify_timeout_seconds: float = 5.0,
     isolation: str = "full",
     pin_workers: bool = True,
+    idle_timeout_s: float = 15.0,
+    body_timeout_s: float = 10.0,
+    max_connections: int = 4096,
 ) -> int:
     """Run the service until SIGTERM/SIGINT (``kuberl sandbox serve``)."""
     import signal
@@ -257,6 +364,9 @@ def serve(
         verify_timeout_seconds=verify_timeout_seconds,
         isolation=isolation,
         pin_workers=pin_workers,
+        idle_timeout_s=idle_timeout_s,
+        body_timeout_s=body_timeout_s,
+        max_connections=max(1, max_connections),
         sweep_orphans=True,
         token=token_from_env(),
     )
