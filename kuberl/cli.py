@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kuberl import __version__
+from kuberl.lifetime import exit_on_signals
 
 if TYPE_CHECKING:
     from kuberl.api.sandbox_pool import SandboxLimits
@@ -134,14 +135,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         from kuberl.trainer.local import run_file
 
-        return run_file(
-            args.file,
-            out_dir=args.out,
-            ablation=args.algorithm,
-            max_minutes=args.max_minutes,
-            engines=args.engines,
-            weights_dir=args.weights_dir,
-        )
+        with exit_on_signals():  # SIGTERM (an eviction) stops the run as Ctrl-C does, cleanly
+            return run_file(
+                args.file,
+                out_dir=args.out,
+                ablation=args.algorithm,
+                max_minutes=args.max_minutes,
+                engines=args.engines,
+                weights_dir=args.weights_dir,
+            )
     except ImportError as err:
         # Only a missing training dependency gets the hint; any other ImportError is a bug to see.
         if (err.name or "").split(".")[0] not in TRAIN_MODULES:

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from kuberl.lifetime import exit_on_signals
+
 
 def _cmd_models_list(args: argparse.Namespace) -> int:
     from kuberl.trainer.pretrained import MODELS
@@ -47,13 +49,14 @@ def _cmd_vllm_serve(args: argparse.Namespace) -> int:
         cpus=args.cpus,
     )
     server = VLLMServer(cfg, log_path=args.log)
-    url = server.start(args.timeout)
-    print(f"vLLM serving {args.model} at {url} (Ctrl-C stops it)", flush=True)
-    try:
-        while server.alive():
-            time.sleep(1.0)
-    finally:
-        server.stop()
+    with exit_on_signals():  # SIGTERM and SIGHUP stop the server as Ctrl-C does
+        try:
+            url = server.start(args.timeout)
+            print(f"vLLM serving {args.model} at {url} (Ctrl-C stops it)", flush=True)
+            while server.alive():
+                time.sleep(1.0)
+        finally:
+            server.stop()
     print(f"vLLM server exited with code {server.proc.returncode if server.proc else '?'}", file=sys.stderr)
     return 1
 

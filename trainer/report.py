@@ -186,25 +186,16 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
     ]
     targets = sorted({int(k.removeprefix("length_gap_t")) for r in rl for k in r if k.startswith("length_gap_t")})
     if targets:  # a run with spec.algorithm.lengthReward
-        charts += [
-            chart(
-                "Thinking budgets: |l_target - l_y| (tokens)",
-                [Series("all", _pts(rl, "length_gap_mean"))]
-                + [Series(f"target {t}", _pts(rl, f"length_gap_t{t}")) for t in targets]
-                + [Series("held-out eval", _pts(evals, "length_gap_mean"), True)],
-                y_min=0,
-                note="Mean distance of the response length from the target its prompt named (INTELLECT-2 section 3.1.2).",
-            ),
-            chart(
-                "Thinking budgets: adherence",
-                [Series("all", _pts(rl, "length_adherence"))]
-                + [Series(f"target {t}", _pts(rl, f"length_adherence_t{t}")) for t in targets]
-                + [Series("held-out eval", _pts(evals, "length_adherence"), True)],
-                y_min=0,
-                y_max=1,
-                note="Fraction of rollouts within 10 % of their target length.",
-            ),
-        ]
+        for title, overall, per_target, y_max, note in (
+            ("|l_target - l_y| (tokens)", "length_gap_mean", "length_gap_t", None,
+             "Mean distance of the response length from the target its prompt named (INTELLECT-2 section 3.1.2)."),
+            ("adherence", "length_adherence", "length_adherence_t", 1,
+             "Fraction of rollouts within 10 % of their target length."),
+        ):  # fmt: skip
+            series = [Series("all", _pts(rl, overall))]
+            series += [Series(f"target {t}", _pts(rl, f"{per_target}{t}")) for t in targets]
+            series.append(Series("held-out eval", _pts(evals, overall), True))
+            charts.append(chart(f"Thinking budgets: {title}", series, y_min=0, y_max=y_max, note=note))
     return charts
 
 

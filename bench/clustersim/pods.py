@@ -114,11 +114,14 @@ class SandboxPod:
 
 
 class _Request:
-    def __init__(self, body: dict[str, Any]) -> None:
-        self._body = body
+    """What the service's handlers read of an aiohttp request: its length and its body."""
 
-    async def json(self) -> dict[str, Any]:
-        return self._body
+    def __init__(self, body: dict[str, Any]) -> None:
+        self._raw = json.dumps(body).encode()
+        self.content_length = len(self._raw)
+
+    async def read(self) -> bytes:
+        return self._raw
 
 
 class _Response:

@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 
 from kuberl.api.sandbox_pool import SandboxLimits
+from kuberl.lifetime import tied_to_this_process
 
 
 @contextlib.contextmanager
@@ -45,7 +46,7 @@ def running_sandbox(
     ]  # fmt: skip
     service_env = dict(os.environ, **(env or {}), KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env, cwd=cwd
+        tied_to_this_process(cmd), stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env, cwd=cwd
     )
     try:
         assert proc.stdout is not None

@@ -1,0 +1,106 @@
+"""`kuberl run` ends with everything it started (the sandbox service, its workers and zygotes,
+Ray), whichever signal ends it, SIGKILL included; its checkpoints stay whole and the same
+command resumes from them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kuberl.lifetime import descendants
+from tests.test_trainer_pipeline import TINY
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def alive(pids: set[int]) -> dict[int, str]:
+    """The pids of ``pids`` still running (zombies count as gone), with their command lines."""
+    out = {}
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z":
+            out[pid] = cmd[:160]
+    return out
+
+
+def _manifest(tmp_path: Path) -> Path:
+    doc = copy.deepcopy(TINY)
+    doc["metadata"]["name"] = "shutdown"
+    doc["spec"]["stages"][1]["steps"] = 30
+    doc["spec"]["checkpoint"] = {"uri": str(tmp_path / "ck"), "everySteps": 2, "keep": 2}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _start(manifest: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, RAY_DISABLE_USAGE_STATS="1")
+    env.pop("KUBERL_NO_RAY", None)  # Ray's processes are among those that must end
+    return subprocess.Popen(
+        [sys.executable, "-P", "-m", "kuberl", "run", str(manifest), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=manifest.parent,
+    )  # fmt: skip
+
+
+def _wait_for_rl_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        events = out / "events.jsonl"
+        if events.is_file():
+            lines = [json.loads(x) for x in events.read_text().splitlines() if x.strip()]
+            stages = [e for e in lines if e["kind"] == "stage" and "rl" in e["text"]]
+            if stages and any(e["kind"] == "checkpoint" and e["step"] > stages[0]["step"] for e in lines):
+                return
+        time.sleep(0.5)
+    raise AssertionError("no checkpoint of the RL stage within the time limit")
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGHUP, 129), (signal.SIGKILL, -9)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_a_run_ends_with_everything_it_started(tmp_path, sig, code):
+    manifest, out = _manifest(tmp_path), tmp_path / "out"
+    proc = _start(manifest, out)
+    try:
+        _wait_for_rl_checkpoint(proc, out)
+        started = set(descendants(proc.pid))
+        assert any("kuberl sandbox serve" in c for c in alive(started).values()), alive(started)
+        proc.send_signal(sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"kuberl run still running 60 s after {sig.name}")
+        assert proc.returncode == code, proc.stdout.read() if proc.stdout else ""
+        deadline = time.monotonic() + 30
+        while alive(started) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert alive(started) == {}, f"left running after {sig.name}: {alive(started)}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig in (signal.SIGTERM, signal.SIGKILL):
+        # the same command again resumes from the newest checkpoint, which is whole, and finishes
+        again = _start(manifest, out)
+        text, _ = again.communicate(timeout=600)
+        assert again.returncode == 0, text[-3000:]
+        assert "resumed from" in text, text[-3000:]
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        rl_steps = sorted({r["step"] for r in records if r.get("type") == "rl"})
+        assert rl_steps[-1] == 4 + 30, rl_steps  # 4 SFT steps, then every RL step
