@@ -264,7 +264,10 @@ def raise_open_files(need: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-FILES_BESIDE_CONNECTIONS = 512  # workers' pipes, pidfds, the cgroup and /proc files the service opens
+BACKLOG = 1024  # connections the kernel queues for accept(); a burst of them is accepted at once
+# besides the connections: the workers' pipes, pidfds, cgroup and /proc files, and a burst of
+# accepted connections beyond the cap, each holding a descriptor until it is closed
+FILES_BESIDE_CONNECTIONS = 512 + BACKLOG
 
 
 async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
@@ -284,7 +287,7 @@ async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
         )
     loop = asyncio.get_running_loop()
     listener = await loop.create_server(
-        ConnectionCap(runner.server, cap), host, port, reuse_address=True, backlog=1024
+        ConnectionCap(runner.server, cap), host, port, reuse_address=True, backlog=BACKLOG
     )
     bound = listener.sockets[0].getsockname()[1]
     print(f"kuberl sandbox listening on http://{host}:{bound}", flush=True)
@@ -295,6 +298,8 @@ async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
     finally:
         listener.close()
         await svc.stop()
+        with contextlib.suppress(Exception):  # the connections still open end with the service
+            await runner.server.shutdown(2.0)
         await runner.cleanup()
 
 
