@@ -187,11 +187,21 @@ def test_a_run_with_budgets_asks_for_them_and_reports_how_they_were_kept(tmp_pat
             prompts.append((prompt, target))
         return submit(self, request)
 
+    sft_questions: list[str] = []
+    build_sft = RolloutWorker.build_sft
+
+    def building(self, problems, **kwargs):
+        sft_questions.extend(p.question for p in problems)
+        return build_sft(self, problems, **kwargs)
+
     monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
+    monkeypatch.setattr(RolloutWorker, "build_sft", building)
     job = parse_resource(doc)
     run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert prompts and {t for _, t in prompts} <= {8, 16}
     assert all(f"Use {t} tokens." in p for p, t in prompts), prompts[:2]
+    # SFT traces start from the same kind of prompt (an instruction beside each question)
+    assert sft_questions and all(q.endswith(("Use 8 tokens.", "Use 16 tokens.")) for q in sft_questions)
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in records if r.get("type") == "rl"]
     assert len(rl) == 2

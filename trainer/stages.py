@@ -20,6 +20,7 @@ run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -167,22 +168,32 @@ class Pipeline:
             out += self._pool(s, EVAL_SIZE, d.seed + data_mod.EVAL_SEED_OFFSET)
         return out
 
+    def _with_budgets(
+        self, probs: list[data_mod.Problem], seed: int
+    ) -> tuple[list[data_mod.Problem], list[int] | None]:
+        """With ``algorithm.lengthReward``: each problem with a drawn target's instruction beside
+        its question, and the targets; else the problems as they are and None."""
+        budget = self.spec.algorithm.length_reward
+        if budget is None:
+            return probs, None
+        targets = length_reward.draw_targets(budget.targets, len(probs), seed)
+        budgeted = [
+            dataclasses.replace(
+                p, question=length_reward.budget_prompt(p.question, budget.instruction, t, budget.position)
+            )
+            for p, t in zip(probs, targets, strict=True)
+        ]
+        return budgeted, targets
+
     def _request(
         self, stage: StageSpec, probs: list[data_mod.Problem], n: int, *, seed: int, **sampling: Any
     ) -> BatchRequest:
         """``n`` rollouts of each problem under the stage's turn and response limits; with
         ``algorithm.lengthReward`` each problem's prompt asks for a target length drawn from
         ``seed``."""
-        questions, targets = [p.question for p in probs], None
-        budget = self.spec.algorithm.length_reward
-        if budget is not None:
-            targets = length_reward.draw_targets(budget.targets, len(probs), seed)
-            questions = [
-                length_reward.budget_prompt(q, budget.instruction, t, budget.position)
-                for q, t in zip(questions, targets, strict=True)
-            ]
+        probs, targets = self._with_budgets(probs, seed)
         return BatchRequest(
-            [template.render_prompt(q, self.spec.rollout.prompt_template) for q in questions],
+            [template.render_prompt(p.question, self.spec.rollout.prompt_template) for p in probs],
             [p.answer for p in probs],
             n,
             max_turns=self.spec.stage_max_turns(stage),
@@ -360,7 +371,10 @@ class Pipeline:
         if source.startswith("builtin:"):
             batch = stage.batch_size or 32
             n = min(stage.steps * batch, SFT_POOL_MAX)
-            probs = self._pool(source, n, self.spec.data.seed + 11)
+            # SFT traces start from the prompts RL samples from: with thinking budgets, a target's
+            # instruction beside each question (the traces' lengths do not follow it: RL teaches that)
+            pool = self._pool(source, n, self.spec.data.seed + 11)
+            probs, _ = self._with_budgets(pool, self.spec.data.seed + 13)
             traces = self.client.build_sft(
                 probs, seed=self.spec.data.seed, error_fraction=SFT_ERROR_FRACTION, style=style
             )
