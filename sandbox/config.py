@@ -7,10 +7,11 @@ and every call's parent and child side read it.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kuberl.api.sandbox_pool import SandboxLimits
+if TYPE_CHECKING:  # the worker and its zygotes import this module: pydantic stays out of them
+    from kuberl.api.sandbox_pool import SandboxLimits
 
 DEFAULT_UID_BASE = 61000
 
@@ -58,7 +59,7 @@ class ServiceConfig:
     # subreaper sweep) - what a SandboxPool pod running as non-root gets anyway.
     isolation: str = "full"
     # per-service block of slot uids (RLIMIT_NPROC and kill(-1) are per uid host-wide)
-    uid_base: int = field(default_factory=lambda: 100_000 + secrets.randbelow(1_000_000) * 256)
+    uid_base: int = field(default_factory=lambda: _random_uid_base())
     # bearer token required on /v1/* (``kuberl.sandbox.service.auth``); None: no check (loopback use)
     token: str | None = field(default=None, repr=False)
     # one CPU per worker where this process may run on no more CPUs than there are workers
@@ -75,4 +76,12 @@ class ServiceConfig:
 
     @property
     def lim(self) -> SandboxLimits:
+        from kuberl.api.sandbox_pool import SandboxLimits
+
         return self.limits or SandboxLimits()
+
+
+def _random_uid_base() -> int:
+    import secrets  # here, not at the top: the worker and its zygotes import this module
+
+    return 100_000 + secrets.randbelow(1_000_000) * 256
