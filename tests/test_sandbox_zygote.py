@@ -199,3 +199,18 @@ def test_a_child_stopped_while_it_waited_still_runs_its_call(slot):
         assert time.monotonic() - started < 5
     finally:
         zygote.close()
+
+
+def test_the_worker_image_holds_no_pydantic_nor_the_api_models():
+    """Every call forks an image of the worker (through its zygotes): what the worker imports,
+    every call pays for. The configuration types must not pull in pydantic or kuberl.api."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kuberl.sandbox.process.worker\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic' or m.startswith('kuberl.api'))\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]", out.stdout
