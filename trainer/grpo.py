@@ -167,9 +167,7 @@ def prepare_batch(
         "rollouts_kept": float(len(out.seqs)),
     }
     if length_alpha is not None:
-        budgeted = [s for s in all_scored if s.length_target is not None]
-        rows = [(_length(s.traj, count_tool_tokens), s.length_target, s.reward - shaped(s)) for s in budgeted]
-        out.stats.update(length_stats(rows))
+        out.stats.update(length_stats(budget_rows(all_scored, length_alpha, count_tool_tokens)))
     known = [a for a in ages if a is not None]
     if known:
         out.stats["rollouts_stale"] = float(stale)
@@ -182,6 +180,19 @@ def prepare_batch(
 
 def _length(traj: Trajectory, count_tool_tokens: bool) -> int:
     return response_length(traj.loss_mask, len(traj.response_ids), count_tool_tokens)
+
+
+def budget_rows(
+    scored: Sequence[Scored], alpha: float, count_tool_tokens: bool
+) -> list[tuple[int, int, float]]:
+    """(l_y, l_target, alpha * |l_target - l_y|) of each rollout whose prompt named a budget:
+    what ``length_reward.length_stats`` summarises."""
+    rows = []
+    for s in scored:
+        if s.length_target is not None:
+            n = _length(s.traj, count_tool_tokens)
+            rows.append((n, s.length_target, length_penalty(n, s.length_target, alpha)))
+    return rows
 
 
 def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:

@@ -41,7 +41,7 @@ from kuberl.trainer import data as data_mod
 from kuberl.trainer import length_reward
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.distributed import DistContext
-from kuberl.trainer.grpo import Scored
+from kuberl.trainer.grpo import Scored, budget_rows
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
@@ -296,15 +296,7 @@ class Pipeline:
         budget = self.spec.algorithm.length_reward
         if budget is None:
             return {}
-        rows = []
-        for s in scored:
-            if s.length_target is not None:
-                n = length_reward.response_length(
-                    s.traj.loss_mask, len(s.traj.response_ids), budget.count_tool_tokens
-                )
-                rows.append(
-                    (n, s.length_target, length_reward.length_penalty(n, s.length_target, budget.alpha))
-                )
+        rows = budget_rows(scored, budget.alpha, budget.count_tool_tokens)
         return length_reward.length_stats(rows)
 
     # -- stages -------------------------------------------------------------------------------

@@ -47,11 +47,14 @@ def _utf8_size(text: str) -> int:
 def _check_size(field: str, text: str, limit_kb: int, setting: str) -> None:
     """413 for a text over ``limit_kb`` KiB of UTF-8 (a str holds at most 4 bytes a character)."""
     limit = limit_kb * 1024
-    if len(text) > limit or (4 * len(text) > limit and _utf8_size(text) > limit):
+    if 4 * len(text) <= limit:  # fits however it encodes: no need to encode it
+        return
+    size = _utf8_size(text)
+    if size > limit:
         raise web.HTTPRequestEntityTooLarge(
             max_size=limit,
-            actual_size=_utf8_size(text),
-            text=f"'{field}' is {_utf8_size(text)} bytes, over the pool's limits.{setting} ({limit_kb} KiB)",
+            actual_size=size,
+            text=f"'{field}' is {size} bytes, over the pool's limits.{setting} ({limit_kb} KiB)",
         )
 
 
