@@ -33,27 +33,6 @@ _EXEC_TIED = (
 )
 
 
-# waits for SIGTERM (this process ended), then SIGKILLs each pid that is still the same process
-_REAPER = (
-    "import os, signal, sys\n"
-    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
-    "parent, targets = int(sys.argv[1]), [a.split(':') for a in sys.argv[2:]]\n"
-    "if os.getppid() == parent:\n"
-    "    signal.sigwait({signal.SIGTERM})\n"
-    "def start(pid):\n"
-    "    try:\n"
-    "        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[19]\n"
-    "    except OSError:\n"
-    "        return None\n"
-    "for pid, started in targets:\n"
-    "    if start(pid) == started:\n"
-    "        try:\n"
-    "            os.kill(int(pid), signal.SIGKILL)\n"
-    "        except OSError:\n"
-    "            pass\n"
-)
-
-
 def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` in the process tree (from /proc)."""
     kids: dict[int, list[int]] = {}
@@ -84,8 +63,20 @@ def reap_on_exit(pids: Iterable[int]) -> subprocess.Popen | None:
     if not sys.platform.startswith("linux"):
         return None
     targets = [f"{pid}:{t}" for pid in pids if (t := start_time(pid)) is not None]
-    cmd = tied_to_this_process([sys.executable, "-c", _REAPER, str(os.getpid()), *targets])
+    cmd = tied_to_this_process([sys.executable, "-m", "kuberl.lifetime", str(os.getpid()), *targets])
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _watch(parent: int, targets: list[tuple[int, str]]) -> None:
+    """The watchdog of :func:`reap_on_exit`: wait for SIGTERM (``parent`` ended), then SIGKILL
+    each target that is still the process it was."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    if os.getppid() == parent:  # else it is gone already and no signal will come
+        signal.sigwait({signal.SIGTERM})
+    for pid, started in targets:
+        if start_time(pid) == started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def tied_to_this_process(cmd: Sequence[str]) -> list[str]:
@@ -113,3 +104,7 @@ def exit_on_signals(signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+if __name__ == "__main__":
+    _watch(int(sys.argv[1]), [(int(p), t) for p, t in (a.split(":", 1) for a in sys.argv[2:])])
