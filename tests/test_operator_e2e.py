@@ -141,8 +141,10 @@ async def test_pool_lifecycle_create_update_drift_scale_delete() -> None:
         owner = await k.get(f"{API}/sandboxpools/tools")
         assert dep["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
         assert dep["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kuberl"
-        assert await k.get(f"/api/v1/namespaces/{NS}/services/tools")
-        assert await k.get(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/tools-deny-egress")
+        # the children are applied one after another: the Deployment can exist before the others
+        await eventually(lambda: k.get(f"/api/v1/namespaces/{NS}/services/tools"), what="Service")
+        np_path = f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/tools-deny-egress"
+        await eventually(lambda: k.get(np_path), what="NetworkPolicy")
 
         async def ready() -> Any:
             st = ((await k.get(f"{API}/sandboxpools/tools")) or {}).get("status") or {}
