@@ -69,6 +69,24 @@ def _copy_source(repo: Path, dest: Path) -> None:
             shutil.copy2(path, dest / rel)
 
 
+def _has_build_requirements() -> bool:
+    """Whether this interpreter can build our wheel without an isolated build environment:
+    setuptools>=70.1 (bdist_wheel built in), or setuptools>=68 with ``wheel``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("setuptools").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    if (major, minor) >= (70, 1):
+        return True
+    try:
+        version("wheel")
+    except PackageNotFoundError:
+        return False
+    return major >= 68
+
+
 @pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory) -> Path:
     """kuberl built as a wheel from a copy of this checkout and unpacked the way pip lays a
@@ -76,22 +94,15 @@ def installed_wheel(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
     _copy_source(REPO, src)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            root / "dist",
-            src,
-        ],
-        check=True,
+    # a venv made with `python -m venv` holds ensurepip's setuptools, too old for our build
+    # requirements, and no `wheel`: pip then builds in an isolated environment of its own
+    isolation = ["--no-build-isolation"] if _has_build_requirements() else []
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", root / "dist", src],
         capture_output=True,
+        text=True,
     )
+    assert built.returncode == 0, built.stdout + built.stderr
     site = root / "site"
     with zipfile.ZipFile(next((root / "dist").glob("kuberl-*.whl"))) as wheel:
         wheel.extractall(site)

@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from types import CodeType
@@ -112,6 +113,10 @@ def _enter_sandbox(slot: Slot, cfg: WorkerConfig, timeout: float) -> None:
         _drop_capabilities()
     if environment_for() != slot.call_dir:  # forked by the worker itself, not by a zygote
         use_call_environment(slot.call_dir)
+    # tempfile's cached choice is the call's scratch space: a zygote that asked before the
+    # call's root existed (a preloaded module) got the host's /tmp where the scratch space is
+    # elsewhere (an interpreter under /tmp), and /tmp is read-only under the call's root
+    tempfile.tempdir = slot.call_dir
     if _PRCTL(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # Landlock needs it without CAP_SYS_ADMIN
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
     if slot.landlock is not None:
