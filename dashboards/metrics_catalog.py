@@ -158,6 +158,14 @@ CATALOG: dict[str, MetricSpec] = {
             "Rollouts dropped for being older than asyncLevel or from a version never pushed",
         ),
         MetricSpec(
+            "kuberl_rollout_engine_version_faults_total",
+            "counter",
+            ("job", "kind"),
+            "trainer",
+            "Engine answers from weights the trainer did not push (version_mismatch) and the "
+            "re-pushes that put the weights back (repush)",
+        ),
+        MetricSpec(
             "kuberl_autoscaler_desired_replicas",
             "gauge",
             ("namespace", "kind", "name"),

@@ -12,7 +12,9 @@ metric names; ``builders.build_rollout_fleet`` assembles the pods around them.
   use (pause, ``reload_weights``, weight_info) need ``VLLM_SERVER_DEV_MODE=1``, so the engine
   port must stay inside the cluster (the fleet's Service is headless and the chart's
   NetworkPolicy admits only the job's pods); log-probs are the raw model's by default
-  (``--logprobs-mode raw_logprobs``). ``/health`` answers from the API process.
+  (``--logprobs-mode raw_logprobs``). Rollouts use ``/inference/v1/generate``
+  (``--enable-scale-out``), whose answers say which weights sampled them. ``/health`` answers
+  from the API process.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def vllm_args(spec: RolloutFleetSpec, served_name: str) -> list[str]:
         "--port", str(eng.port),
         "--host", "0.0.0.0",
         "--enable-prefix-caching",
+        "--enable-scale-out",  # /inference/v1/generate: tokens in and out, weight labels per answer
         "--dtype", eng.dtype,
     ]  # fmt: skip
     if spec.accelerator.profile == "cpu":

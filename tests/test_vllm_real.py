@@ -189,6 +189,62 @@ async def test_multi_turn_tool_calling_rollout_through_the_real_sandbox(vllm_url
     assert tok.decode(traj.response_ids) == traj.text
 
 
+def _perturbed_policy(smollm2_dir: Path):
+    """A trainer update: every weight matrix perturbed, as a (large) optimizer step would
+    (parameters, not the state dict, so tied embeddings stay tied), rounded to the bf16 the
+    server is given (compare like with like)."""
+    model = load_hf_policy(smollm2_dir).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_weights_back(
+    smollm2_dir, tmp_path
+):
+    """A replica restarts mid-run and comes back serving the base model: its first answer is
+    refused by the version the server itself reports (not trained on), and the client re-pushes
+    the version it had pushed; what the server samples afterwards is the pushed weights' again."""
+    from vllm_fixtures import vllm_available
+
+    from kuberl.ports import free_port
+    from kuberl.rollout.vllm_engine import VersionMismatch
+    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    vllm_available()
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nWhat is 12*7?{IM_END}\n{IM_START}assistant\n")
+    cfg = VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.25, port=free_port())
+    pushed = tmp_path / "v00000001"
+    write_hf_folder(_perturbed_policy(smollm2_dir).state_dict(), smollm2_dir, pushed)
+    server = VLLMServer(cfg, log_path=tmp_path / "server.log")
+    url = server.start(timeout=600)
+    engine = VLLMEngine(url, retries=0)
+    try:
+        base = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
+        assert base.weight_version is None  # the start-up weights
+        await engine.update_weights_from_disk(str(pushed), version=1)
+        mine = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
+        assert mine.weight_version == 1 and mine.output_ids != base.output_ids
+        server.stop()  # the restart: same address, the base model again
+        server = VLLMServer(cfg, log_path=tmp_path / "server.log")
+        assert server.start(timeout=600) == url
+        with pytest.raises(VersionMismatch, match="served weights 'default' where version 1 was pushed"):
+            await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
+        again = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))  # waits for the re-push
+        assert (engine.version_mismatches, engine.repushes) == (1, 1)
+        assert again.weight_version == 1 and again.output_ids == mine.output_ids
+        assert again.output_logprobs == pytest.approx(mine.output_logprobs, abs=1e-3)
+        assert await engine.served_weight_version() == "1"
+    finally:
+        await engine.close()
+        server.stop()
+
+
 async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir, tmp_path):
     """After an in-place push the server's log-probs for a fixed sequence are the new weights'
     (matching the trainer within tolerance) and not the old ones'; /weight_info says the version."""
@@ -198,17 +254,7 @@ async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir
     base = load_hf_policy(smollm2_dir).eval()
     try:
         before = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
-        # A trainer update: perturb every weight matrix, as a (large) optimizer step would
-        # (parameters, not the state dict, so tied embeddings stay tied).
-        new_model = load_hf_policy(smollm2_dir).eval()
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in new_model.parameters():
-                if p.ndim == 2:
-                    p.add_(0.05 * p.std() * torch.randn(p.shape, generator=gen))
-                # what the bf16 server is given: compare like with like (bench/README.md measures
-                # the extra gap of float32 masters against their bf16 copy)
-                p.copy_(p.to(torch.bfloat16).float())
+        new_model = _perturbed_policy(smollm2_dir)
         new_sd = new_model.state_dict()
         pushed = tmp_path / "v00000001"
         write_hf_folder(new_sd, smollm2_dir, pushed)

@@ -82,6 +82,12 @@ def _gauges() -> dict[str, Gauge]:
                 "Rollouts dropped for being older than asyncLevel or from a version never pushed",
                 ["job"],
             ),
+            engine_faults=Counter(
+                "kuberl_rollout_engine_version_faults",
+                "Engine answers from weights the trainer did not push (version_mismatch) and the "
+                "re-pushes that put the weights back (repush)",
+                ["job", "kind"],
+            ),
         )
     return _GAUGES
 
@@ -157,6 +163,9 @@ class MetricsSink:
                 for key, value in record.items():  # length_gap_t64: target 64
                     if key.startswith(f"{stat}_t") and value is not None:
                         g[stat].labels(self.job, key.removeprefix(f"{stat}_t")).set(value)
+        for key, kind in (("engine_version_mismatches", "version_mismatch"), ("engine_repushes", "repush")):
+            if record.get(key):
+                g["engine_faults"].labels(self.job, kind).inc(record[key])
         if "staleness_max" in record:
             for age in range(int(record["staleness_max"]) + 1):
                 g["staleness"].labels(self.job, str(age)).set(record.get(f"staleness_{age}", 0.0))
