@@ -162,8 +162,9 @@ CATALOG: dict[str, MetricSpec] = {
             "counter",
             ("job", "kind"),
             "trainer",
-            "Engine answers from weights the trainer did not push (version_mismatch) and the "
-            "re-pushes that put the weights back (repush)",
+            "Engine answers from weights the trainer did not push (version_mismatch), the "
+            "re-pushes that put the weights back (repush), requests that waited for a restarted "
+            "engine (reconnect)",
         ),
         MetricSpec(
             "kuberl_autoscaler_desired_replicas",

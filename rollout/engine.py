@@ -86,6 +86,16 @@ class GenerateRequest:
             raise ValueError(f"request {self.rid}: temperature must be >= 0, got {self.temperature}")
 
 
+# What an engine client counts of its server's faults (attribute -> the step record's key):
+# answers from weights it did not push, re-pushes of its last version, requests that waited
+# for a server to come back. Summed over the engines and reported per step.
+ENGINE_FAULTS = {
+    "version_mismatches": "engine_version_mismatches",
+    "repushes": "engine_repushes",
+    "reconnects": "engine_reconnects",
+}
+
+
 @dataclass
 class GenerateOutput:
     """The sampled continuation.

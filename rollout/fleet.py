@@ -58,6 +58,9 @@ class FleetSource:
     fleet: str | None = None
     namespace: str | None = None
     engine: str = "sglang"
+    # how long a request waits for an engine that went away to answer again: for servers the
+    # run restarts itself (a local run's vLLM); a fleet's replicas come and go by discovery
+    reconnect_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
@@ -120,7 +123,7 @@ class FleetWatcher:
         A server of another engine type than the fleet names is an error at once: no later
         round would make it right.
         """
-        engine = make_engine(self.source.engine, url, **self.engine_kwargs)
+        engine = make_engine(self.source.engine, url, reconnect_s=self.source.reconnect_s, **self.engine_kwargs)
         try:
             if not await engine.health():
                 raise RuntimeError("not healthy yet")

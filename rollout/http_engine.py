@@ -57,12 +57,19 @@ def error_message(body: str) -> str:
     return body
 
 
+MAX_RECONNECTS = 3  # per request: a request that brings its server down each time is not retried forever
+
+
 class HTTPEngine(Engine):
     """An engine reached over HTTP at ``base_url``.
 
     Connection errors and 5xx answers are retried with backoff, all attempts together within
     ``request_timeout`` seconds. A generation that timed out is not retried (``retry_timeouts``):
     the server may still be running it, and a retry would double the load.
+
+    ``reconnect_s`` > 0 is for a server that is restarted when it dies (a local run supervises
+    its own): a request that finds it gone (connection refused or dropped) waits up to that
+    long for ``/health`` to answer again, then is sent again, without spending an attempt.
     """
 
     shared = True  # a fleet's servers can serve other jobs too: their load counts
@@ -78,6 +85,7 @@ class HTTPEngine(Engine):
         request_timeout: float = 3600.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        reconnect_s: float = 0.0,
         session: aiohttp.ClientSession | None = None,
     ):
         if not base_url.startswith(("http://", "https://")):
@@ -89,6 +97,8 @@ class HTTPEngine(Engine):
         self.request_timeout = request_timeout
         self.retries = retries
         self.backoff_s = backoff_s
+        self.reconnect_s = reconnect_s
+        self.reconnects = 0  # times a request found the server gone and waited for it
         self._session = session
         self._own_session = session is None
         self.capacity_version = 0
@@ -117,9 +127,12 @@ class HTTPEngine(Engine):
         budget = self.request_timeout if timeout is None else timeout
         deadline = loop.time() + budget
         error_type, http_error_type = self.error_type, self.http_error_type
-        for attempt in range(self.retries + 1):
+        attempt, sent, reconnected = -1, 0, 0
+        while attempt < self.retries:
+            attempt += 1
             remaining = deadline - loop.time()
-            body = body_for_attempt(attempt) if body_for_attempt is not None else json
+            body = body_for_attempt(sent) if body_for_attempt is not None else json
+            sent += 1  # every send gets its own body (a generation's retry its own request id)
             try:
                 async with session.request(
                     method, url, json=body, timeout=aiohttp.ClientTimeout(total=remaining)
@@ -142,6 +155,17 @@ class HTTPEngine(Engine):
                         f"{method} {url} timed out (attempt {attempt + 1}, {budget:g} s budget)"
                     ) from err
                 error: Exception = err
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
+                if self.reconnect_s > 0 and reconnected < MAX_RECONNECTS:
+                    waited = await self._wait_until_back()
+                    if waited is not None:  # the outage counts neither as an attempt nor as time
+                        deadline += waited
+                        attempt -= 1
+                        reconnected += 1
+                        continue
+                if attempt >= self.retries:
+                    raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
+                error = err
             except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
                 if attempt >= self.retries:
                     raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
@@ -153,6 +177,18 @@ class HTTPEngine(Engine):
                 ) from error
             await asyncio.sleep(pause)
         raise AssertionError("unreachable")
+
+    async def _wait_until_back(self) -> float | None:
+        """Poll ``/health`` until the server answers (seconds waited) or ``reconnect_s`` runs
+        out (None). Concurrent requests each poll; a restart is rare and the polls are cheap."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < self.reconnect_s:
+            if await self.health():
+                self.reconnects += 1
+                return loop.time() - start
+            await asyncio.sleep(1.0)
+        return None
 
     async def health(self) -> bool:
         session = await self._http()

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from kuberl.rollout.client import RolloutClient
+from kuberl.rollout.engine import ENGINE_FAULTS
 from kuberl.rollout.loop import BatchRequest
 from kuberl.trainer.grpo import Scored
 
@@ -125,6 +126,7 @@ class Orchestrator:
         self.pending: dict[int, int] = {}  # global step -> ticket of its submitted batch
         self._background: BackgroundPush | None = None
         self._busy_mark = client.busy_seconds() if client is not None else None
+        self._faults: dict[str, float] = {}  # engine faults counted before this step's rollouts
 
     def __enter__(self) -> Orchestrator:
         return self
@@ -161,7 +163,10 @@ class Orchestrator:
         of the stage go out, on the push's thread if one runs."""
         assert self.client is not None, "only rank 0 acquires batches"
         if self.ahead == 0:
-            self.client.step_stats()  # from here on: this step's figures alone (not an eval's)
+            # from here on: this step's figures alone (not an eval's); engine faults since the
+            # last step (a push that waited for a restarted server) belong to this step
+            dropped = self.client.step_stats() or {}
+            self._faults = {k: v for k, v in dropped.items() if k in ENGINE_FAULTS.values()}
             return self.client.generate(self.request(0))
         if step not in self.pending:  # the stage's first step: later ones were submitted ahead
             self._submit(step, self.request(0))
@@ -191,6 +196,9 @@ class Orchestrator:
         if self.client is None:
             return {}
         out = dict(self.client.step_stats() or {})
+        for key, value in self._faults.items():
+            out[key] = out.get(key, 0.0) + value
+        self._faults = {}
         busy = self.client.busy_seconds()
         if busy is not None and self._busy_mark is not None:
             out["engine_busy_seconds"] = busy - self._busy_mark

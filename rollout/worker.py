@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kuberl.rollout.engine import ENGINE_FAULTS
 from kuberl.rollout.loop import BatchRequest, rollout_group
 from kuberl.trainer.grpo import Scored
 from kuberl.trainer.tool_stats import ToolTally
@@ -192,16 +193,16 @@ class RolloutWorker:
             fut.cancel()
 
     def step_stats(self) -> dict[str, float]:
-        """Tool-call outcomes and latency, and the peak KV-cache use of the engines, since the
-        last call (taken on the loop thread, where they are recorded)."""
+        """Tool-call outcomes and latency, the peak KV-cache use of the engines and their fault
+        counts (:data:`ENGINE_FAULTS`), since the last call (taken on the loop thread, where they
+        are recorded)."""
 
         async def take() -> dict[str, float]:
             out = self.executor.take()
             if self._kv_peak is not None:
                 out["kv_cache_utilization"] = self._kv_peak
             self._kv_peak = None
-            # answers from weights the engine was not given, and the re-pushes they caused
-            for key, attr in (("engine_version_mismatches", "version_mismatches"), ("engine_repushes", "repushes")):
+            for attr, key in ENGINE_FAULTS.items():
                 total = sum(getattr(e, attr, 0) for e in self.scheduler.engines)
                 if total or key in self._fault_totals:
                     out[key] = float(max(0, total - self._fault_totals.get(key, 0)))

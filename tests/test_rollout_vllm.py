@@ -148,6 +148,7 @@ class StubVLLM:
         self.dev_mode, self.fail_reload, self.scale_out = dev_mode, fail_reload, scale_out
         self.calls: list[str] = []
         self.version = "default"
+        self.frozen = False  # the weight label stays what it is, whatever is pushed
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -176,7 +177,7 @@ class StubVLLM:
         if request.path == "/collective_rpc" and self.fail_reload:
             msg = "Call to collective_rpc method failed: Worker failed with error 'no weights'"
             return web.json_response({"error": {"message": msg, "code": 500}}, status=500)
-        if request.path == "/update_weight_version":
+        if request.path == "/update_weight_version" and not self.frozen:
             self.version = (await request.json())["new_version"]
         return web.json_response({"success": True})
 
@@ -230,30 +231,71 @@ async def test_client_generates_and_pushes_in_the_documented_order(serve, tmp_pa
 
 async def test_a_restarted_server_is_caught_at_its_first_answer_and_gets_the_weights_back(serve, tmp_path):
     """A replica that comes back from a restart serves its start-up weights (label "default"):
-    its answer is refused, not trained on; rollouts sent meanwhile wait for the re-push."""
+    its answer is dropped, not returned; the client re-pushes its last version and runs the
+    request again; requests arriving meanwhile wait for that one re-push."""
     import asyncio
 
     stub = StubVLLM()
     engine = VLLMEngine(await serve(stub), retries=0)
     folder = _folder(tmp_path)
+    gen = "/inference/v1/generate"
+    pushed = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
     try:
         await engine.update_weights_from_disk(folder, version=3)
         assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3
         stub.version, stub.calls = "default", []  # the restart
-        with pytest.raises(VersionMismatch, match="served weights 'default' where version 3 was pushed"):
+        out = await engine.generate(GenerateRequest([1, 2], 16))
+        assert out.weight_version == 3 and (engine.version_mismatches, engine.repushes) == (1, 1)
+        assert stub.calls == [gen, *pushed, gen]
+        stub.version, stub.calls = "default", []  # another restart, three rollouts at once
+        outs = await asyncio.gather(*(engine.generate(GenerateRequest([1, 2], 16)) for _ in range(3)))
+        assert [o.weight_version for o in outs] == [3, 3, 3] and (engine.version_mismatches, engine.repushes) == (4, 2)
+        assert stub.calls == [gen, gen, gen, *pushed, gen, gen, gen]  # one re-push for the three
+        # a server whose label a push does not change (the push did not take): the re-push says so
+        stub.version, stub.frozen = "4", True
+        with pytest.raises(VLLMError, match="after loading version 3 the server reports serving '4'"):
             await engine.generate(GenerateRequest([1, 2], 16))
-        assert engine.version_mismatches == 1
-        later = await asyncio.gather(*(engine.generate(GenerateRequest([1, 2], 16)) for _ in range(3)))
-        assert [o.weight_version for o in later] == [3, 3, 3] and engine.repushes == 1
-        gen = "/inference/v1/generate"
-        pushed = ["/pause", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/resume"]
-        assert stub.calls == [gen, *pushed, gen, gen, gen]  # the three waited for the one re-push
-        # a server that reports a version this client never pushed is refused the same way
-        stub.version = "4"
-        with pytest.raises(VersionMismatch, match="served weights '4' where version 3"):
-            await engine.generate(GenerateRequest([1, 2], 16))
+        assert engine.version_mismatches == 5 and engine.repushes == 2
     finally:
         await engine.close()
+
+
+async def test_a_request_waits_for_a_server_that_is_restarted_and_one_without_reconnect_fails():
+    """``reconnect_s`` (a local run restarts its own server when it dies): a request that finds
+    the server gone waits for /health and is sent again, neither an attempt nor time spent."""
+    import asyncio
+
+    from kuberl.ports import free_port
+
+    port = free_port()
+
+    async def up() -> web.AppRunner:
+        runner = web.AppRunner(StubVLLM().app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    runner = await up()
+    patient = VLLMEngine(f"http://127.0.0.1:{port}", retries=0, reconnect_s=30, request_timeout=1.0)
+    hasty = VLLMEngine(f"http://127.0.0.1:{port}", retries=0)
+    try:
+        await patient.context_length(), await hasty.context_length()
+        await runner.cleanup()  # the server dies
+        with pytest.raises(VLLMError, match="failed after 1 attempts"):
+            await hasty.generate(GenerateRequest([1, 2], 16))
+
+        async def restart() -> web.AppRunner:
+            await asyncio.sleep(2.0)  # longer than the request's own 1 s budget
+            return await up()
+
+        back = asyncio.create_task(restart())
+        out = await patient.generate(GenerateRequest([1, 2], 16))
+        runner = await back
+        assert out.output_ids == [493, 272, 30] and patient.reconnects == 1
+    finally:
+        await patient.close()
+        await hasty.close()
+        await runner.cleanup()
 
 
 async def test_a_server_without_the_generate_route_says_how_to_start_it(serve):

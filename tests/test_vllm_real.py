@@ -456,8 +456,84 @@ def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_di
     assert len(rl) == 3, rl
     assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 4 for h in rl), rl
     assert all(h["staleness_max"] <= min(i, 1) for i, h in enumerate(rl)), rl
-    assert all("push_wait_seconds" in h for h in rl)
+    # the versions are the server's own labels: every rollout came from a version pushed to it
+    assert not any(h.get("engine_version_mismatches") for h in rl), rl
+    # the push ran beside the update: the trainer waited for it less than the push took
+    assert all(h["push_wait_seconds"] >= 0.0 for h in rl) and rl[0]["push_wait_seconds"] < 60.0, rl
+    # what the spot check looked at and found: every step the one engine scored the trained rows
+    # with the weights it serves, within the bf16-vs-float32 tolerance (wrong weights are > 0.5)
+    gaps = [h.get("engine_logprob_gap") or {} for h in rl]
+    assert all(len(g) == 1 and 0.0 <= next(iter(g.values())) < MEAN_ABS_TOLERANCE for g in gaps), gaps
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
-    assert not [e for e in events if e["kind"] == "engine"], events  # the server served what was pushed
+    assert not [e for e in events if e["kind"] == "engine"], events  # nothing flagged for those gaps
     pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real-async").iterdir())
     assert pushed and pushed[-1].startswith("v"), pushed
+
+
+def test_a_run_survives_its_vllm_server_being_killed_mid_run(smollm2_dir, tmp_path):
+    """SIGKILL of the run's vLLM server (API process and engine core) once the first RL step is
+    recorded: the run restarts the server at the same address, the requests and the push in
+    flight wait for it, its start-up weights are caught by their label and replaced by the
+    current version, and every step trains; nothing is lost or counted twice."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    from vllm_fixtures import vllm_available
+
+    from kuberl.api.job import AgenticRLJob
+    from kuberl.trainer.local import run_job
+
+    vllm_available()
+    job = AgenticRLJob.model_validate(
+        {
+            "metadata": {"name": "killed"},
+            "spec": {
+                "model": {"base": str(smollm2_dir)},
+                "data": {"train": "builtin:arith"},
+                "algorithm": {"groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5, "miniBatches": 1},
+                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
+                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
+                "trainer": {"device": "cpu", "threads": 1},
+                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
+            },
+        }
+    )  # fmt: skip
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    killed: list[int] = []
+
+    def kill_after_first_step() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if metrics.exists() and '"type": "rl"' in metrics.read_text():
+                # this run's server: 1 GiB of KV cache (the session's servers have less)
+                found = subprocess.run(
+                    ["pgrep", "-f", "api_server.*kv-cache-memory-bytes 1073741824"], capture_output=True, text=True
+                ).stdout.split()
+                for pid in map(int, found):
+                    try:
+                        os.killpg(os.getpgid(pid), signal.SIGKILL)
+                        killed.append(pid)
+                    except ProcessLookupError:
+                        pass
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)
+    killer.join(timeout=5)
+    assert killed, "the server was never found to kill"
+    rl = [h for h in result.history if h.get("type") == "rl"]
+    assert [h["step"] for h in rl] == [1, 2, 3], rl  # no step skipped or trained twice
+    assert all(h["rollouts"] == 4 and h["rollouts_aborted"] == 0 and h["rollouts_stale"] == 0 for h in rl), rl
+    faults = {k: sum(h.get(k, 0) for h in rl) for k in ("engine_reconnects", "engine_version_mismatches", "engine_repushes")}
+    # the outage was waited out, and the restarted server served this run's weights again: either
+    # the next push reached it first, or its first answers were caught and it was re-pushed
+    assert faults["engine_reconnects"] >= 1, faults
+    assert faults["engine_repushes"] <= faults["engine_version_mismatches"], faults
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["kind"] == "engine"], events  # the spot check found it in step

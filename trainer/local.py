@@ -62,6 +62,7 @@ def _device(job: AgenticRLJob) -> torch.device:
 
 
 LOCAL_VLLM = FleetSource(engine="vllm")
+LOCAL_VLLM_RECONNECT_S = 600.0  # a vLLM restart on a CPU: model load plus start-up, with room
 """``rollout_target``'s answer for ``spec.rollout.engine: vllm`` with no engines named: run_job
 starts a local vLLM server (``rollout.vllm_server``) for the run and rolls out on it."""
 
@@ -222,9 +223,11 @@ def run_job(
             served = model_dir(job, out).resolve()
             check_chat_template(served, spec.rollout.prompt_template)
             url = servers.enter_context(
-                running_vllm(local_vllm_config(job, served), log_path=out / "vllm-server.log")
+                running_vllm(local_vllm_config(job, served), log_path=out / "vllm-server.log", keep_running=True)
             )
-            fleet = FleetSource(urls=(url,), engine="vllm")
+            # the run restarts its server when it dies (as a kubelet would a pod): rollouts and
+            # pushes wait for it, and its weight labels say when it needs this version again
+            fleet = FleetSource(urls=(url,), engine="vllm", reconnect_s=LOCAL_VLLM_RECONNECT_S)
             weights_path = weights_path or str(out / "weights")
         shared = weights_dir(out, weights_path).resolve() / job.metadata.name if fleet is not None else None
         payload = store.load() if main else None

@@ -84,8 +84,9 @@ def _gauges() -> dict[str, Gauge]:
             ),
             engine_faults=Counter(
                 "kuberl_rollout_engine_version_faults",
-                "Engine answers from weights the trainer did not push (version_mismatch) and the "
-                "re-pushes that put the weights back (repush)",
+                "Engine answers from weights the trainer did not push (version_mismatch), the "
+                "re-pushes that put the weights back (repush), requests that waited for a restarted "
+                "engine (reconnect)",
                 ["job", "kind"],
             ),
         )
@@ -163,7 +164,8 @@ class MetricsSink:
                 for key, value in record.items():  # length_gap_t64: target 64
                     if key.startswith(f"{stat}_t") and value is not None:
                         g[stat].labels(self.job, key.removeprefix(f"{stat}_t")).set(value)
-        for key, kind in (("engine_version_mismatches", "version_mismatch"), ("engine_repushes", "repush")):
+        faults = (("engine_version_mismatches", "version_mismatch"), ("engine_repushes", "repush"), ("engine_reconnects", "reconnect"))
+        for key, kind in faults:
             if record.get(key):
                 g["engine_faults"].labels(self.job, kind).inc(record[key])
         if "staleness_max" in record:
