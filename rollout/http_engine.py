@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json as jsonlib
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.rollout.engine import Engine, EngineLoad
+from kuberl.rollout.engine import Engine, EngineLoad, GenerateOutput
+
+log = logging.getLogger("kuberl.rollout.engine")
 
 EngineKind = Literal["sglang", "vllm"]
 ENGINE_KINDS: tuple[str, ...] = ("sglang", "vllm")
@@ -33,6 +36,39 @@ class EngineHTTPError(EngineError):
         super().__init__(message)
         self.status = status
         self.body = body
+
+
+class VersionMismatch(EngineError):
+    """The server served weights other than those this client pushed (it restarted, or a push
+    did not take): the answer must not be trained on. The client re-pushes its last weights."""
+
+
+DEFAULT_LABEL = "default"  # the weight label SGLang and vLLM report before any versioned push
+
+
+def served_version(labels: list[str], pushed: int | None) -> int | None:
+    """The policy version that sampled an answer, from the server's weight labels (pure): the
+    oldest label's, as staleness counts the oldest turn; None for the weights the server started
+    with. Raises VersionMismatch where this client pushed ``pushed`` and the server answered with
+    weights it never got from it: its start-up weights (it restarted) or a version ahead."""
+    versions: list[int | None] = []
+    for label in labels:
+        if label == DEFAULT_LABEL:
+            versions.append(None)
+            continue
+        try:
+            versions.append(int(label))
+        except ValueError:
+            raise VersionMismatch(f"the server labels its weights {label!r}, not a policy version") from None
+    if pushed is not None:
+        bad = [lab for lab, v in zip(labels, versions, strict=True) if v is None or v > pushed]
+        if bad:
+            raise VersionMismatch(
+                f"served weights {bad[0]!r} where version {pushed} was pushed (a restart loads the "
+                "start-up weights; a push that did not take leaves the old)"
+            )
+    known = [v for v in versions if v is not None]
+    return min(known) if known else None
 
 
 def error_message(body: str) -> str:
@@ -70,6 +106,14 @@ class HTTPEngine(Engine):
     ``reconnect_s`` > 0 is for a server that is restarted when it dies (a local run supervises
     its own): a request that finds it gone (connection refused or dropped) waits up to that
     long for ``/health`` to answer again, then is sent again, without spending an attempt.
+
+    Versions the server vouches for: a generation's policy version is the weight label the
+    server reports for it (:meth:`_vouched`), not this client's belief. An answer from weights
+    this client never pushed (a restarted server's start-up weights, a version ahead) is
+    dropped; the client re-pushes its last version (one re-push however many requests saw it,
+    pushes serialized on one lock) and sends the request again, once; requests arriving
+    meanwhile wait for the re-push. Subclasses send their wire format (``_push``, the labels of
+    an answer, ``served_weight_version``).
     """
 
     shared = True  # a fleet's servers can serve other jobs too: their load counts
@@ -99,6 +143,11 @@ class HTTPEngine(Engine):
         self.backoff_s = backoff_s
         self.reconnect_s = reconnect_s
         self.reconnects = 0  # times a request found the server gone and waited for it
+        self.version_mismatches = 0  # answers from weights this client did not push
+        self.repushes = 0  # pushes that put the last weights back after a mismatch
+        self._pushed: tuple[str, int] | None = None  # (folder, version) of the last versioned push
+        self._push_lock = asyncio.Lock()
+        self._recovery: asyncio.Task[None] | None = None
         self._session = session
         self._own_session = session is None
         self.capacity_version = 0
@@ -177,6 +226,85 @@ class HTTPEngine(Engine):
                 ) from error
             await asyncio.sleep(pause)
         raise AssertionError("unreachable")
+
+    # -- weights: pushes, and the versions the server vouches for ---------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
+        """Make the server serve the HF folder ``model_path`` (written by the trainer), labelled
+        ``version``; pushes to one server never overlap."""
+        self._check_weights(model_path)
+        async with self._push_lock:
+            if version is not None:
+                # before the push: answers from the new weights arrive while it ends
+                self.weight_version = version
+            await self._push(model_path, version)
+            if version is not None:
+                self._pushed = (model_path, version)
+
+    def _check_weights(self, model_path: str) -> None:
+        """Refuse a folder before the server sees it (where this process can see it)."""
+
+    async def _push(self, model_path: str, version: int | None) -> None:
+        raise NotImplementedError
+
+    async def served_weight_version(self) -> str | None:
+        """The weight label the server reports serving now; None where it cannot say."""
+        return None
+
+    async def _vouched(self, send: Callable[[int], Awaitable[tuple[GenerateOutput, list[str] | None]]]) -> GenerateOutput:
+        """``send(run)`` makes one request (run 0, then 1 after a re-push) and returns the answer
+        with the server's weight labels for it (None: a server that reports none, whose answers
+        carry the version this client last pushed)."""
+        for run in (0, 1):
+            if self._recovery is not None:  # requests wait for the re-push instead of running on it
+                await asyncio.shield(self._recovery)
+            out, labels = await send(run)
+            if labels is None:
+                out.weight_version = self.weight_version
+                return out
+            try:
+                out.weight_version = served_version(labels, self.weight_version)
+                return out
+            except VersionMismatch as err:
+                self.version_mismatches += 1
+                self._start_recovery()
+                if run:
+                    raise VersionMismatch(f"{self.name}: {err}, again after re-pushing") from None
+                log.warning("%s: %s; re-pushing version %s", self.name, err, self.weight_version)
+        raise AssertionError("unreachable")
+
+    def _checked_version(self, labels: list[str] | None) -> int | None:
+        """The version of a score (no second run: the caller reports the error); starts the
+        re-push on a mismatch."""
+        if labels is None:
+            return self.weight_version
+        try:
+            return served_version(labels, self.weight_version)
+        except VersionMismatch as err:
+            self.version_mismatches += 1
+            self._start_recovery()
+            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
+
+    def _start_recovery(self) -> None:
+        if self._recovery is None or self._recovery.done():
+            self._recovery = asyncio.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """Put this client's last pushed weights back on a server that lost them. A push that
+        finished since the mismatch already put them right (the server says so, where it can)."""
+        try:
+            async with self._push_lock:
+                if self._pushed is None:
+                    return
+                path, version = self._pushed
+                if await self.served_weight_version() == str(version):
+                    return
+                log.warning("%s: serving other weights than version %s: re-pushing", self.name, version)
+                self.weight_version = version
+                await self._push(path, version)
+                self.repushes += 1
+        finally:
+            self._recovery = None
 
     async def _wait_until_back(self) -> float | None:
         """Poll ``/health`` until the server answers (seconds waited) or ``reconnect_s`` runs

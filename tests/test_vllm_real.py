@@ -212,7 +212,7 @@ async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_
     from vllm_fixtures import vllm_available
 
     from kuberl.ports import free_port
-    from kuberl.rollout.vllm_engine import VersionMismatch
+    from kuberl.rollout.http_engine import VersionMismatch
     from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
 
     vllm_available()
