@@ -110,8 +110,9 @@ async def sync_engines(
 
     New URLs become engines at once (waiting rollouts may start on them); engines whose URL
     disappeared are drained (their running rollouts finish) and closed once idle; a draining
-    engine whose URL comes back is put back into service. ``prepare(url)`` may prepare a
-    new engine (health, current weights) or return None to try again on the next sync.
+    engine whose URL comes back is put back into service, unless it was drained for a fault:
+    that one rejoins as a new engine once it is gone. ``prepare(url)`` may prepare a new
+    engine (health, current weights) or return None to try again on the next sync.
     Returns (added, drained) URLs.
     """
     wanted = parse_url_list(urls) if (urls if isinstance(urls, str) else list(urls)) else []
@@ -123,7 +124,7 @@ async def sync_engines(
             await scheduler.add_engine(engine)
             added.append(u)
     for u in wanted:
-        if u in current and current[u].draining:
+        if u in current and current[u].draining and not current[u].failed:
             scheduler.undrain_engine(current[u].name)
     drained = [u for u, st in current.items() if u not in wanted and not st.draining]
     for u in drained:

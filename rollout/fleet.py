@@ -37,19 +37,21 @@ log = logging.getLogger("kuberl.rollout.fleet")
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-async def push_weights(engines: Iterable[Any], path: str, version: int | None = None) -> None:
-    """Every engine loads the HF folder ``path`` concurrently; raises naming each engine that failed.
-
-    ``version`` (the trainer's step) is recorded by engines that report what they serve (vLLM's
-    ``/weight_info``).
-    """
+async def push_weights(
+    engines: Iterable[Any], path: str, version: int | None = None, *, tolerate: bool = False
+) -> list[tuple[Any, BaseException]]:
+    """Every engine loads the HF folder ``path`` concurrently, labelled ``version`` (the trainer's
+    step). Raises naming each engine that failed; with ``tolerate``, only when none succeeded,
+    and returns the (engine, error) pairs of those that failed."""
     targets = list(engines)
     results = await asyncio.gather(
         *(e.update_weights_from_disk(path, version=version) for e in targets), return_exceptions=True
     )
-    failed = [f"{e.name}: {r}" for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)]
-    if failed:
-        raise RuntimeError(f"weight update to {path} failed on {len(failed)} engine(s): " + "; ".join(failed))
+    failed = [(e, r) for e, r in zip(targets, results, strict=True) if isinstance(r, BaseException)]
+    if failed and (not tolerate or len(failed) == len(targets)):
+        named = "; ".join(f"{e.name}: {r}" for e, r in failed)
+        raise RuntimeError(f"weight update to {path} failed on {len(failed)} engine(s): {named}")
+    return failed
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class FleetWatcher:
         self.weights_path: str | None = None  # the policy version every engine in service has loaded
         self.weights_version: int | None = None
         self.lock = asyncio.Lock()
+        self.push_failures = 0  # engines that left the fleet for a failed push
         self._task: asyncio.Task | None = None
 
     async def _list(self) -> list[str]:
@@ -160,7 +163,7 @@ class FleetWatcher:
             await asyncio.sleep(min(self.interval, 5.0))
         self.scheduler = Scheduler(engines, policy=self.policy)
         await self.scheduler.refresh_capacities()
-        if self.source.fleet is not None and self.interval > 0:
+        if self.interval > 0:  # a fixed list too: an engine that left for a fault rejoins
             self._task = asyncio.get_running_loop().create_task(self._watch(), name="fleet-watch")
         return self.scheduler
 
@@ -181,10 +184,19 @@ class FleetWatcher:
         return added, drained
 
     async def load_weights(self, path: str, version: int | None = None) -> None:
-        """Every engine in service loads ``path``; engines that join later load it first."""
+        """Every engine in service loads ``path``; engines that join later load it first. An
+        engine that fails the push leaves the fleet (drained, closed once idle) and rejoins at
+        a later sync with the then current weights; the push fails only if no engine took it."""
+        assert self.scheduler is not None, "start() first"
         async with self.lock:
-            await push_weights(self.engines, path, version)
+            failed = await push_weights(self.engines, path, version, tolerate=True)
             self.weights_path, self.weights_version = path, version
+            for engine, err in failed:
+                log.warning("engine %s left the fleet: its push of %s failed: %s", engine.name, path, err)
+                self.scheduler.drain_engine(engine.name, failed=True)
+                self.push_failures += 1
+            for engine in self.scheduler.remove_drained():
+                await engine.close()
 
     async def _watch(self) -> None:
         while True:

@@ -97,6 +97,7 @@ class EngineStats:
     peak_reserved: int = 0
     overflow_events: int = 0  # admissions that pushed reserved above capacity
     draining: bool = False  # gets no new rollouts; removed once its in-flight ones finish
+    failed: bool = False  # drained for a fault (a failed push): rejoins only as a new engine
     capacity_version: int = 0  # the engine's capacity_version when capacity was read
     external: int = 0  # KV tokens others use on a shared engine (see the module docstring)
     load_error: str | None = None  # why load_metrics() last failed
@@ -288,9 +289,12 @@ class Scheduler:
         self._export(st)
         self._dispatch()
 
-    def drain_engine(self, name: str) -> None:
-        """Stop assigning rollouts to ``name`` (scale-down, failed health checks)."""
-        self._stats_of(name).draining = True
+    def drain_engine(self, name: str, *, failed: bool = False) -> None:
+        """Stop assigning rollouts to ``name`` (scale-down, failed health checks); ``failed``:
+        for a fault, so that it is never put back as it is (it holds weights of no known version)."""
+        st = self._stats_of(name)
+        st.draining = True
+        st.failed = st.failed or failed
         self._dispatch()  # with no engine left in service, the no-engine clock starts
 
     def undrain_engine(self, name: str) -> None:

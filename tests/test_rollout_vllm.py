@@ -408,3 +408,31 @@ def test_score_payload_and_prompt_logprobs_as_vllm_answers_them():
         parse_score_response({"choices": [{"token_ids": [198], "prompt_logprobs": None}]}, ids, 1)
     with pytest.raises(VLLMError, match=r"prompt_logprobs\[3\] has no log-prob for token 283"):
         parse_score_response(answer, [1, 504, 3458, 283], 3)  # not the sequence the server scored
+
+
+async def test_an_engine_that_fails_a_push_leaves_the_fleet_and_rejoins_with_the_current_weights(serve, tmp_path):
+    """One of two servers refuses a push: the push goes on with the other (not the run's end),
+    the refusing one is drained, and rejoins at the next sync once it loads the current weights;
+    a push no engine takes still fails."""
+    from kuberl.rollout.fleet import FleetSource, FleetWatcher
+
+    good, bad = StubVLLM(), StubVLLM(fail_reload=True)
+    urls = (await serve(good), await serve(bad))
+    watcher = FleetWatcher(FleetSource(urls=urls, engine="vllm"), interval=0)
+    folder = _folder(tmp_path)
+    try:
+        scheduler = await watcher.start(timeout=10)
+        assert len(scheduler.stats) == 2
+        await watcher.load_weights(folder, version=3)
+        assert [e.base_url for e in watcher.engines] == [urls[0]] and watcher.push_failures == 1
+        assert (good.version, bad.version) == ("3", "default")
+        assert await watcher.sync_once() == ([], [])  # still refusing: not back
+        bad.fail_reload = False
+        added, _ = await watcher.sync_once()
+        assert added == [urls[1]] and bad.version == "3"  # back, with the current weights
+        assert sorted(e.base_url for e in watcher.engines) == sorted(urls)
+        good.fail_reload = bad.fail_reload = True
+        with pytest.raises(RuntimeError, match="failed on 2 engine"):
+            await watcher.load_weights(folder, version=4)
+    finally:
+        await watcher.close()
