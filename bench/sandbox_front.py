@@ -168,7 +168,9 @@ def calls_under_flood(url: str, count: int, calls: int = 200) -> tuple[list[floa
     return asyncio.run(scenario())
 
 
-def service(mode: str, limits: SandboxLimits, extra: list[str]):
+def service(
+    mode: str, limits: SandboxLimits, extra: list[str], python: str | None = None, cwd: str | None = None, workers: int = 2
+):
     wrapper: list[str] = []
     if mode == "basic":
         found = unprivileged_wrapper()
@@ -178,8 +180,9 @@ def service(mode: str, limits: SandboxLimits, extra: list[str]):
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
         wrapper = ([prlimit, f"--nofile=1024:{hard}"] if prlimit else []) + found
     return running_sandbox(
-        workers=2, limits=limits, pool=f"front-{mode}", wrapper=wrapper, extra_args=["--isolation", mode, *extra]
-    )
+        workers=workers, limits=limits, pool=f"front-{mode}", wrapper=wrapper, extra_args=["--isolation", mode, *extra],
+        python=python, cwd=cwd,
+    )  # fmt: skip
 
 
 def main() -> int:

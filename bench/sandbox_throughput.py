@@ -43,7 +43,6 @@ from sandbox_front import service
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.service.client import SandboxClient
-from kuberl.sandbox.service.local import running_sandbox
 
 SNIPPETS = {
     "trivial": "print(sum(range(100)))",
@@ -249,16 +248,17 @@ def _load() -> str:
 
 
 def compare(other_python: str, rounds: int, workers: int, calls: int, concurrency: int, rate: float,
-            rate_seconds: float) -> None:  # fmt: skip
-    """This checkout's service vs the one ``other_python`` runs, alternately (see the module doc)."""
+            rate_seconds: float, isolation: str = "full") -> None:  # fmt: skip
+    """This checkout's service vs the one ``other_python`` runs, alternately (see the module doc),
+    both in ``isolation`` mode."""
     sides = {"ours": sys.executable, "other": other_python}
     runs: dict[str, list[dict[str, float]]] = {"ours": [], "other": []}
-    print(f"load average before: {_load()}")
+    print(f"load average before: {_load()}; isolation {isolation}")
     for r in range(rounds):
         order = ["ours", "other"] if r % 2 == 0 else ["other", "ours"]
         for side in order:
             # a neutral cwd: `python -m kuberl` must import each side's own checkout
-            with running_sandbox(workers=workers, python=sides[side], cwd="/") as url:
+            with service(isolation, SandboxLimits(), [], python=sides[side], cwd="/", workers=workers) as url:
                 m = _measure(url, calls, concurrency, rate, rate_seconds)
             runs[side].append(m)
             print(
@@ -307,6 +307,7 @@ def main() -> int:
             args.concurrency,
             float(args.rate),
             args.rate_seconds,
+            isolation="full" if args.isolation == "both" else args.isolation,
         )
         return 0
     modes = ["full", "basic"] if args.isolation == "both" else [args.isolation]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -90,3 +91,43 @@ def test_uid_processes_skips_the_pids_it_is_told_are_not_the_uids():
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+
+
+def test_descendants_walks_the_tree_below_a_process_as_one_pass_over_proc_finds_it(monkeypatch):
+    """A child, its own child and a thread's child: the walk down the kernel's children lists
+    finds the same processes as the pass over all of /proc, and nothing outside the tree."""
+    import subprocess
+    import sys
+
+    from kuberl.sandbox.containment import procs
+
+    # the child starts a grandchild from a second thread (a thread's children list is its own)
+    code = (
+        "import subprocess, sys, threading, time\n"
+        "kids = []\n"
+        "t = threading.Thread(target=lambda: kids.append(subprocess.Popen(['sleep', '30'])))\n"
+        "t.start(); t.join()\n"
+        "kids.append(subprocess.Popen(['sleep', '30']))\n"
+        "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    bystander = subprocess.Popen(["sleep", "30"])
+    grandchildren: set[int] = set()
+    try:
+        assert child.stdout is not None
+        grandchildren = {int(p) for p in child.stdout.readline().split()}
+        assert len(grandchildren) == 2
+        walked = set(procs.descendants(os.getpid()))
+        assert {child.pid, *grandchildren} <= walked and bystander.pid in walked  # both are ours
+        assert set(procs.descendants(child.pid)) == grandchildren
+        monkeypatch.setattr(procs, "CHILDREN_FILES", False)
+        assert set(procs.descendants(child.pid)) == grandchildren  # the pass over /proc agrees
+        assert procs.descendants(bystander.pid) == []
+    finally:
+        for p in (child, bystander):
+            p.kill()
+            p.wait()
+        for pid in grandchildren:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
