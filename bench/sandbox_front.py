@@ -169,11 +169,19 @@ def calls_under_flood(url: str, count: int, calls: int = 200) -> tuple[list[floa
 
 
 def service(
-    mode: str, limits: SandboxLimits, extra: list[str], python: str | None = None, cwd: str | None = None, workers: int = 2
+    mode: str,
+    limits: SandboxLimits,
+    extra: list[str],
+    python: str | None = None,
+    cwd: str | None = None,
+    workers: int = 2,
+    pod_pids: bool = False,
 ):
+    """The sandbox service in ``mode``; basic runs as a fresh non-root uid with a pod's 1,024
+    open files, and with ``pod_pids`` in a PID namespace of its own as in a pod."""
     wrapper: list[str] = []
     if mode == "basic":
-        found = unprivileged_wrapper()
+        found = unprivileged_wrapper(pid_namespace=pod_pids)
         if found is None:
             raise SystemExit("cannot run the service as a non-root uid here")
         prlimit = shutil.which("prlimit")

@@ -5,7 +5,9 @@
     python bench/sandbox_throughput.py --compare OTHER_PYTHON [--rounds 3] [--calls 600]
 
 ``--isolation basic`` runs the service as the operator deploys it: a fresh non-root uid whose
-open-file soft limit is 1,024 (``both``: full, then basic, against one spawn baseline).
+open-file soft limit is 1,024, in a PID namespace of its own with its own /proc as a pod's
+container has (its /proc passes read the pod's processes, not the host's) (``both``: full,
+then basic, against one spawn baseline).
 ``--rate half`` offers half the capacity just measured in that mode.
 
 Prints calls/s and p50/p99 latency for trivial and sympy snippets through the service, the
@@ -258,7 +260,7 @@ def compare(other_python: str, rounds: int, workers: int, calls: int, concurrenc
         order = ["ours", "other"] if r % 2 == 0 else ["other", "ours"]
         for side in order:
             # a neutral cwd: `python -m kuberl` must import each side's own checkout
-            with service(isolation, SandboxLimits(), [], python=sides[side], cwd="/", workers=workers) as url:
+            with service(isolation, SandboxLimits(), [], python=sides[side], cwd="/", workers=workers, pod_pids=True) as url:
                 m = _measure(url, calls, concurrency, rate, rate_seconds)
             runs[side].append(m)
             print(
@@ -318,7 +320,7 @@ def main() -> int:
     for mode in modes:
         measured: dict[str, float] = {}
         # basic: the service as a fresh non-root uid with a pod's 1,024 open files, as the operator deploys it
-        with service(mode, SandboxLimits(), []) as url:
+        with service(mode, SandboxLimits(), [], pod_pids=True) as url:
             for name, code in SNIPPETS.items():
                 asyncio.run(_ours(url, code, 20, args.concurrency))  # warm connections
                 ours, lat = asyncio.run(_ours(url, code, args.calls, args.concurrency))

@@ -47,16 +47,19 @@ os.execvp("setpriv", ["setpriv", "--reuid=" + uid, "--regid=" + uid, "--clear-gr
 """
 
 
-def unprivileged_wrapper() -> list[str] | None:
+def unprivileged_wrapper(pid_namespace: bool = False) -> list[str] | None:
     """A command prefix running the service as a fresh non-root uid (as a pod would); [] when we
-    are not root, None where that cannot be arranged (then the basic service runs as root)."""
+    are not root, None where that cannot be arranged (then the basic service runs as root).
+    ``pid_namespace``: in a PID namespace of its own too, with its own /proc, as a pod's
+    container is (its /proc lists the pod's processes, not the host's)."""
     if os.geteuid() != 0:
         return []
     unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
     if not (unshare and setpriv):
         return None
     uid = 3_000_000 + random.randrange(1_000_000)  # no other test's processes share it
-    cmd = [unshare, "--mount", "--propagation", "private", sys.executable, "-c", _UNPRIVILEGED, str(uid)]
+    pid_ns = ["--pid", "--fork", "--kill-child", "--mount-proc"] if pid_namespace else []
+    cmd = [unshare, "--mount", "--propagation", "private", *pid_ns, sys.executable, "-c", _UNPRIVILEGED, str(uid)]
     return cmd if subprocess.run([*cmd, "true"], capture_output=True).returncode == 0 else None
 
 
