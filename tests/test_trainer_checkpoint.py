@@ -322,6 +322,30 @@ def test_resuming_a_finished_run_repeats_nothing(full_rl_run, monkeypatch):
     assert CheckpointStore(str(full / "checkpoints")).names()[-1] == "ckpt-00000064.pt"
 
 
+def test_a_run_killed_after_its_last_checkpoint_trains_each_lost_step_once_more_and_records_it_once(
+    full_rl_run, tmp_path, monkeypatch
+):
+    """Killed after step 64 was recorded but before its checkpoint (and mid-way through writing
+    a record): the resumed run goes back to step 62's checkpoint, trains 63 and 64 again, and
+    metrics.jsonl holds each step once, the same records as the uninterrupted run's."""
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job, full, ref = full_rl_run
+    out = tmp_path / "killed"
+    shutil.copytree(full, out)
+    (out / "checkpoints" / "ckpt-00000064.pt").unlink()
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"time": 1.0, "type": "rl", "st')  # the record being written when the kill came
+    res = run_job(job, out, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+    records = _lines(out / "metrics.jsonl")
+    steps = [r["step"] for r in records if r["type"] != "eval"]
+    assert steps == sorted(set(steps)) and steps[-2:] == [63, 64], steps  # each step once, in order
+    assert _untimed(records) == _untimed(_lines(full / "metrics.jsonl"))
+    assert _untimed(res.history) == _untimed(ref.history)
+    events = _lines(out / "events.jsonl")
+    resumed = [e["text"] for e in events if e["kind"] == "resume"]
+    assert resumed and "resumed at global step 62; 4 records of later steps" in resumed[-1], resumed
+
+
 def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
     """--max-minutes stops between steps with a checkpoint; the resumed run ends where a full one does."""
     from kuberl.trainer.stages import Pipeline

@@ -129,6 +129,22 @@ class MetricsSink:
             self.port, self.addr = _SERVER_PORT, _SERVER_ADDR
             self.event("metrics", f"prometheus metrics on port {self.port}")
 
+    def forget_after(self, step: int) -> int:
+        """Drop the records of global steps after ``step`` from metrics.jsonl (a run resumed
+        from the checkpoint at ``step`` trains them again: each step keeps one record, the one
+        whose update the run kept); returns how many were dropped."""
+        path = self.out / "metrics.jsonl"
+        if not path.is_file():
+            return 0
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [ln for ln in lines if not _after(ln, step)]
+        if len(kept) == len(lines):
+            return 0
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        tmp.replace(path)
+        return len(lines) - len(kept)
+
     def step(self, record: dict[str, Any]) -> None:
         """Append one step record and update the gauges it has values for."""
         rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
@@ -214,6 +230,16 @@ class MetricsSink:
         self.listeners = []
 
 
+def _after(line: str, step: int) -> bool:
+    """Whether a metrics.jsonl line is the record of a global step after ``step`` (a line that is
+    not a record, a torn last line of a killed run included, is not kept either)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return True
+    return not isinstance(rec, dict) or (isinstance(rec.get("step"), int) and rec["step"] > step)
+
+
 class NullSink:
     """The sink of FSDP ranks other than 0: rank 0 alone writes records, events and gauges."""
 
@@ -225,6 +251,9 @@ class NullSink:
 
     def step(self, record: dict[str, Any]) -> None:
         pass
+
+    def forget_after(self, step: int) -> int:
+        return 0
 
     def event(self, kind: str, text: str, stage: str | None = None, step: int | None = None) -> None:
         pass
