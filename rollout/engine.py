@@ -86,14 +86,15 @@ class GenerateRequest:
             raise ValueError(f"request {self.rid}: temperature must be >= 0, got {self.temperature}")
 
 
-# What an engine client counts of its server's faults (attribute -> the step record's key):
-# answers from weights it did not push, re-pushes of its last version, requests that waited
-# for a server to come back. Summed over the engines and reported per step.
-ENGINE_FAULTS = {
-    "version_mismatches": "engine_version_mismatches",
-    "repushes": "engine_repushes",
-    "reconnects": "engine_reconnects",
-}
+# What an engine client counts of its server's faults, as (its attribute, the step record's
+# key, the ``kind`` label of kuberl_rollout_engine_version_faults_total): answers from weights
+# it did not push, re-pushes of its last version, requests that waited for a server to come
+# back. Summed over the engines and reported per step.
+ENGINE_FAULTS = (
+    ("version_mismatches", "engine_version_mismatches", "version_mismatch"),
+    ("repushes", "engine_repushes", "repush"),
+    ("reconnects", "engine_reconnects", "reconnect"),
+)
 
 
 @dataclass

@@ -93,6 +93,14 @@ def error_message(body: str) -> str:
     return body
 
 
+def request_id(rid: str, run: int, attempt: int) -> str:
+    """The id of one send of request ``rid``: its own the first time; a retry (``attempt``) and
+    the run after a re-push (``run`` 1) get ids of their own, as a server refuses an id it still
+    runs."""
+    base = rid if run == 0 else f"{rid}-again"
+    return base if attempt == 0 else f"{base}-retry{attempt}"
+
+
 MAX_RECONNECTS = 3  # per request: a request that brings its server down each time is not retried forever
 
 
@@ -204,18 +212,15 @@ class HTTPEngine(Engine):
                         f"{method} {url} timed out (attempt {attempt + 1}, {budget:g} s budget)"
                     ) from err
                 error: Exception = err
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as err:
-                if self.reconnect_s > 0 and reconnected < MAX_RECONNECTS:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
+                gone = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
+                if gone and self.reconnect_s > 0 and reconnected < MAX_RECONNECTS:
                     waited = await self._wait_until_back()
                     if waited is not None:  # the outage counts neither as an attempt nor as time
                         deadline += waited
                         attempt -= 1
                         reconnected += 1
                         continue
-                if attempt >= self.retries:
-                    raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
-                error = err
-            except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
                 if attempt >= self.retries:
                     raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
                 error = err
@@ -253,29 +258,24 @@ class HTTPEngine(Engine):
 
     async def _vouched(self, send: Callable[[int], Awaitable[tuple[GenerateOutput, list[str] | None]]]) -> GenerateOutput:
         """``send(run)`` makes one request (run 0, then 1 after a re-push) and returns the answer
-        with the server's weight labels for it (None: a server that reports none, whose answers
-        carry the version this client last pushed)."""
+        with the server's weight labels for it (:meth:`_checked_version`)."""
         for run in (0, 1):
             if self._recovery is not None:  # requests wait for the re-push instead of running on it
                 await asyncio.shield(self._recovery)
             out, labels = await send(run)
-            if labels is None:
-                out.weight_version = self.weight_version
-                return out
             try:
-                out.weight_version = served_version(labels, self.weight_version)
+                out.weight_version = self._checked_version(labels)
                 return out
             except VersionMismatch as err:
-                self.version_mismatches += 1
-                self._start_recovery()
                 if run:
-                    raise VersionMismatch(f"{self.name}: {err}, again after re-pushing") from None
-                log.warning("%s: %s; re-pushing version %s", self.name, err, self.weight_version)
+                    raise VersionMismatch(f"{err}, again after re-pushing") from None
+                log.warning("%s; re-pushing version %s", err, self.weight_version)
         raise AssertionError("unreachable")
 
     def _checked_version(self, labels: list[str] | None) -> int | None:
-        """The version of a score (no second run: the caller reports the error); starts the
-        re-push on a mismatch."""
+        """The version an answer with these weight labels came from (None labels: a server that
+        reports none, whose answers carry the version this client last pushed). On a mismatch
+        the re-push starts and VersionMismatch is raised."""
         if labels is None:
             return self.weight_version
         try:
@@ -283,7 +283,7 @@ class HTTPEngine(Engine):
         except VersionMismatch as err:
             self.version_mismatches += 1
             self._start_recovery()
-            raise VersionMismatch(f"{self.name}: {err}; re-pushing version {self.weight_version}") from None
+            raise VersionMismatch(f"{self.name}: {err}") from None
 
     def _start_recovery(self) -> None:
         if self._recovery is None or self._recovery.done():

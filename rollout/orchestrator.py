@@ -166,7 +166,7 @@ class Orchestrator:
             # from here on: this step's figures alone (not an eval's); engine faults since the
             # last step (a push that waited for a restarted server) belong to this step
             dropped = self.client.step_stats() or {}
-            self._faults = {k: v for k, v in dropped.items() if k in ENGINE_FAULTS.values()}
+            self._faults = {key: dropped[key] for _, key, _ in ENGINE_FAULTS if key in dropped}
             return self.client.generate(self.request(0))
         if step not in self.pending:  # the stage's first step: later ones were submitted ahead
             self._submit(step, self.request(0))

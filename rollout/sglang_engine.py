@@ -44,6 +44,7 @@ from kuberl.rollout.http_engine import (
     HTTPEngine,
     error_message,
     load_from_metrics,
+    request_id,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -234,11 +235,8 @@ class SGLangEngine(HTTPEngine):
         sent = dataclasses.replace(req, max_new_tokens=room)
 
         async def send(run: int) -> tuple[GenerateOutput, list[str] | None]:
-            rid = sent.rid if run == 0 else f"{sent.rid}-again"  # the run after a re-push
-
             def body(attempt: int) -> dict[str, Any]:
-                each = rid if attempt == 0 else f"{rid}-retry{attempt}"
-                return build_generate_payload(dataclasses.replace(sent, rid=each))
+                return build_generate_payload(dataclasses.replace(sent, rid=request_id(sent.rid, run, attempt)))
 
             answer = await self._request("POST", "/generate", body_for_attempt=body, retry_timeouts=False)
             return parse_generate_response(answer), weight_labels(answer)

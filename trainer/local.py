@@ -62,9 +62,9 @@ def _device(job: AgenticRLJob) -> torch.device:
 
 
 LOCAL_VLLM = FleetSource(engine="vllm")
-LOCAL_VLLM_RECONNECT_S = 600.0  # a vLLM restart on a CPU: model load plus start-up, with room
 """``rollout_target``'s answer for ``spec.rollout.engine: vllm`` with no engines named: run_job
 starts a local vLLM server (``rollout.vllm_server``) for the run and rolls out on it."""
+LOCAL_VLLM_RECONNECT_S = 600.0  # a vLLM restart on a CPU: model load plus start-up, with room
 
 
 def rollout_target(job: AgenticRLJob, engines: FleetSource | None) -> FleetSource | None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, start_http_server
 
-from kuberl.rollout.engine import GENERATED_TOKENS
+from kuberl.rollout.engine import ENGINE_FAULTS, GENERATED_TOKENS
 from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT, REQUESTS_WAITING
 
 RUN_INFO = "run.json"
@@ -180,8 +180,7 @@ class MetricsSink:
                 for key, value in record.items():  # length_gap_t64: target 64
                     if key.startswith(f"{stat}_t") and value is not None:
                         g[stat].labels(self.job, key.removeprefix(f"{stat}_t")).set(value)
-        faults = (("engine_version_mismatches", "version_mismatch"), ("engine_repushes", "repush"), ("engine_reconnects", "reconnect"))
-        for key, kind in faults:
+        for _, key, kind in ENGINE_FAULTS:
             if record.get(key):
                 g["engine_faults"].labels(self.job, kind).inc(record[key])
         if "staleness_max" in record:

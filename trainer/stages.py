@@ -237,14 +237,10 @@ class Pipeline:
         self.result.history = list(self.state.extra.get("history", []))
         self.result.evals = dict(self.state.extra.get("evals", {}))
         self._saved_step = self.state.global_step
-        dropped = self.sink.forget_after(self.state.global_step)
-        again = f"; {dropped} records of later steps (trained before the run stopped) dropped: they train again"
-        self.sink.event(
-            "resume",
-            f"resumed at global step {self.state.global_step}" + (again if dropped else ""),
-            stage.name,
-            self.state.global_step,
-        )
+        text = f"resumed at global step {self.state.global_step}"
+        if dropped := self.sink.forget_after(self.state.global_step):
+            text += f"; {dropped} records of later steps (trained before the run stopped) dropped: they train again"
+        self.sink.event("resume", text, stage.name, self.state.global_step)
         if not restored:
             self.sink.event(
                 "resume",

@@ -64,6 +64,31 @@ def wait_for_exit(pids: list[int], timeout: float) -> None:
             os.close(fd)
 
 
+def _children_files_work() -> bool:
+    try:
+        tid = os.listdir("/proc/self/task")[0]
+        read_bytes(f"/proc/self/task/{tid}/children")
+    except (OSError, IndexError):
+        return False
+    return True
+
+
+CHILDREN_FILES = _children_files_work()  # CONFIG_PROC_CHILDREN: /proc/PID/task/TID/children
+
+
+def _kids(pid: int) -> list[int]:
+    """``pid``'s children from the kernel's lists (one small read per thread); none once it is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    kids: list[int] = []
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            kids.extend(int(c) for c in read_bytes(f"/proc/{pid}/task/{tid}/children").split())
+    return kids
+
+
 def _children_of(pid: int) -> list[int]:
     return _children_by_parent().get(pid, [])
 
@@ -71,13 +96,7 @@ def _children_of(pid: int) -> list[int]:
 def own_children() -> set[int]:
     """This process's children, zombies included: ``/proc/self/task/*/children`` (one small
     read per thread) where the kernel has it, else one pass over all of /proc."""
-    found: set[int] = set()
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            found.update(int(p) for p in read_bytes(f"/proc/self/task/{tid}/children").split())
-    except (OSError, ValueError):
-        return set(_children_of(os.getpid()))
-    return found
+    return set(_kids(os.getpid()) if CHILDREN_FILES else _children_of(os.getpid()))
 
 
 def kill_children(keep: frozenset[int] = frozenset(), rounds: int = 100) -> int:
@@ -176,44 +195,21 @@ def reap_zombies(keep: frozenset[int] = frozenset(), patience: float = 1.0) -> N
             time.sleep(0.001)
 
 
-def _children_files_work() -> bool:
-    try:
-        tid = os.listdir("/proc/self/task")[0]
-        read_bytes(f"/proc/self/task/{tid}/children")
-    except (OSError, IndexError):
-        return False
-    return True
-
-
-CHILDREN_FILES = _children_files_work()  # CONFIG_PROC_CHILDREN: /proc/PID/task/TID/children
-
-
-def _kids(pid: int) -> list[int]:
-    """``pid``'s children from the kernel's lists (one small read per thread); none once it is gone."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    kids: list[int] = []
-    for tid in tids:
-        with contextlib.suppress(OSError):
-            kids.extend(int(c) for c in read_bytes(f"/proc/{pid}/task/{tid}/children").split())
-    return kids
-
-
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``: a walk down the kernel's children lists, which reads only
     what lies below (a worker's zygotes and what its call left: a handful), not every process
     of the host's or pod's /proc; one pass over /proc where the kernel keeps no such lists."""
-    found, frontier = [], [pid]
     if CHILDREN_FILES:
-        while frontier:
-            frontier = [kid for p in frontier for kid in _kids(p)]
-            found += frontier
-        return found
-    children = _children_by_parent()
+        kids_of = _kids
+    else:
+        table = _children_by_parent()
+
+        def kids_of(p: int) -> list[int]:
+            return table.get(p, [])
+
+    found, frontier = [], [pid]
     while frontier:
-        frontier = [kid for p in frontier for kid in children.get(p, ())]
+        frontier = [kid for p in frontier for kid in kids_of(p)]
         found += frontier
     return found
 
