@@ -7,7 +7,12 @@ tokens over generation time) and update tokens/s (trained tokens over the rest o
 old-logprob recomputation, the update and the weight push). Goal (the real-model issue): +10
 points of held-out accuracy within 45 minutes on the 2-core machine.
 
-    python bench/real_model.py [--manifest examples/smollm2-cpu.yaml] [--out /tmp/real-model]
+    python bench/real_model.py [--manifest examples/smollm2-cpu.yaml] [--seed N] [--out /tmp/real-model]
+
+``--seed N`` runs a copy of the manifest with ``spec.seed: N`` (written into the run folder).
+A manifest with ``algorithm.lengthReward`` (examples/smollm2-thinking-budgets.yaml) also reports
+how the responses kept their budgets: mean |l_target - l_y| per target and adherence, over the
+first and last RL steps and on the held-out set after SFT and after RL.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +56,57 @@ def summarize(metrics: list[dict]) -> dict[str, float]:
     }
 
 
+def _mean(rows: list[dict], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def budget_summary(metrics: list[dict], window: int = 10) -> list[tuple[str, dict[str, float]]]:
+    """How responses kept their thinking budgets (pure): per row (eval after SFT, first and last
+    ``window`` RL steps, eval after RL) the mean |l_target - l_y| overall and per target and the
+    adherence; [] for a run without a length reward."""
+    keys = sorted(
+        {k for r in metrics for k in r if k.startswith("length_gap") or k.startswith("length_adherence")}
+    )
+    if not keys:
+        return []
+    rl = [r for r in metrics if r.get("type") == "rl"]
+    evals = {r["label"]: r for r in metrics if r.get("type") == "eval"}
+    rows = [
+        ("held-out after SFT", [evals["sft"]] if "sft" in evals else []),
+        (f"RL steps 1-{min(window, len(rl))}", rl[:window]),
+        (f"RL steps {max(1, len(rl) - window + 1)}-{len(rl)}", rl[-window:]),
+        ("held-out after RL", [evals["rl"]] if "rl" in evals else []),
+    ]
+    return [(label, {k: _mean(rs, k) for k in keys}) for label, rs in rows if rs]
+
+
+def _budget_table(rows: list[tuple[str, dict[str, float]]]) -> str:
+    keys = list(rows[0][1])
+    gaps = ["length_gap_mean"] + sorted(
+        (k for k in keys if k.startswith("length_gap_t")), key=lambda k: int(k.removeprefix("length_gap_t"))
+    )
+    head = [
+        "|l_target - l_y|" if k == "length_gap_mean" else f"target {k.removeprefix('length_gap_t')}"
+        for k in gaps
+    ]
+    lines = [f"{'':22}" + "".join(f"{h:>18}" for h in head) + f"{'within 10 %':>14}"]
+    for label, vals in rows:
+        cells = "".join(f"{vals.get(k, float('nan')):>18.1f}" for k in gaps)
+        lines.append(f"{label:22}{cells}{100 * vals.get('length_adherence', float('nan')):>13.1f}%")
+    return "\n".join(lines)
+
+
+def seeded_manifest(manifest: Path, seed: int, folder: Path) -> Path:
+    """A copy of ``manifest`` with ``spec.seed`` set, written into ``folder``."""
+    doc = yaml.safe_load(manifest.read_text())
+    doc["spec"]["seed"] = seed
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{manifest.stem}-seed{seed}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
 def report(out: Path, load: float | None, wall: float | None, code: int) -> None:
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     s = summarize(metrics)
@@ -66,6 +124,10 @@ def report(out: Path, load: float | None, wall: float | None, code: int) -> None
         "(recompute + update + weight push)"
     )
     print(f"train reward: first 5 steps {s['reward_first5']:.3f}, last 5 {s['reward_last5']:.3f}")
+    budgets = budget_summary(metrics)
+    if budgets:
+        print("thinking budgets (tokens the model wrote against the target its prompt named):")
+        print(_budget_table(budgets))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", action="store_true", help="resume an existing run folder instead of starting afresh"
     )
     ap.add_argument("--report", action="store_true", help="only summarize the run folder --out (no run)")
+    ap.add_argument("--seed", type=int, default=None, help="run the manifest with spec.seed set to this")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report:
@@ -83,11 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if out.exists() and not args.keep:
         shutil.rmtree(out)
+    manifest = Path(args.manifest)
+    if args.seed is not None:
+        manifest = seeded_manifest(manifest, args.seed, out.parent / f"{out.name}-manifest")
     # the manifest's checkpoint.uri is relative: inside the run folder
     load = os.getloadavg()
     t0 = time.monotonic()
     env = dict(os.environ, KUBERL_NO_RAY="1")
-    done = subprocess.run([sys.executable, "-m", "kuberl", "run", args.manifest, "--out", str(out)], env=env)
+    done = subprocess.run([sys.executable, "-m", "kuberl", "run", str(manifest), "--out", str(out)], env=env)
     wall = time.monotonic() - t0
     report(out, load[0], wall, done.returncode)
     return done.returncode
