@@ -6,10 +6,13 @@ trainer pods, or from ``kuberl run --engines``):
 * ``KUBERL_ROLLOUT_URLS``: a fixed comma-separated list of engine URLs;
 * ``KUBERL_ROLLOUT_FLEET`` (+ ``KUBERL_NAMESPACE``, else the pod's own namespace): the ready
   endpoints of the fleet's headless Service, listed from its EndpointSlices;
-* ``KUBERL_ROLLOUT_ENGINE``: which server they are (``sglang``, the default, or ``vllm``).
+* ``KUBERL_ROLLOUT_ENGINE``: which server they are (``sglang``, the default, or ``vllm``);
+* ``KUBERL_ROLLOUT_RESYNC_S``: how often the fleet is listed again (default 15 s).
 
-:class:`FleetWatcher` re-lists the fleet every ``interval`` seconds so that replicas the
-autoscaler adds start taking rollouts and removed ones drain. A joining engine first loads the
+:class:`FleetWatcher` re-lists the fleet every ``resync_s`` seconds so that replicas added by
+``kubectl scale`` or the autoscaler start taking rollouts and removed ones drain: a draining
+engine finishes the turns it is generating and hands its rollouts on to the others at their
+next turn (``rollout.loop``), and one that goes unreachable hands them on at once. A joining engine first loads the
 policy's current weights (:meth:`FleetWatcher.load_weights` remembers the last version): a new
 SGLang pod starts from the base model, and rollouts sampled from stale weights would silently
 be off-policy. Joins and weight pushes hold one lock, so an engine can never join with the
@@ -27,14 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kuberl.envvars import env_number
 from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list, sync_engines
 from kuberl.rollout.engines import make_engine
-from kuberl.rollout.http_engine import ENGINE_KINDS, HTTPEngine
+from kuberl.rollout.http_engine import ENGINE_KINDS, EngineUnreachable, HTTPEngine
 from kuberl.rollout.scheduler import Scheduler
 
 log = logging.getLogger("kuberl.rollout.fleet")
 
 SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+DEFAULT_RESYNC_S = 15.0
 
 
 async def push_weights(
@@ -63,25 +68,29 @@ class FleetSource:
     # how long a request waits for an engine that went away to answer again: for servers the
     # run restarts itself (a local run's vLLM); a fleet's replicas come and go by discovery
     reconnect_s: float = 0.0
+    resync_s: float = DEFAULT_RESYNC_S
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine type {self.engine!r} is not one of {', '.join(ENGINE_KINDS)}")
+        if self.resync_s <= 0:
+            raise ValueError(f"the fleet's resync period must be > 0 s, got {self.resync_s}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> FleetSource | None:
         """The source the environment names, or None when it names none (local engine)."""
         env = os.environ if env is None else env
         engine = env.get("KUBERL_ROLLOUT_ENGINE", "").strip() or "sglang"
+        resync_s = env_number("KUBERL_ROLLOUT_RESYNC_S", DEFAULT_RESYNC_S, dict(env))
         if env.get("KUBERL_ROLLOUT_URLS", "").strip():
-            return cls(urls=tuple(parse_url_list(env["KUBERL_ROLLOUT_URLS"])), engine=engine)
+            return cls(urls=tuple(parse_url_list(env["KUBERL_ROLLOUT_URLS"])), engine=engine, resync_s=resync_s)
         fleet = env.get("KUBERL_ROLLOUT_FLEET", "").strip()
         if not fleet:
             return None
         ns = env.get("KUBERL_NAMESPACE", "").strip()
         if not ns and SA_NAMESPACE_FILE.is_file():
             ns = SA_NAMESPACE_FILE.read_text().strip()
-        return cls(fleet=fleet, namespace=ns or "default", engine=engine)
+        return cls(fleet=fleet, namespace=ns or "default", engine=engine, resync_s=resync_s)
 
     def describe(self) -> str:
         where = f"fleet {self.namespace}/{self.fleet}" if self.fleet else f"engines {', '.join(self.urls)}"
@@ -101,13 +110,13 @@ class FleetWatcher:
         source: FleetSource,
         *,
         policy: str = "kv-aware",
-        interval: float = 15.0,
+        interval: float | None = None,
         api: Any = None,
         engine_kwargs: dict[str, Any] | None = None,
     ):
         self.source = source
         self.policy = policy
-        self.interval = interval
+        self.interval = source.resync_s if interval is None else interval
         self.api = api
         self.engine_kwargs = dict(engine_kwargs or {})
         self.scheduler: Scheduler | None = None
@@ -131,6 +140,10 @@ class FleetWatcher:
             if not await engine.health():
                 raise RuntimeError("not healthy yet")
             await engine.check_kind()
+        except EngineUnreachable as err:  # gone again since /health answered: next round
+            log.warning("engine %s not added: %s", url, err)
+            await engine.close()
+            return None
         except engine.error_type:
             await engine.close()
             raise

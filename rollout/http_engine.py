@@ -38,6 +38,12 @@ class EngineHTTPError(EngineError):
         self.body = body
 
 
+class EngineUnreachable(EngineError):
+    """The server could not be reached within the request's attempts (connection refused or
+    dropped): it is gone or going, as a replica removed from the fleet. The request can run on
+    another engine; each engine raises its own subclass (``unreachable_type``)."""
+
+
 class VersionMismatch(EngineError):
     """The server served weights other than those this client pushed (it restarted, or a push
     did not take): the answer must not be trained on. The client re-pushes its last weights."""
@@ -128,6 +134,7 @@ class HTTPEngine(Engine):
     kind: EngineKind
     error_type: type[EngineError] = EngineError
     http_error_type: type[EngineHTTPError] = EngineHTTPError
+    unreachable_type: type[EngineUnreachable] = EngineUnreachable
 
     def __init__(
         self,
@@ -212,6 +219,7 @@ class HTTPEngine(Engine):
                         f"{method} {url} timed out (attempt {attempt + 1}, {budget:g} s budget)"
                     ) from err
                 error: Exception = err
+                failed_as: type[EngineError] = error_type
             except (aiohttp.ClientConnectionError, aiohttp.ClientResponseError) as err:
                 gone = isinstance(err, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
                 if gone and self.reconnect_s > 0 and reconnected < MAX_RECONNECTS:
@@ -221,12 +229,13 @@ class HTTPEngine(Engine):
                         attempt -= 1
                         reconnected += 1
                         continue
+                failed_as = self.unreachable_type if gone else error_type
                 if attempt >= self.retries:
-                    raise error_type(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
+                    raise failed_as(f"{method} {url} failed after {attempt + 1} attempts: {err!r}") from err
                 error = err
             pause = self.backoff_s * 2**attempt
             if loop.time() + pause >= deadline:
-                raise error_type(
+                raise failed_as(
                     f"{method} {url} failed and the {budget:g} s budget leaves no time to retry: {error!r}"
                 ) from error
             await asyncio.sleep(pause)

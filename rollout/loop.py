@@ -11,9 +11,11 @@ paper. Token ids are never re-tokenized, so the trainer sees exactly what the po
 The response budget ``max_response_tokens`` counts every response token, including tool
 responses; tool-response tokens that do not fit are cut and the rollout is marked truncated.
 
-An engine that fails a request (an HTTP error, a dead server) ends only that rollout, with
-finish_reason "abort" and the error recorded; the other rollouts of the step go on, and the
-trainer drops aborted rollouts before selecting the group.
+An engine that fails a request (an HTTP error) ends only that rollout, with finish_reason
+"abort" and the error recorded; the other rollouts of the step go on, and the trainer drops
+aborted rollouts before selecting the group. An engine that goes away (unreachable: a replica
+removed from the fleet, a dead server) or drains between two turns hands its rollouts back:
+each goes on from the turn it was at on another engine, with the tokens it has so far.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kuberl.rollout import template
-from kuberl.rollout.engine import GenerateRequest, derive_seed
+from kuberl.rollout.engine import Engine, GenerateRequest, derive_seed
+from kuberl.rollout.http_engine import EngineUnreachable
 from kuberl.rollout.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -97,8 +100,9 @@ class Trajectory:
     answer_tags: int = 0
     error: str | None = None
     versions: list[int | None] = field(default_factory=list)  # policy version of each model turn
-    engine: str | None = None  # the engine that generated it (a rollout keeps one engine)
+    engine: str | None = None  # the engine that generated its last turn
     tool_seconds: float = 0.0  # wall time this rollout waited for its tool calls (sandbox round trips)
+    handoffs: int = 0  # times it moved to another engine (its engine went away mid-rollout)
 
     @property
     def min_version(self) -> int | None:
@@ -125,6 +129,129 @@ async def _run_calls(executor: ToolExecutor, calls: list) -> tuple[list[str], in
     return [text for text, _ in done], sum(err for _, err in done)
 
 
+MAX_HANDOFFS = 3  # moves of one rollout to another engine; a rollout that loses every engine ends
+
+
+@dataclass
+class _Progress:
+    """What one rollout has so far: it survives a move to another engine."""
+
+    prompt_ids: list[int]
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    format_errors: int = 0
+    answer_tags: int = 0
+    answer: str | None = None
+    error: str | None = None
+    truncated: bool = False
+    finish: str = "max_turns"
+    tool_seconds: float = 0.0
+    engine: str | None = None
+    handoffs: int = 0
+
+
+async def _turns(
+    engine: Engine,
+    scheduler: Scheduler,
+    tokenizer: Tokenizer,
+    executor: ToolExecutor,
+    p: _Progress,
+    *,
+    max_turns: int,
+    max_response_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> bool:
+    """Run turns of ``p`` on ``engine`` until the rollout ends (True) or has to move (False):
+    the engine went unreachable, or it is draining at a turn boundary while another engine
+    takes rollouts (a replica being removed only finishes the turn it is generating)."""
+    while p.turns < max_turns:
+        budget = max_response_tokens - len(p.response)
+        if budget <= 0:
+            p.truncated, p.finish = True, "length"
+            return True
+        if p.turns and not scheduler.in_service(engine.name) and scheduler.others_in_service(engine.name):
+            return False
+        try:
+            out = await engine.generate(
+                GenerateRequest(
+                    input_ids=p.prompt_ids + p.response,
+                    max_new_tokens=budget,
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop_token_ids=(tokenizer.eos_id,),
+                    seed=None if seed is None else derive_seed(seed, p.turns),
+                )
+            )
+        except EngineUnreachable as err:
+            p.error = f"{engine.name}: {type(err).__name__}: {err}"
+            if scheduler.in_service(engine.name):
+                scheduler.drain_engine(engine.name, failed=True)  # discovery brings it back as new
+            return False
+        except Exception as err:  # one failed request must not cancel the whole step
+            p.error, p.finish = f"{engine.name}: {type(err).__name__}: {err}", "abort"
+            log.warning("rollout aborted after %d turns: %s", p.turns, p.error)
+            return True
+        p.error = None
+        p.engine = engine.name
+        p.turns += 1
+        p.versions.append(out.weight_version)
+        p.response += out.output_ids
+        p.mask += [1] * len(out.output_ids)
+        p.logprobs += out.output_logprobs
+        turn_text = tokenizer.decode(out.output_ids)
+        p.texts.append(turn_text)
+        if out.finish_reason == "abort":
+            p.finish = "abort"
+            return True
+        calls = template.parse_tool_calls(turn_text)
+        bad = sum(isinstance(c, template.ToolCallError) for c in calls)
+        p.format_errors += bad + int(template.has_unclosed_tool_call(turn_text))
+        p.answer_tags += turn_text.count("<answer>")
+        if "<answer>" in turn_text:
+            p.answer = template.extract_answer(turn_text)
+        if out.finish_reason == "length":
+            p.truncated, p.finish = True, "length"
+            return True
+        if "<answer>" in turn_text:
+            p.finish = "answer"
+            return True
+        if not calls:
+            p.finish = "no_tool_call"
+            return True
+        if p.turns >= max_turns:
+            p.finish = "max_turns"  # the last turn's calls would have no turn to use them
+            return True
+        t_tool = time.perf_counter()
+        results, errors = await _run_calls(executor, calls)
+        p.tool_seconds += time.perf_counter() - t_tool
+        p.tool_calls += len(calls)
+        p.tool_errors += errors
+        tool_text = template.render_tool_responses(results)
+        tool_ids = list(tokenizer.encode(tool_text))
+        room = max_response_tokens - len(p.response)
+        if len(tool_ids) >= room:
+            # Cut what does not fit; with no room left for another turn the rollout ends.
+            tool_ids = tool_ids[:room]
+            tool_text = tokenizer.decode(tool_ids)
+            p.truncated, p.finish = True, "length"
+        p.response += tool_ids
+        p.mask += [0] * len(tool_ids)
+        p.logprobs += [0.0] * len(tool_ids)
+        p.texts.append(tool_text)
+        if p.truncated:
+            return True
+    p.finish = "max_turns"
+    return True
+
+
 async def rollout_one(
     scheduler: Scheduler,
     tokenizer: Tokenizer,
@@ -140,111 +267,49 @@ async def rollout_one(
     """Run one multi-turn rollout of ``prompt_text`` (already rendered with the template).
 
     With ``seed``, turn t samples with ``derive_seed(seed, t)``: the rollout is reproducible.
+    A rollout whose engine goes away (unreachable, or draining between turns) moves to another
+    engine with its tokens so far and goes on from the turn it was at, at most
+    :data:`MAX_HANDOFFS` times; without a next engine it ends as "abort" naming the last error.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if max_response_tokens < 1:
         raise ValueError(f"max_response_tokens must be >= 1, got {max_response_tokens}")
-    prompt_ids = list(tokenizer.encode(prompt_text))
-    response: list[int] = []
-    mask: list[int] = []
-    logprobs: list[float] = []
-    texts: list[str] = []
-    turns = tool_calls = tool_errors = format_errors = answer_tags = 0
-    answer: str | None = None
-    error: str | None = None
-    versions: list[int | None] = []
-    engine_name: str | None = None
-    truncated = False
-    finish = "max_turns"
-    tool_seconds = 0.0
-    async with scheduler.session(len(prompt_ids), max_response_tokens) as engine:
-        engine_name = engine.name
-        while turns < max_turns:
-            budget = max_response_tokens - len(response)
-            if budget <= 0:
-                truncated, finish = True, "length"
-                break
-            try:
-                out = await engine.generate(
-                    GenerateRequest(
-                        input_ids=prompt_ids + response,
-                        max_new_tokens=budget,
-                        temperature=temperature,
-                        top_p=top_p,
-                        stop_token_ids=(tokenizer.eos_id,),
-                        seed=None if seed is None else derive_seed(seed, turns),
-                    )
-                )
-            except Exception as err:  # one failed request must not cancel the whole step
-                error, finish = f"{engine.name}: {type(err).__name__}: {err}", "abort"
-                log.warning("rollout aborted after %d turns: %s", turns, error)
-                break
-            turns += 1
-            versions.append(out.weight_version)
-            response += out.output_ids
-            mask += [1] * len(out.output_ids)
-            logprobs += out.output_logprobs
-            turn_text = tokenizer.decode(out.output_ids)
-            texts.append(turn_text)
-            if out.finish_reason == "abort":
-                finish = "abort"
-                break
-            calls = template.parse_tool_calls(turn_text)
-            bad = sum(isinstance(c, template.ToolCallError) for c in calls)
-            format_errors += bad + int(template.has_unclosed_tool_call(turn_text))
-            answer_tags += turn_text.count("<answer>")
-            if "<answer>" in turn_text:
-                answer = template.extract_answer(turn_text)
-            if out.finish_reason == "length":
-                truncated, finish = True, "length"
-                break
-            if "<answer>" in turn_text:
-                finish = "answer"
-                break
-            if not calls:
-                finish = "no_tool_call"
-                break
-            if turns >= max_turns:
-                finish = "max_turns"  # the last turn's calls would have no turn to use them
-                break
-            t_tool = time.perf_counter()
-            results, errors = await _run_calls(executor, calls)
-            tool_seconds += time.perf_counter() - t_tool
-            tool_calls += len(calls)
-            tool_errors += errors
-            tool_text = template.render_tool_responses(results)
-            tool_ids = list(tokenizer.encode(tool_text))
-            room = max_response_tokens - len(response)
-            if len(tool_ids) >= room:
-                # Cut what does not fit; with no room left for another turn the rollout ends.
-                tool_ids = tool_ids[:room]
-                tool_text = tokenizer.decode(tool_ids)
-                truncated, finish = True, "length"
-            response += tool_ids
-            mask += [0] * len(tool_ids)
-            logprobs += [0.0] * len(tool_ids)
-            texts.append(tool_text)
-            if truncated:
-                break
+    p = _Progress(prompt_ids=list(tokenizer.encode(prompt_text)))
+    while True:
+        async with scheduler.session(len(p.prompt_ids), max_response_tokens) as engine:
+            p.engine = p.engine or engine.name
+            done = await _turns(
+                engine, scheduler, tokenizer, executor, p, max_turns=max_turns,
+                max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p, seed=seed,
+            )  # fmt: skip
+        if done:
+            break
+        if p.handoffs >= MAX_HANDOFFS or not any(not st.draining for st in scheduler.stats):
+            p.finish = "abort"
+            log.warning("rollout aborted after %d turns and %d moves: %s", p.turns, p.handoffs, p.error)
+            break
+        p.handoffs += 1
+        log.info("rollout moves to another engine after %d turns (%s)", p.turns, p.error or "its engine drains")
     return Trajectory(
-        prompt_ids=prompt_ids,
-        response_ids=response,
-        loss_mask=mask,
-        logprobs=logprobs,
-        turns=turns,
-        tool_calls=tool_calls,
-        tool_errors=tool_errors,
-        format_errors=format_errors,
-        answer=answer,
-        truncated=truncated,
-        finish_reason=finish,
-        text="".join(texts),
-        answer_tags=answer_tags,
-        error=error,
-        versions=versions,
-        engine=engine_name,
-        tool_seconds=tool_seconds,
+        prompt_ids=p.prompt_ids,
+        response_ids=p.response,
+        loss_mask=p.mask,
+        logprobs=p.logprobs,
+        turns=p.turns,
+        tool_calls=p.tool_calls,
+        tool_errors=p.tool_errors,
+        format_errors=p.format_errors,
+        answer=p.answer,
+        truncated=p.truncated,
+        finish_reason=p.finish,
+        text="".join(p.texts),
+        answer_tags=p.answer_tags,
+        error=p.error,
+        versions=p.versions,
+        engine=p.engine,
+        tool_seconds=p.tool_seconds,
+        handoffs=p.handoffs,
     )
 
 

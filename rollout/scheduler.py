@@ -302,6 +302,14 @@ class Scheduler:
         self._stats_of(name).draining = False
         self._dispatch()
 
+    def in_service(self, name: str) -> bool:
+        """Whether ``name`` takes new rollouts (known here and not draining)."""
+        return any(st.name == name and not st.draining for st in self.stats)
+
+    def others_in_service(self, name: str) -> bool:
+        """Whether an engine other than ``name`` takes new rollouts."""
+        return any(st.name != name and not st.draining for st in self.stats)
+
     def _stats_of(self, name: str) -> EngineStats:
         for st in self.stats:
             if st.name == name:

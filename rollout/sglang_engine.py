@@ -41,6 +41,7 @@ from kuberl.rollout.engine import EngineLoad, GenerateOutput, GenerateRequest, S
 from kuberl.rollout.http_engine import (
     EngineError,
     EngineHTTPError,
+    EngineUnreachable,
     HTTPEngine,
     error_message,
     load_from_metrics,
@@ -52,6 +53,10 @@ _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 class SGLangError(EngineError):
     """The SGLang server answered, but not with something the engine contract can use."""
+
+
+class SGLangUnreachable(EngineUnreachable, SGLangError):
+    """The SGLang server could not be reached (gone or going)."""
 
 
 class SGLangHTTPError(EngineHTTPError, SGLangError):
@@ -221,6 +226,7 @@ class SGLangEngine(HTTPEngine):
     kind = "sglang"
     error_type = SGLangError
     http_error_type = SGLangHTTPError
+    unreachable_type = SGLangUnreachable
 
     def __init__(self, base_url: str, **kwargs: Any):
         super().__init__(base_url, **kwargs)

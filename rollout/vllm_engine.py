@@ -54,6 +54,7 @@ from kuberl.rollout.http_engine import (
     DEFAULT_LABEL,
     EngineError,
     EngineHTTPError,
+    EngineUnreachable,
     HTTPEngine,
     error_message,
     load_from_metrics,
@@ -68,6 +69,10 @@ DEV_MODE_HINT = "start the vLLM server with VLLM_SERVER_DEV_MODE=1 (the RL weigh
 
 class VLLMError(EngineError):
     """The vLLM server answered, but not with something the engine contract can use."""
+
+
+class VLLMUnreachable(EngineUnreachable, VLLMError):
+    """The vLLM server could not be reached (gone or going)."""
 
 
 class VLLMHTTPError(EngineHTTPError, VLLMError):
@@ -263,6 +268,7 @@ class VLLMEngine(HTTPEngine):
     kind = "vllm"
     error_type = VLLMError
     http_error_type = VLLMHTTPError
+    unreachable_type = VLLMUnreachable
 
     def __init__(self, base_url: str, *, served_model: str | None = None, **kwargs: Any):
         super().__init__(base_url, **kwargs)

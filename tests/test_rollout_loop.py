@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kuberl.rollout import template
+from kuberl.rollout.http_engine import EngineUnreachable
 from kuberl.rollout.local_engine import LocalEngine
 from kuberl.rollout.loop import Tokenizer, ToolExecutor, Trajectory, rollout_group, rollout_one
 from kuberl.rollout.scheduler import Scheduler
@@ -187,3 +188,100 @@ async def test_loop_on_local_engine_end_to_end():
         assert all(m == 1 for m in t.loss_mask)  # random text never forms a valid tool call
     assert engine.steps < sum(len(t.response_ids) for t in trajs) / 2, "rollouts share decode steps"
     assert json.loads(json.dumps(sched.snapshot()))[0]["sessions_total"] == 16
+
+
+class HandEngine(ScriptedEngine):
+    """Answers from a turn script shared with other engines (whichever engine answers takes the
+    next turn); from its request ``fail_from`` on it is unreachable, as a removed replica."""
+
+    def __init__(self, name: str, script: list[str], *, capacity: int, fail_from: int | None = None):
+        super().__init__(TOK, [], name=name, capacity=capacity)
+        self.script = script
+        self.fail_from = fail_from
+
+    async def generate(self, req):
+        if self.fail_from is not None and len(self.requests) >= self.fail_from:
+            self.requests.append(req)
+            raise EngineUnreachable(f"POST http://{self.name}/generate failed after 4 attempts: refused")
+        self.turns = [self.script.pop(0)]
+        out = await super().generate(req)
+        out.weight_version = 7
+        return out
+
+
+CALL = template.render_tool_call("print(6*7)") + END
+ANSWER = f"<answer>\\boxed{{42}}</answer>{END}"
+
+
+async def test_a_rollout_whose_engine_goes_unreachable_goes_on_on_another_from_its_turn():
+    script = [CALL, CALL, ANSWER]
+    a = HandEngine("a", script, capacity=10**6, fail_from=1)  # answers turn 1, then is gone
+    b = HandEngine("b", script, capacity=10**5)
+    sched = Scheduler([a, b])
+    traj = await rollout_one(sched, TOK, FakeExecutor(), PROMPT, max_turns=5, max_response_tokens=4000)
+    _check_alignment(traj)
+    assert traj.finish_reason == "answer" and traj.answer == "42" and traj.turns == 3
+    assert traj.handoffs == 1 and traj.engine == "b" and traj.error is None
+    assert [r.input_ids for r in b.requests][0] == a.requests[1].input_ids, "b went on from the turn a lost"
+    assert len(traj.versions) == 3 and traj.min_version == 7
+    st = {s.name: s for s in sched.stats}
+    assert st["a"].draining and st["a"].failed and st["a"].inflight == 0, "a takes no new rollouts"
+    assert st["b"].reserved == 0 and st["b"].inflight == 0
+
+
+async def test_a_draining_engine_hands_its_rollouts_on_at_the_next_turn():
+    script = [CALL, CALL, ANSWER]
+    a = HandEngine("a", script, capacity=10**6)
+    b = HandEngine("b", script, capacity=10**5)
+    sched = Scheduler([a, b])
+
+    class DrainingExecutor(FakeExecutor):  # a scale-down lands while the rollout runs its tool
+        async def execute(self, code: str, stdin: str = ""):
+            sched.drain_engine("a")
+            return await super().execute(code, stdin)
+
+    traj = await rollout_one(sched, TOK, DrainingExecutor(), PROMPT, max_turns=5, max_response_tokens=4000)
+    assert traj.finish_reason == "answer" and traj.turns == 3 and traj.handoffs == 1
+    assert len(a.requests) == 1 and len(b.requests) == 2, "the draining engine only finished its turn"
+    assert sched.remove_drained() == [a], "a is idle once its turn ended: it can go"
+
+
+async def test_a_draining_engine_keeps_its_rollouts_when_no_other_takes_them():
+    script = [CALL, ANSWER]
+    a = HandEngine("a", script, capacity=10**6)
+    sched = Scheduler([a])
+
+    class DrainingExecutor(FakeExecutor):
+        async def execute(self, code: str, stdin: str = ""):
+            sched.drain_engine("a")
+            return await super().execute(code, stdin)
+
+    traj = await rollout_one(sched, TOK, DrainingExecutor(), PROMPT, max_turns=5, max_response_tokens=4000)
+    assert traj.finish_reason == "answer" and traj.handoffs == 0 and len(a.requests) == 2
+
+
+async def test_a_rollout_that_loses_every_engine_ends_as_abort_naming_why():
+    a = HandEngine("a", [CALL], capacity=10**6, fail_from=0)
+    b = HandEngine("b", [CALL], capacity=10**5, fail_from=0)
+    sched = Scheduler([a, b], no_engine_timeout_s=0.1)
+    traj = await rollout_one(sched, TOK, FakeExecutor(), PROMPT, max_turns=5, max_response_tokens=4000)
+    assert traj.finish_reason == "abort" and traj.turns == 0 and traj.handoffs == 1
+    assert "b" in traj.error and "refused" in traj.error
+    assert [s.draining for s in sched.stats] == [True, True]
+
+
+async def test_an_unreachable_server_raises_its_engines_unreachable_error():
+    from kuberl.ports import free_port
+    from kuberl.rollout.sglang_engine import SGLangEngine, SGLangUnreachable
+    from kuberl.rollout.vllm_engine import VLLMEngine, VLLMError, VLLMUnreachable
+
+    port = free_port()  # nothing listens there
+    for cls, unreachable, own in ((SGLangEngine, SGLangUnreachable, SGLangError), (VLLMEngine, VLLMUnreachable, VLLMError)):
+        engine = cls(f"http://127.0.0.1:{port}", retries=1, backoff_s=0.01)
+        try:
+            with pytest.raises(unreachable) as err:
+                await engine._request("GET", "/v1/models")
+        finally:
+            await engine.close()
+        assert isinstance(err.value, EngineUnreachable) and isinstance(err.value, own)
+        assert "2 attempts" in str(err.value)

@@ -359,6 +359,14 @@ def test_where_a_local_run_rolls_out(monkeypatch):
     monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "tgi")
     with pytest.raises(ValueError, match="engine type 'tgi' is not one of sglang, vllm"):
         FleetSource.from_env()
+    monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "vllm")
+    assert FleetSource.from_env().resync_s == 15.0
+    monkeypatch.setenv("KUBERL_ROLLOUT_RESYNC_S", "2.5")
+    assert FleetSource.from_env().resync_s == 2.5
+    for bad, why in (("soon", "KUBERL_ROLLOUT_RESYNC_S must be a number"), ("0", "resync period must be > 0")):
+        monkeypatch.setenv("KUBERL_ROLLOUT_RESYNC_S", bad)
+        with pytest.raises(ValueError, match=why):
+            FleetSource.from_env()
 
 
 def test_a_model_without_a_chat_template_is_refused_naming_the_fix(tmp_path):

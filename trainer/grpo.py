@@ -164,6 +164,8 @@ def prepare_batch(
         "groups_dropped_zero_adv": float(dropped),
         "rollouts": float(generated),
         "rollouts_aborted": float(generated - len(all_scored) - stale),
+        # moved to another engine mid-rollout (their engine left the fleet): kept, not lost
+        "rollouts_handed_off": float(sum(s.traj.handoffs > 0 for s in all_scored)),
         "rollouts_kept": float(len(out.seqs)),
     }
     if length_alpha is not None:
@@ -551,7 +553,7 @@ def spot_rows(
             t = s.traj
             if t.finish_reason == "abort" or not any(t.loss_mask):
                 continue
-            if not is_fresh(t, version) or t.engine in skip:
+            if not is_fresh(t, version) or t.engine in skip or t.handoffs:  # one engine's tokens only
                 continue
             by_engine.setdefault(t.engine, []).append(t)
     picked: list[Trajectory] = []
