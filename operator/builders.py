@@ -33,10 +33,12 @@ from kuberl.api.rollout_fleet import GPUS_PER_NODE, RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator import disruption, podtemplate, sizing
 from kuberl.operator.engines import (
+    DRAIN_GRACE_S,
     ENGINE_METRICS,
     SGLANG_DIST_PORT,
     engine_command,
     engine_env,
+    engine_lifecycle,
     engine_probes,
 )
 from kuberl.operator.isolation import (
@@ -243,6 +245,7 @@ def _engine_pod_spec(
         container["ports"].append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
     if leader:
         container.update(engine_probes(spec))
+        container["lifecycle"] = engine_lifecycle(spec)
     volumes = [_shm_volume(size.shm), {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}}]
     if spec.weight_sync is not None:
         # The trainer writes policy versions here; the engine only reads them.
@@ -251,7 +254,7 @@ def _engine_pod_spec(
             {"name": WEIGHTS_VOLUME, "mountPath": spec.weight_sync.mount_path, "readOnly": True}
         )
     return {
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": DRAIN_GRACE_S,
         "enableServiceLinks": False,
         **accelerator_pod_fields(acc),
         "containers": [container],

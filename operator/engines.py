@@ -15,6 +15,13 @@ metric names; ``builders.build_rollout_fleet`` assembles the pods around them.
   (``--logprobs-mode raw_logprobs``). Rollouts use ``/inference/v1/generate``
   (``--enable-scale-out``), whose answers say which weights sampled them. ``/health`` answers
   from the API process.
+
+Leaving the fleet (a scale-down, an eviction): the engine pod's ``preStop`` hook
+(:data:`DRAIN_SCRIPT`) holds its server up until no request has run or queued for
+:data:`DRAIN_QUIET_S` seconds. That window is longer than the trainers' fleet resync period
+(``rollout.fleet.DEFAULT_RESYNC_S``), so by its end every trainer has seen the pod terminating,
+drained it and moved its rollouts' next turns to other engines: the server stops between turns,
+not in the middle of one. A rollout whose engine dies anyway goes on elsewhere (``rollout.loop``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,51 @@ ENGINE_METRICS: dict[str, tuple[str, str]] = {
     "sglang": ("sglang:token_usage", "sglang:num_queue_reqs"),
     "vllm": ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"),
 }
+
+
+# Requests running and queued, as each server exports them: the drain hook waits for both at 0.
+BUSY_METRICS: dict[str, tuple[str, str]] = {
+    "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+    "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
+}
+DRAIN_QUIET_S = 20  # idle this long before the server stops: above the trainers' 15 s resync
+DRAIN_GRACE_S = 300  # terminationGracePeriodSeconds: the hook, then the server's own shutdown
+DRAIN_SHUTDOWN_S = 15  # of the grace period, kept for the server after the hook
+
+# The preStop hook, for `python3 -c` in any engine image (standard library only). argv: port,
+# quiet seconds, the most seconds to wait, then the busy metrics' names. It polls the server's
+# /metrics at $POD_IP (the server listens on every address) once a second and exits once the
+# metrics' sum has been 0 for the quiet seconds, or the server no longer answers, or time is up.
+DRAIN_SCRIPT = """\
+import os, re, sys, time, urllib.request
+port, quiet, limit, names = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), set(sys.argv[4:])
+url = "http://%s:%s/metrics" % (os.environ.get("POD_IP") or "127.0.0.1", port)
+sample = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:[{].*[}])?[ ]+([^ ]+)")
+start = time.monotonic()
+idle_since = None
+while time.monotonic() - start < limit:
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        break
+    busy = 0.0
+    for line in text.splitlines():
+        m = sample.match(line)
+        if m and m.group(1) in names:
+            busy += float(m.group(2))
+    now = time.monotonic()
+    idle_since = None if busy > 0 else (now if idle_since is None else idle_since)
+    if idle_since is not None and now - idle_since >= quiet:
+        break
+    time.sleep(1)
+"""
+
+
+def engine_lifecycle(spec: RolloutFleetSpec) -> dict[str, Any]:
+    """The engine container's ``lifecycle``: the drain hook before the server is stopped."""
+    wait = DRAIN_GRACE_S - DRAIN_SHUTDOWN_S
+    hook = ["python3", "-c", DRAIN_SCRIPT, str(spec.engine.port), str(DRAIN_QUIET_S), str(wait)]
+    return {"preStop": {"exec": {"command": hook + list(BUSY_METRICS[spec.engine.type])}}}
 
 
 def sglang_args(spec: RolloutFleetSpec, served_name: str, *, multi_node: bool = False) -> list[str]:
