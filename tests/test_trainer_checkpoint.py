@@ -5,6 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -393,3 +397,77 @@ def test_a_new_pod_continues_the_run_record_and_the_report_outlives_it(tmp_path,
     assert (kept / "report.html").read_text() == (pod2 / "report.html").read_text()
     assert (kept / "run.json").is_file()
     write_report(kept)  # the checkpoint folder is a run folder `kuberl report` reads
+
+
+# -- a trainer killed (SIGKILL) mid-update and mid-checkpoint-write, then resumed --------------
+
+KILL = Path(__file__).resolve().parent / "kill_during.py"
+SFT_STEPS, RL_MINI_BATCHES = 60, 2
+
+
+def _killed_run(job_file, out, point: str, at: int) -> None:
+    done = subprocess.run([sys.executable, str(KILL), point, str(at), str(job_file), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stderr[-3000:])
+
+
+def _steps_once(out) -> list[int]:
+    steps = [r["step"] for r in _lines(out / "metrics.jsonl") if r["type"] != "eval"]
+    assert steps == sorted(set(steps)), steps  # each step once, in order
+    return steps
+
+
+@pytest.mark.parametrize("point", ["update", "checkpoint"])
+def test_a_trainer_killed_mid_update_or_mid_checkpoint_resumes_as_if_never_killed(
+    full_rl_run, tmp_path, monkeypatch, point
+):
+    """SIGKILL half-way through RL step 63's update (one of its two optimizer steps applied in
+    memory), or half-way through writing step 62's checkpoint (half its bytes on disk): the
+    resumed run starts from the last whole checkpoint (62, or 60 for the torn one, which is
+    never loaded and is replaced), and its records, evals and final weights are the
+    uninterrupted run's, bit for bit."""
+    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    job, full, ref = full_rl_run
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(LEARNING)
+    out = tmp_path / "killed"
+    at = SFT_STEPS + 2 * RL_MINI_BATCHES + 1 if point == "update" else 2  # step 63's first / the 2nd file
+    _killed_run(job_file, out, point, at)
+    store = CheckpointStore(str(out / "checkpoints"))
+    if point == "update":
+        assert store.names() == ["ckpt-00000060.pt", "ckpt-00000062.pt"] and _steps_once(out)[-1] == 62
+    else:
+        assert store.names() == ["ckpt-00000060.pt"], store.names()  # the torn file is not a checkpoint
+        assert (out / "checkpoints" / ".ckpt-00000062.pt.tmp").stat().st_size > 0
+    res = run_job(job, out, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+    assert store.names() == ["ckpt-00000060.pt", "ckpt-00000062.pt", "ckpt-00000064.pt"]
+    _assert_same_training_state(CheckpointStore(str(full / "checkpoints")).load("ckpt-00000064.pt"),
+                                store.load("ckpt-00000064.pt"))
+    assert _steps_once(out)[-1] == 64
+    assert _untimed(_lines(out / "metrics.jsonl")) == _untimed(_lines(full / "metrics.jsonl"))
+    assert _untimed(res.history) == _untimed(ref.history) and _evals(res.evals) == _evals(ref.evals)
+
+
+@pytest.mark.parametrize("point", ["update", "checkpoint"])
+def test_an_asynchronous_trainer_killed_mid_update_or_mid_checkpoint_finishes_each_step_once(tmp_path, point):
+    """asyncLevel 1: the same kills. The batch ahead was sampled while the killed step trained;
+    the resumed run samples it again from the checkpoint's weights, so its rewards may differ
+    from an uninterrupted run's, but every step is trained and recorded once, nothing is stale,
+    and the run ends with its last checkpoint."""
+    doc = yaml.safe_load(LEARNING)
+    doc["spec"]["algorithm"]["asyncLevel"] = 1
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "killed"
+    at = SFT_STEPS + 2 * RL_MINI_BATCHES + 1 if point == "update" else 2
+    _killed_run(job_file, out, point, at)
+    done = subprocess.run([sys.executable, str(KILL), "update", "0", str(job_file), str(out)],  # 0: never
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert CheckpointStore(str(out / "checkpoints")).names()[-1] == "ckpt-00000064.pt"
+    rl = [r for r in _lines(out / "metrics.jsonl") if r["type"] == "rl"]
+    assert [r["step"] for r in rl] == [61, 62, 63, 64] and _steps_once(out)[-1] == 64
+    assert all(r["rollouts_stale"] == 0 and r["rollouts_aborted"] == 0 for r in rl), rl
+    assert all(r["staleness_max"] <= 1 for r in rl), rl
+    events = _lines(out / "events.jsonl")
+    assert [e for e in events if e["kind"] == "resume"] and events[-1]["kind"] == "done", events[-3:]
