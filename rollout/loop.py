@@ -11,8 +11,9 @@ paper. Token ids are never re-tokenized, so the trainer sees exactly what the po
 The response budget ``max_response_tokens`` counts every response token, including tool
 responses; tool-response tokens that do not fit are cut and the rollout is marked truncated.
 
-An engine that fails a request (an HTTP error) ends only that rollout, with finish_reason
-"abort" and the error recorded; the other rollouts of the step go on, and the trainer drops
+An engine that fails a request (an HTTP error), or a sandbox that cannot run a turn's calls
+(unreachable, no answer in time: the platform failed, not the policy), ends only that rollout,
+with finish_reason "abort" and the error recorded; the other rollouts of the step go on, and the trainer drops
 aborted rollouts before selecting the group. An engine that goes away (unreachable: a replica
 removed from the fleet, a dead server) or drains between two turns hands its rollouts back:
 each goes on from the turn it was at on another engine, with the tokens it has so far.
@@ -230,7 +231,13 @@ async def _turns(
             p.finish = "max_turns"  # the last turn's calls would have no turn to use them
             return True
         t_tool = time.perf_counter()
-        results, errors = await _run_calls(executor, calls)
+        try:
+            results, errors = await _run_calls(executor, calls)
+        except Exception as err:  # the sandbox itself failed (unreachable, no answer in time)
+            p.tool_seconds += time.perf_counter() - t_tool
+            p.error, p.finish = f"tool executor: {type(err).__name__}: {err}", "abort"
+            log.warning("rollout aborted after %d turns: %s", p.turns, p.error)
+            return True
         p.tool_seconds += time.perf_counter() - t_tool
         p.tool_calls += len(calls)
         p.tool_errors += errors

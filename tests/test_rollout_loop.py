@@ -285,3 +285,18 @@ async def test_an_unreachable_server_raises_its_engines_unreachable_error():
             await engine.close()
         assert isinstance(err.value, EngineUnreachable) and isinstance(err.value, own)
         assert "2 attempts" in str(err.value)
+
+
+async def test_a_sandbox_that_cannot_run_a_turns_calls_aborts_only_that_rollout():
+    class DownExecutor(FakeExecutor):
+        async def execute(self, code: str, stdin: str = ""):
+            if "boom" in code:
+                raise RuntimeError("sandbox /v1/execute: no answer within 60 s")
+            return await super().execute(code, stdin)
+
+    down = template.render_tool_call("print('boom')") + END
+    traj, _ = await _run([down, ANSWER], DownExecutor())
+    assert traj.finish_reason == "abort" and traj.turns == 1 and traj.tool_calls == 0
+    assert "tool executor: RuntimeError: sandbox /v1/execute: no answer within 60 s" in traj.error
+    fine, _ = await _run([CALL, ANSWER], DownExecutor())
+    assert fine.finish_reason == "answer" and fine.error is None

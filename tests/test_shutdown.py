@@ -4,6 +4,7 @@ command resumes from them."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -104,3 +105,53 @@ def test_a_run_ends_with_everything_it_started(tmp_path, sig, code):
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         rl_steps = sorted({r["step"] for r in records if r.get("type") == "rl"})
         assert rl_steps[-1] == 4 + 30, rl_steps  # 4 SFT steps, then every RL step
+
+
+def test_a_run_whose_sandbox_workers_are_killed_trains_every_step(tmp_path):
+    """SIGKILL of the sandbox's worker (in its own PID namespace: its whole call tree goes),
+    three times during the RL stage, each once its replacement has run for a second: the
+    service replaces it, a call that was running comes back as a failed tool call, and every
+    step trains on all of its rollouts."""
+    doc = copy.deepcopy(TINY)
+    doc["metadata"]["name"] = "worker-kills"
+    doc["spec"]["stages"] = [
+        {"name": "sft", "type": "sft", "steps": 60, "learningRate": 0.01, "batchSize": 8},
+        {"name": "rl", "type": "rl", "steps": 6},
+    ]
+    doc["spec"]["algorithm"]["batchPrompts"] = 4
+    doc["spec"]["sandbox"]["pool"]["workersPerPod"] = 1
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump(doc))
+    out = tmp_path / "run"
+    env = dict(os.environ, KUBERL_NO_RAY="1")
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "kuberl", "run", str(manifest), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    killed: list[int] = []
+    try:
+        deadline = time.monotonic() + 480
+        while proc.poll() is None and time.monotonic() < deadline and len(killed) < 3:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and '"label": "sft"' in metrics.read_text():  # the RL stage runs
+                for pid, cmd in alive(set(descendants(proc.pid))).items():
+                    if "kuberl.sandbox.process.worker" not in cmd or cmd.startswith("/usr/bin/unshare"):
+                        continue
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        if time.monotonic() - _started(pid) > 1.0:
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(pid)
+            time.sleep(0.3)
+        output = proc.communicate(timeout=480)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert len(killed) == 3, "the worker was found and killed three times"
+    rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "rl"' in x]
+    assert len(rl) == 6, rl
+    assert all(r["rollouts"] == 4 * 2 * 2 and r["rollouts_aborted"] == 0 for r in rl), rl
+
+
+def _started(pid: int) -> float:
+    """When ``pid`` started, on time.monotonic()'s clock (both count from boot)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")
