@@ -176,6 +176,14 @@ class RolloutFleetStatus(ScaledResourceStatus):
     rollouts_waiting: float | None = Field(
         None, description="Rollouts waiting in the schedulers of the trainers using the fleet (no engine had room)."
     )
+    trainer_rollout_wait: float | None = Field(
+        None,
+        description="Asynchronous trainers: the largest fraction of a step one waited for rollouts (the fleet grows).",
+    )
+    engine_idle: float | None = Field(
+        None,
+        description="Asynchronous trainers: the smallest fraction of a step their engines idled (the fleet shrinks).",
+    )
     engines: list[str] = Field(default_factory=list)
 
 

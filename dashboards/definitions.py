@@ -249,9 +249,22 @@ ROLLOUT: tuple[PanelSpec, ...] = (
         min=0,
     ),
     PanelSpec(
+        "Asynchronous pipeline: who waits",
+        "Per job with asyncLevel > 0, over its last RL step: the fraction the trainer waited for "
+        "rollouts (starved: the fleet autoscaler adds engines) and the fraction no rollout batch was "
+        "generating (engines waiting for weights: it removes engines).",
+        (
+            Query("kuberl_train_rollout_wait_ratio", "{{job}} trainer waits"),
+            Query("kuberl_train_engine_idle_ratio", "{{job}} engines idle"),
+        ),
+        unit="percentunit",
+        min=0,
+    ),
+    PanelSpec(
         "Autoscaler replicas",
-        "Per RolloutFleet: the replicas the operator's autoscaler wants (KV-cache use and queued "
-        "requests) and those ready; and the engines the trainer's scheduler has in rotation.",
+        "Per RolloutFleet: the replicas the operator's autoscaler wants (KV-cache use, queued "
+        "requests, the trainers' backlog and, for asynchronous runs, who waits in the pipeline) and "
+        "those ready; and the engines the trainer's scheduler has in rotation.",
         (
             Query(
                 'max by (name) (kuberl_autoscaler_desired_replicas{kind="RolloutFleet"})', "desired {{name}}"

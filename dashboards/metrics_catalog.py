@@ -123,6 +123,20 @@ CATALOG: dict[str, MetricSpec] = {
             "Rollouts of the last step by policy versions behind the trained one (asyncLevel)",
         ),
         MetricSpec(
+            "kuberl_train_rollout_wait_ratio",
+            "gauge",
+            ("job",),
+            "trainer",
+            "Fraction of the last RL step the trainer waited for its rollouts (asyncLevel > 0)",
+        ),
+        MetricSpec(
+            "kuberl_train_engine_idle_ratio",
+            "gauge",
+            ("job",),
+            "trainer",
+            "Fraction of the last RL step no rollout batch was generating (asyncLevel > 0)",
+        ),
+        MetricSpec(
             "kuberl_train_engine_logprob_gap",
             "gauge",
             ("job", "engine"),

@@ -21,6 +21,16 @@ trainers' ``kuberl_rollout_requests_waiting``
 (and their in-flight count) is therefore part of the fleet's load: while rollouts wait, the
 fleet grows in proportion (``ceil(engines * (inflight + waiting) / inflight)``) and never
 shrinks.
+
+An asynchronous run (asyncLevel > 0) says which side of its pipeline waits: the trainers
+export, over their last RL step, the fraction they waited for rollouts and the fraction no
+rollout batch was generating. A trainer starved for rollouts above ``PIPELINE_WAIT_TARGET``
+means generation is the longer side: the fleet grows so that generation would fit the update
+(``ceil(engines / (1 - wait))``). Engines idle above ``PIPELINE_IDLE_TARGET`` while no trainer
+waits mean the update is the longer side: the fleet shrinks to the engines that keep
+``1 - PIPELINE_IDLE_TARGET`` busy (``ceil(engines * busy / (1 - target))``), unless KV usage,
+queues or a backlog ask for more. Synchronous runs wait for their rollouts by design and do
+not vote.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
 SGLANG_TOKEN_USAGE, SGLANG_QUEUE = ENGINE_METRICS["sglang"]
 TRAINER_WAITING = "kuberl_rollout_requests_waiting"
 TRAINER_INFLIGHT = "kuberl_rollout_requests_inflight"
+TRAINER_ROLLOUT_WAIT = "kuberl_train_rollout_wait_ratio"
+TRAINER_ENGINE_IDLE = "kuberl_train_engine_idle_ratio"
+PIPELINE_WAIT_TARGET = 0.15  # a trainer may wait this much of its step for rollouts
+PIPELINE_IDLE_TARGET = 0.3  # engines may idle this much of a step, waiting for weights
 # A scrape is read with whichever (KV usage, queue) pair it carries, so one fleet's autoscaler
 # works for both engines (spec.engine.type).
 ENGINE_GAUGES = ENGINE_METRICS
@@ -85,6 +99,9 @@ class FleetLoad:
     queued: tuple[float, ...]
     waiting: float = 0.0  # rollouts waiting in the trainers' schedulers (no engine had room)
     inflight: float = 0.0  # rollouts the trainers have on the engines
+    # asynchronous trainers' last step: the most any waited for rollouts, the least engines idled
+    rollout_wait: float | None = None
+    engine_idle: float | None = None
 
     @property
     def mean_token_usage(self) -> float:
@@ -134,7 +151,23 @@ def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> in
     if load.waiting > 0:
         ratio = (load.inflight + load.waiting) / load.inflight if load.inflight > 0 else 2.0
         by_backlog = max(base, math.ceil(base * ratio - 1e-9))
-    return max(by_kv, by_queue, by_backlog)
+    wanted = max(by_kv, by_queue, by_backlog)
+    by_pipeline = recommend_by_pipeline(base, load.rollout_wait, load.engine_idle)
+    if by_pipeline is None:
+        return wanted
+    if by_pipeline > base:
+        return max(wanted, by_pipeline)
+    # fewer engines only where nothing else asks for more than there are
+    return min(wanted, by_pipeline) if wanted <= base else wanted
+
+
+def recommend_by_pipeline(engines: int, wait: float | None, idle: float | None) -> int | None:
+    """Engines for an asynchronous run's pipeline (the module docstring); None: no opinion."""
+    if wait is not None and wait > PIPELINE_WAIT_TARGET:
+        return math.ceil(engines / max(1.0 - wait, 0.5) - 1e-9)
+    if idle is not None and idle > PIPELINE_IDLE_TARGET and (wait is None or wait <= PIPELINE_WAIT_TARGET):
+        return max(1, math.ceil(engines * (1.0 - idle) / (1.0 - PIPELINE_IDLE_TARGET) - 1e-9))
+    return None
 
 
 def decide(
@@ -246,6 +279,21 @@ def trainer_backlog(scrapes: Sequence[str]) -> tuple[float, float]:
     return waiting, inflight
 
 
+def trainer_pipeline(scrapes: Sequence[str]) -> tuple[float | None, float | None]:
+    """(the largest rollout wait, the smallest engine idle) over the asynchronous trainers of a
+    fleet (those that export the ratios); None where none does. One starved trainer is reason
+    to grow; the fleet is idle only when every trainer's engines are."""
+    waits: list[float] = []
+    idles: list[float] = []
+    for text in scrapes:
+        g = parse_gauges(text, (TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE))
+        if TRAINER_ROLLOUT_WAIT in g:
+            waits.append(g[TRAINER_ROLLOUT_WAIT])
+        if TRAINER_ENGINE_IDLE in g:
+            idles.append(g[TRAINER_ENGINE_IDLE])
+    return (max(waits) if waits else None), (min(idles) if idles else None)
+
+
 def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> FleetLoad | None:
     """Aggregate the engine gauges of every pod that answered (SGLang or vLLM), with the backlog
     of the trainers using the fleet; None if no engine had them."""
@@ -262,4 +310,5 @@ def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> F
     if not usage:
         return None
     waiting, inflight = trainer_backlog(trainer_scrapes)
-    return FleetLoad(tuple(usage), tuple(queued), waiting, inflight)
+    wait, idle = trainer_pipeline(trainer_scrapes)
+    return FleetLoad(tuple(usage), tuple(queued), waiting, inflight, wait, idle)

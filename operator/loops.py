@@ -86,6 +86,10 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
                 queuedRequests=round(fload.queued_per_engine, 3),
                 rolloutsWaiting=fload.waiting,
             )
+            if fload.rollout_wait is not None:
+                st["trainerRolloutWait"] = round(fload.rollout_wait, 3)
+            if fload.engine_idle is not None:
+                st["engineIdle"] = round(fload.engine_idle, 3)
     previous = body.get("status") or {}
     decision = autoscale.decide(
         current,

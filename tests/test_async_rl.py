@@ -436,3 +436,19 @@ def test_probe_gaps_compare_engine_scores_with_pi_old_on_trained_tokens_only():
     assert res.gaps == {"a": 0.25, "b": 0.0} and res.versions == {"b": 6} and not res.errors
     res = probe_gaps(sb, [0, 1], starts, [answers[0], {"engine": "b", "error": "HTTP 500"}], version=7)
     assert res.gaps == {"a": 0.25} and res.errors == {"b": "HTTP 500"}
+
+
+def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path):
+    """The fleet autoscaler's signals: the trainer's wait for rollouts and the engines' idle time,
+    as fractions of the step; a synchronous run (which waits by design) exports neither."""
+    from prometheus_client import REGISTRY
+
+    from kuberl.trainer.metrics import MetricsSink
+
+    base = {"type": "rl", "stage": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 2.5,
+            "engine_busy_seconds": 6.0}  # fmt: skip
+    MetricsSink("pipe-async", tmp_path / "a").step({**base, "async_level": 1})
+    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-async"}) == 0.25
+    assert REGISTRY.get_sample_value("kuberl_train_engine_idle_ratio", {"job": "pipe-async"}) == pytest.approx(0.4)
+    MetricsSink("pipe-sync", tmp_path / "s").step({**base, "async_level": 0})
+    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-sync"}) is None

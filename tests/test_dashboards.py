@@ -40,6 +40,8 @@ EXTENSIONS = {
     "kuberl_train_length_gap_tokens": "thinking budgets: |l_target - l_y| per target length",
     "kuberl_train_length_adherence": "thinking budgets: rollouts within 10 % of their target",
     "kuberl_rollout_engine_version_faults_total": "answers from weights never pushed, and re-pushes",
+    "kuberl_train_rollout_wait_ratio": "asynchronous RL: the trainer starved for rollouts (fleet autoscaler)",
+    "kuberl_train_engine_idle_ratio": "asynchronous RL: engines waiting for weights (fleet autoscaler)",
 }
 
 

@@ -15,6 +15,7 @@ from kuberl.operator.autoscale import (
     history_to_status,
     parse_gauges,
     pool_load,
+    recommend_by_pipeline,
     recommend_fleet,
     recommend_pool,
 )
@@ -160,3 +161,32 @@ def test_history_round_trips_through_status_and_survives_hand_edits() -> None:
     assert history_from_status(None) == () and history_from_status({"a": 1}) == ()
     # A restarted operator that reads this back still holds 6 until the entry ages out.
     assert _decide(6, 1, history_from_status(raw), now=200.0, window=300).desired == 6
+
+
+def test_an_asynchronous_pipeline_grows_the_fleet_when_the_trainer_starves_and_shrinks_it_when_engines_idle():
+    on_target = (0.8,) * 4, (0,) * 4
+    # the trainer waited 40 % of its step for rollouts: generation must fit 60 % -> ceil(4 / 0.6)
+    assert recommend_fleet(4, FleetLoad(*on_target, rollout_wait=0.4, engine_idle=0.0), FLEET) == 7
+    # waiting within target: no opinion, the KV rule holds the fleet
+    assert recommend_fleet(4, FleetLoad(*on_target, rollout_wait=0.1, engine_idle=0.1), FLEET) == 4
+    # engines idle 65 % of the step (waiting for weights): keep 70 % busy -> ceil(4 * 0.35 / 0.7) = 2
+    low_kv = (0.5,) * 4, (0,) * 4  # KV alone would say ceil(4 * 0.5/0.8) = 3
+    assert recommend_fleet(4, FleetLoad(*low_kv, rollout_wait=0.05, engine_idle=0.65), FLEET) == 2
+    # ... unless something else asks for more than there are: rollouts waiting for KV room
+    busy = FleetLoad(*low_kv, waiting=8, inflight=8, rollout_wait=0.05, engine_idle=0.65)
+    assert recommend_fleet(4, busy, FLEET) == 8
+    # a starving trainer outvotes idle engines (another job's); the doubling cap is decide()'s
+    assert recommend_fleet(4, FleetLoad(*on_target, rollout_wait=0.7, engine_idle=0.9), FLEET) == 8
+    assert recommend_by_pipeline(1, None, 0.99) == 1, "never below one engine"
+    assert recommend_by_pipeline(4, None, None) is None
+
+
+def test_fleet_load_reads_the_asynchronous_trainers_pipeline():
+    engine = 'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_waiting{engine="0"} 0\n'
+    sync = 'kuberl_rollout_requests_inflight 4\n'
+    starved = 'kuberl_train_rollout_wait_ratio{job="a"} 0.3\nkuberl_train_engine_idle_ratio{job="a"} 0.1\n'
+    idle = 'kuberl_train_rollout_wait_ratio{job="b"} 0.0\nkuberl_train_engine_idle_ratio{job="b"} 0.6\n'
+    load = fleet_load([engine], [sync, starved, idle])
+    assert load.rollout_wait == 0.3 and load.engine_idle == 0.1  # the most starved, the least idle
+    load = fleet_load([engine], [sync])
+    assert load.rollout_wait is None and load.engine_idle is None  # synchronous runs do not vote

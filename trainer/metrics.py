@@ -77,6 +77,18 @@ def _gauges() -> dict[str, Gauge]:
                 "Fraction of the step's rollouts within 10 % of their target length, per target and over all",
                 ["job", "target"],
             ),
+            rollout_wait=Gauge(
+                "kuberl_train_rollout_wait_ratio",
+                "Fraction of the last RL step the trainer waited for its rollouts (asyncLevel > 0: "
+                "starved for rollouts, the fleet autoscaler adds engines)",
+                ["job"],
+            ),
+            engine_idle=Gauge(
+                "kuberl_train_engine_idle_ratio",
+                "Fraction of the last RL step no rollout batch was generating (asyncLevel > 0: engines "
+                "waiting for weights, the fleet autoscaler removes engines)",
+                ["job"],
+            ),
             stale=Counter(
                 "kuberl_train_rollouts_stale",
                 "Rollouts dropped for being older than asyncLevel or from a version never pushed",
@@ -170,6 +182,11 @@ class MetricsSink:
             v = record.get(key)
             if v is not None and math.isfinite(v):
                 g[gauge].labels(self.job, *extra).set(v)
+        step_s = record.get("step_seconds") or 0.0
+        if record.get("async_level") and step_s > 0:  # the pipeline's sides, for the fleet autoscaler
+            g["rollout_wait"].labels(self.job).set(min(1.0, record.get("rollout_seconds", 0.0) / step_s))
+            if record.get("engine_busy_seconds") is not None:
+                g["engine_idle"].labels(self.job).set(max(0.0, 1.0 - record["engine_busy_seconds"] / step_s))
         for engine, gap in (record.get("engine_logprob_gap") or {}).items():
             g["engine_gap"].labels(self.job, engine).set(gap)
         if record.get("length_penalty_mean") is not None:

@@ -247,6 +247,7 @@ def record(
     return {
         "type": "rl",
         "algorithm": cfg.algorithm,
+        "async_level": cfg.spec.algorithm.async_level,
         "lr": lr,
         **batch.stats,
         **upd,
