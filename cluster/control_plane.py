@@ -15,6 +15,7 @@ the cluster stays until ``down``.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -58,6 +59,7 @@ class ClusterState:
     binaries: dict[str, str]
     pids: dict[str, int] = field(default_factory=dict)
     audit: bool = False
+    pod_cidr: str = POD_CIDR
 
     @property
     def audit_log(self) -> Path:
@@ -194,11 +196,26 @@ def scheduler_args(state: ClusterState, kubeconfig: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def check_pod_cidr(cidr: str) -> None:
+    """Refuse a pod range the API server would refuse pod endpoints from (EndpointSlice
+    addresses may not be loopback, link-local, multicast or unspecified) or that overlaps the
+    Service range."""
+    try:
+        net = ipaddress.ip_network(cidr)
+    except ValueError as err:
+        raise ClusterError(f"pod CIDR {cidr!r} is not a network: {err}") from None
+    if net.version != 4 or net.is_loopback or net.is_link_local or net.is_multicast or net.is_unspecified:
+        raise ClusterError(f"pod CIDR {cidr} must be an IPv4 range outside loopback, link-local and multicast: "
+                           "EndpointSlices refuse such pod addresses (e.g. 198.18.0.0/16)")
+    if net.overlaps(ipaddress.ip_network(SERVICE_CIDR)):
+        raise ClusterError(f"pod CIDR {cidr} overlaps the Service range {SERVICE_CIDR}")
+
+
 def kwok_args(state: ClusterState, kubeconfig: Path, config: Path) -> list[str]:
     return [
         state.binaries["kwok"], f"--kubeconfig={kubeconfig}", f"--config={config}",
         f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
-        f"--cidr={POD_CIDR}", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+        f"--cidr={state.pod_cidr}", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
     ]  # fmt: skip
 
 
@@ -286,10 +303,14 @@ def running(folder: Path) -> ClusterState | None:
 
 
 def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 120.0,
-       binaries: dict[str, Path] | None = None, audit: bool = False) -> ClusterState:
+       binaries: dict[str, Path] | None = None, audit: bool = False, pod_cidr: str = POD_CIDR) -> ClusterState:
     """Start a control plane in ``folder`` (building the programs first if the cache lacks them)
     and wait until its nodes are Ready; a cluster already running there is returned as it is.
-    ``audit``: the API server logs every request it answers (``ClusterState.audit_log``)."""
+    ``audit``: the API server logs every request it answers (``ClusterState.audit_log``).
+    ``pod_cidr``: where kwok takes the simulated pods' IPs from. Routed to this host (``ip route
+    add local CIDR dev lo``, in a network namespace of one's own), a pod's IP reaches a local
+    process that serves in the pod's place."""
+    check_pod_cidr(pod_cidr)
     folder = folder.absolute()
     if (state := running(folder)) is not None:
         return state
@@ -302,7 +323,8 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
     # A restart keeps its ports: etcd's data records its peer address, and kubeconfigs handed out
     # (the admin's, the operator's) name the API server's.
     ports = _ports(previous)
-    state = ClusterState(dir=str(folder), **ports, binaries={k: str(v) for k, v in paths.items()}, audit=audit)
+    state = ClusterState(dir=str(folder), **ports, binaries={k: str(v) for k, v in paths.items()}, audit=audit,
+                         pod_cidr=pod_cidr)
     state.save()
     try:
         _start_all(state, pki, pools if pools is not None else default_pools(), timeout)

@@ -19,7 +19,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
           "first run builds them from their Go modules, several minutes) ...", file=sys.stderr)
     try:
         state = up(Path(args.dir), pools=default_pools(mi300x=args.mi300x_nodes, h100=args.h100_nodes,
-                                                       cpu=args.cpu_nodes), timeout=args.timeout)
+                                                       cpu=args.cpu_nodes), timeout=args.timeout,
+                   pod_cidr=args.pod_cidr)
     except ClusterError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -90,6 +91,9 @@ def add_command(sub: argparse._SubParsersAction, fmt: type[argparse.HelpFormatte
     u.add_argument("--h100-nodes", type=int, default=2, help="nodes with 8 nvidia.com/gpu each (default 2)")
     u.add_argument("--cpu-nodes", type=int, default=4, help="CPU nodes, 96 cores and 250 pods each (default 4)")
     u.add_argument("--timeout", type=float, default=120.0, help="seconds each program has to get ready")
+    u.add_argument("--pod-cidr", default="10.244.0.0/16",
+                   help="the simulated pods' IP range (default 10.244.0.0/16); route it to this host "
+                        "(`ip route add local CIDR dev lo`) to serve a pod's IP from a local process")
     u.set_defaults(func=_cmd_up)
     b = csub.add_parser(
         "build",

@@ -141,6 +141,7 @@ class VLLMServerConfig:
     dtype: str = "bfloat16"
     kv_cache_gib: float = 1.0
     port: int | None = None
+    host: str = "127.0.0.1"  # the address it listens on (a pod's IP where one stands in for a pod)
     enforce_eager: bool = True
     cpus: str | None = None
     extra_args: Sequence[str] = field(default_factory=tuple)
@@ -155,7 +156,7 @@ class VLLMServerConfig:
             "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30))),
             "--enable-prefix-caching",
             "--enable-scale-out",  # /inference/v1/generate, which reports each answer's weights
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(port),
         ]  # fmt: skip
         if self.enforce_eager:
@@ -211,7 +212,7 @@ class VLLMServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{cfg.host}:{port}"
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

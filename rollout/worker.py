@@ -193,12 +193,14 @@ class RolloutWorker:
             fut.cancel()
 
     def step_stats(self) -> dict[str, float]:
-        """Tool-call outcomes and latency, the peak KV-cache use of the engines and their fault
-        counts (:data:`ENGINE_FAULTS`), since the last call (taken on the loop thread, where they
+        """Tool-call outcomes and latency, the engines in service, the peak KV-cache use of the
+        engines and their fault counts (:data:`ENGINE_FAULTS`), since the last call (taken on the loop thread, where they
         are recorded)."""
 
         async def take() -> dict[str, float]:
             out = self.executor.take()
+            # the fleet's size as this trainer sees it at the step's end (replicas join and leave)
+            out["engines_in_service"] = float(sum(not st.draining for st in self.scheduler.stats))
             if self._kv_peak is not None:
                 out["kv_cache_utilization"] = self._kv_peak
             self._kv_peak = None
@@ -362,6 +364,7 @@ class RolloutWorker:
         if self.loop.is_closed():
             return
         try:
+            self._run(self.scheduler.close())  # its load poller, before the engines it polls
             self._run(self.engine.close() if self.fleet is None else self.fleet.close())
             self._run(self._cm.__aexit__(None, None, None))
         finally:

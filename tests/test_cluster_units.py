@@ -134,3 +134,16 @@ def test_vllm_requirements_leave_out_torch_and_other_platforms():
     assert ("xgrammar==0.2.8" in kept) == (platform.machine() == "s390x")
     with pytest.raises(ValueError, match="cannot be parsed"):
         requirements_without_torch(["not a requirement ==="])
+
+
+def test_pod_ranges_the_api_server_would_refuse_endpoints_from_are_refused():
+    from kuberl.cluster.control_plane import POD_CIDR, check_pod_cidr
+    from kuberl.cluster.errors import ClusterError
+
+    check_pod_cidr(POD_CIDR)
+    check_pod_cidr("198.18.0.0/16")
+    for bad, why in (("127.64.0.0/16", "outside loopback"), ("169.254.0.0/16", "outside loopback"),
+                     ("10.96.4.0/24", "overlaps the Service range"), ("fd00::/64", "IPv4"),
+                     ("10.244.0.1/16", "not a network")):
+        with pytest.raises(ClusterError, match=why):
+            check_pod_cidr(bad)
