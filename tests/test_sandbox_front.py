@@ -157,3 +157,34 @@ def test_connections_beyond_the_cap_are_closed_as_they_arrive():
         time.sleep(0.5)  # the held ones closed: room again
         status, _ = _post(url, "/v1/execute", {"code": "print(1)"})
         assert status == 200
+
+
+# -- backpressure ----------------------------------------------------------------------------------
+
+
+def test_a_full_pod_closes_the_connection_after_its_429_so_a_retry_is_balanced_afresh():
+    """With its queue full a pod answers 429 and closes that kept-alive connection: the client's
+    retry opens a new one, which the pool's Service balances over every pod (those started since
+    included), instead of queueing again behind the same pod."""
+    with _service("full", ["--queue-limit", "1"]) as url:
+        slow = json.dumps({"id": "slow-{}", "code": "import time; time.sleep(3)"})
+        held = []
+        try:
+            for i in range(6):  # 2 workers busy, 1 queued, the rest refused
+                s = socket.create_connection(addr(url), timeout=10)
+                body = slow.replace("{}", str(i)).encode()
+                s.sendall(request_head("/v1/execute", len(body)) + body)
+                held.append(s)
+            refused = 0
+            for s in held:
+                s.settimeout(1.5)
+                with contextlib.suppress(TimeoutError):  # an admitted call answers after 3 s
+                    status, data = answer(s, timeout=1.5)
+                    if status == 429:
+                        refused += 1
+                        assert b"connection: close" in data.lower(), data[:300]
+                        assert s.recv(1) == b"", "the pod closed the connection after its 429"
+            assert refused >= 2, refused
+        finally:
+            for s in held:
+                s.close()

@@ -21,7 +21,7 @@ import math
 import os
 import sys
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,6 +38,8 @@ from kuberl.sandbox.service.server import (
     SandboxService,
     ServiceUnavailable,
 )
+
+R = TypeVar("R", bound=web.StreamResponse)
 
 
 def _utf8_size(text: str) -> int:
@@ -98,11 +100,14 @@ def make_app(svc: SandboxService) -> web.Application:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
 
+    # A busy or stopping pod closes the connection after its 429/503: the client's retry then
+    # opens a new one, which the pool's Service balances afresh, instead of queueing again
+    # behind this pod on a kept-alive connection while pods started since sit idle.
     def too_busy() -> web.Response:
-        return web.json_response({"error": "queue full"}, status=429, headers={"Retry-After": "0.05"})
+        return _closing(web.json_response({"error": "queue full"}, status=429, headers={"Retry-After": "0.05"}))
 
     def unavailable(why: str) -> web.Response:
-        return web.json_response({"error": why}, status=503, headers={"Retry-After": "1"})
+        return _closing(web.json_response({"error": why}, status=503, headers={"Retry-After": "1"}))
 
     async def run_many(items: list[tuple[Key, dict[str, Any]]]) -> list[Any] | web.Response:
         if not svc.ready:
@@ -216,8 +221,8 @@ def make_app(svc: SandboxService) -> web.Application:
     return app
 
 
-def _closing(response: web.HTTPException) -> web.HTTPException:
-    """The error response, and the connection closed after it (the rest of its body unread)."""
+def _closing(response: R) -> R:
+    """The response, and the connection closed after it (the rest of the request body unread)."""
     response.force_close()
     return response
 
