@@ -23,6 +23,10 @@ against modelled engines, tool-call durations, pod start-up, update and weight s
    its minimum pre-warmed to that size ("after"). Each pod has its own queue and a call is
    bound to a pod when it arrives, so pods that start after a step's first burst cannot take
    the calls already queued: no scale-up policy fixes a cold first burst, capacity in place does.
+3. The same autoscaler from one pod with the trainer announcing each rollout phase before it
+   starts ("announced"): the pool has the phase's pods ready when its calls come
+   (``autoscale.pods_for_phase``; the first phase by the per-GPU sizing rule) and drops back to
+   its minimum for the update. Its core-seconds over the run are printed beside the others'.
 
 Prints a table per scenario and step, the sizing answer in cores per GPU, and writes a PNG of
 pods and latency over the steps. Exit status 1 when no fixed pool of the sweep meets the goal.
@@ -113,6 +117,12 @@ def print_table(rows: list[dict]) -> None:
                 f"{'':<32}  rejected (429) {r['rejected_429']}, stopped pod (503) {r['unavailable_503']}, "
                 f"retried requests {r['retried']}, failed calls {r['failed']}"
             )
+
+
+def core_seconds(res: SimResult) -> float:
+    """Cores ready, integrated over the run: what the pool cost (timeline samples as steps)."""
+    tl = res.timeline
+    return sum(a["cores_ready"] * (b["t"] - a["t"]) for a, b in zip(tl, tl[1:], strict=False))
 
 
 def peak_cores(steps: list, window: float = 10.0) -> float:
@@ -284,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             sizing = (pods * pod, name)
             break
         pods = max(pods + 1, math.ceil(pods * 1.25))
+    # Announced: the same autoscaler from one pod, with the trainer announcing each rollout
+    # phase before it starts (issue 31): the pool has the phase's pods ready, then shrinks back.
+    announced = f"announced from {auto.min_replicas} pod"
+    results[announced] = simulate(replace(base, replay=trace, announce=True))
     # After: the same autoscaler, its minimum pre-warmed to the sizing (pods of the pool's shape).
     if sizing:
         warm = min(auto.max_replicas, math.ceil(sizing[0] / args.workers_per_pod))
@@ -304,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\nper step: {calls:.0f} tool calls, {cpu_s:.0f} core-seconds of execution "
         f"(mean {cpu_s / calls * 1e3:.0f} ms a call), rollout phase {np.mean([st.rollout_s for st in trace]):.0f} s"
     )
+    print("\nthe pool from the run's start to its last step's end, core-seconds:")
+    for name, res in results.items():
+        met = all(meets_goal(st.latency) for st in res.steps)
+        print(f"  {name:<34}{core_seconds(res):>10.0f}  goal {'met in every step' if met else 'MISSED'}")
     fleet_report(closed)
     print(f"busiest 10 s of a step asked for {peak:.0f} cores of execution")
     if sizing:

@@ -137,6 +137,40 @@ def recommend_pool(current: int, load: PoolLoad, workers_per_pod: int, auto: San
     return max(by_queue, by_busy)
 
 
+PHASE_BURST_FACTOR = 5.0
+"""Workers a rollout phase asks for, over its average demand (calls x call seconds / phase
+seconds): tool calls come in bursts, and a p99 of 1 s needs room for them. In the 64-GPU
+simulation (bench/README.md) the smallest fixed pools that met the goal held 3.2x (long calls)
+and 5.2x (short calls) the average demand."""
+FIRST_PHASE_CORES_PER_GPU = 2.1
+"""The first phase, before any step has measured its calls: the sizing rule of docs/cluster.md
+for heavy numeric tool code (2.1 cores per GPU of the job; light code needs ~1.1)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A rollout phase as a trainer announces it before it starts, from its last steps."""
+
+    tool_calls: float  # calls the phase is expected to make
+    seconds: float  # how long the phase is expected to last
+    call_seconds: float  # how long one call runs, on average
+
+
+def pods_for_phase(phase: Phase, workers_per_pod: int, burst: float = PHASE_BURST_FACTOR) -> int:
+    """SandboxPool pods to have ready before an announced phase: its average demand in workers
+    times the burst factor, in whole pods (0 for a phase without calls)."""
+    if phase.tool_calls <= 0 or phase.seconds <= 0 or phase.call_seconds <= 0:
+        return 0
+    workers = burst * phase.tool_calls * phase.call_seconds / phase.seconds
+    return math.ceil(workers / workers_per_pod - 1e-9)
+
+
+def pods_for_first_phase(gpus: int, workers_per_pod: int, cores_per_gpu: float = FIRST_PHASE_CORES_PER_GPU) -> int:
+    """Pods for a job's first rollout phase, which no step has measured yet: the sizing rule
+    (one worker per core)."""
+    return max(1, math.ceil(cores_per_gpu * gpus / workers_per_pod - 1e-9))
+
+
 def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> int:
     """Engines needed for mean KV-cache usage <= target and queued requests/engine <= target,
     and, while the trainers hold rollouts no engine had room for, enough engines to run them

@@ -32,6 +32,7 @@ from clustersim.workload import (  # noqa: E402
 from rollout_sim import run_virtual  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits  # noqa: E402
+from kuberl.operator.autoscale import PHASE_BURST_FACTOR, Phase, pods_for_first_phase, pods_for_phase  # noqa: E402
 from kuberl.sandbox.config import ServiceConfig  # noqa: E402
 from kuberl.sandbox.service.client import SandboxClient  # noqa: E402
 
@@ -238,3 +239,39 @@ def test_a_queued_call_wakes_one_idle_worker_not_all() -> None:
     finally:
         _ModelProcess.wait = real_wait  # type: ignore[method-assign]
     assert woken <= 3 * 20, woken  # ~one worker per call; was ~32 per call
+
+
+def test_an_announced_phase_has_its_pods_before_its_burst_and_gives_them_back_for_the_update() -> None:
+    """The same cold burst as above, with the trainer announcing each phase: the first by the
+    per-GPU rule before the run's first weight push, the next from the step before. The burst
+    meets ready pods (the cold pool's first calls waited > 15 s), and the pool drops back to its
+    minimum while the trainer updates."""
+    auto = SandboxAutoscaling(minReplicas=1, maxReplicas=16, targetQueuePerWorker=1)
+    burst = _burst(600, 1.0, over_s=60.0)
+    burst.update_s, burst.sync_s = 30.0, 20.0
+    res = simulate(
+        _tiny_cfg(replay=[burst, burst], pool_autoscaling=auto, workers_per_pod=4, engines=8, announce=True)
+    )
+    first = pods_for_first_phase(8, 4)  # 2.1 cores per GPU: ceil(16.8 / 4) = 5 pods
+    assert first == 5
+    kinds = [(d[4], d[2]) for d in res.pool_decisions if d[4] in ("announced", "released")]
+    second = pods_for_phase(Phase(600, res.steps[0].rollouts_done - res.steps[0].start, 1.0), 4)
+    assert second == math.ceil(PHASE_BURST_FACTOR * 600 * 1.0 / 60.0 / 4)  # 13 pods for 10 calls/s
+    assert kinds[:3] == [("announced", first), ("released", 1), ("announced", second)], kinds
+    assert res.steps[0].start >= burst.sync_s, "the first phase waited for the run's first weight push"
+    step1, step2 = res.steps
+    # the first burst met the per-GPU rule's pods (this burst's 1 s calls ask more of it than the
+    # rule was sized for, so some queue: seconds, not the cold pool's 15 s and more)
+    assert step1.latency.max() < 3.0
+    # the calls met ready workers (random routing queues a few behind one call; cold: > 15 s)
+    assert np.quantile(step2.latency, 0.99) < 1.1 and step2.latency.max() < 3.0 and step2.failed_calls == 0
+    in_update = [s for s in res.timeline if res.steps[0].rollouts_done + 1 < s["t"] < res.steps[0].rollouts_done + 29]
+    assert in_update and all(s["pods_ready"] == 1 for s in in_update), "the phase's pods went back"
+
+
+def test_phase_sizing_rules() -> None:
+    # 45K calls of 0.19 s over a 200 s phase: 43 cores of average demand, 5x for the bursts
+    assert pods_for_phase(Phase(45_000, 200.0, 0.19), 32) == math.ceil(5.0 * 45_000 * 0.19 / 200 / 32)
+    assert pods_for_phase(Phase(0, 200.0, 0.19), 32) == 0  # a phase without tool calls
+    assert pods_for_phase(Phase(10, 0.0, 0.19), 32) == 0  # nothing measured yet
+    assert pods_for_first_phase(64, 32) == 5 and pods_for_first_phase(1, 32) == 1

@@ -57,6 +57,7 @@ class PoolController:
         self.blind_log = ScaleLog()  # dry run: the same decisions without the trainer's backlog
         self._names = 0
         self._tasks: set[asyncio.Task] = set()
+        self.floor: int | None = None  # pods an announced rollout phase asks for, until released
 
     @property
     def ready_pods(self) -> list[SandboxPod]:
@@ -103,6 +104,27 @@ class PoolController:
             ]
             await asyncio.gather(*(self._remove(p) for p in victims))
 
+    async def announce(self, pods: int, now: float) -> None:
+        """A trainer announced a rollout phase that asks for ``pods``: have them ready before
+        it starts (the operator's next pass applies the floor at once)."""
+        self.floor = pods
+        if pods > self.replicas:
+            self.log.decisions.append((now, self.replicas, pods, pods, "announced"))
+            self.replicas = pods
+            await self.reconcile()
+
+    async def release(self, now: float) -> None:
+        """The announced phase's calls are done: back to what the load asks for, without the
+        stabilization window holding the phase's pods through the update."""
+        self.floor = None
+        self.history = ()
+        auto = self.autoscaling
+        low = auto.min_replicas if auto is not None else self.replicas
+        if low < self.replicas:
+            self.log.decisions.append((now, self.replicas, low, low, "released"))
+            self.replicas = low
+            await self.reconcile()
+
     async def autoscale_once(self, now: float) -> None:
         auto = self.autoscaling
         if auto is None:
@@ -115,7 +137,7 @@ class PoolController:
             self.replicas,
             rec,
             self.history,
-            min_replicas=auto.min_replicas,
+            min_replicas=max(auto.min_replicas, self.floor or 0),
             max_replicas=auto.max_replicas,
             stabilization_s=auto.scale_down_stabilization_seconds,
             now=now,

@@ -27,6 +27,7 @@ from rollout_sim import EngineSpec, SimEngine, run_virtual
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
+from kuberl.operator import autoscale
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.sandbox.config import ServiceConfig
@@ -70,6 +71,12 @@ class SimConfig:
     # arrival times barely depend on the pool; a replay prices other pools without the engines.
     replay: list[StepRecord] | None = None
     ahead: int = 0  # 0: synchronous steps; k >= 1: the fleet side at asyncLevel k (above)
+    # The trainer announces each rollout phase before it starts (synchronous steps): the first
+    # before its first weight push (the run waits for that push, sync_s), sized by the rule
+    # per GPU; every later one when its weight push starts, from the step before (calls, their
+    # mean time, the phase's length). The pool has the phase's pods (autoscale.pods_for_phase)
+    # from then until the phase's calls are done, and returns to its minimum for the update.
+    announce: bool = False
 
 
 @dataclass
@@ -284,6 +291,21 @@ async def _run(cfg: SimConfig) -> SimResult:
         await asyncio.gather(*(submit(i) for i in range(cfg.steps)))
         records.extend(batch_records)
     steps = 0 if cfg.ahead else len(cfg.replay) if cfg.replay else cfg.steps
+    if cfg.announce and steps:
+        await pool.announce(autoscale.pods_for_first_phase(cfg.engines, cfg.workers_per_pod), loop.time())
+        await asyncio.sleep(cfg.replay[0].sync_s if cfg.replay else cfg.trainer.sync_seconds())
+
+    async def between_steps(rec: StepRecord, last: bool) -> None:
+        """The update, then the weight push; with announcements the pool follows the phases."""
+        if cfg.announce:
+            await pool.release(loop.time())
+        await asyncio.sleep(rec.update_s)
+        if cfg.announce and not last:
+            mean_s = float(rec.costs.mean()) if rec.calls else 0.0
+            phase = autoscale.Phase(rec.calls, rec.rollouts_done - rec.start, mean_s)
+            await pool.announce(autoscale.pods_for_phase(phase, cfg.workers_per_pod), loop.time())
+        await asyncio.sleep(rec.sync_s)
+
     for step in range(steps):
         rec = StepRecord(start=loop.time())
         lat: list[float] = []
@@ -297,14 +319,14 @@ async def _run(cfg: SimConfig) -> SimResult:
             rec.latency, rec.dispatch, rec.costs = np.array(lat), np.array(disp), np.array(costs)
             rec.critical, rec.mean_rollout = old.critical, old.mean_rollout
             rec.update_s, rec.sync_s = old.update_s, old.sync_s
-            await asyncio.sleep(rec.update_s + rec.sync_s)
+            await between_steps(rec, step == steps - 1)
             rec.end = loop.time()
             records.append(rec)
             continue
         plans = await run_batch(step, rec)
         rec.update_s = cfg.trainer.update_seconds(trained_tokens(plans, spec, cfg.trainer.kept_per_prompt))
         rec.sync_s = cfg.trainer.sync_seconds()
-        await asyncio.sleep(rec.update_s + rec.sync_s)
+        await between_steps(rec, step == steps - 1)
         rec.end = loop.time()
         records.append(rec)
     stop.set()
