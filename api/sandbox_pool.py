@@ -100,6 +100,11 @@ class SandboxPoolSpec(KubeModel):
 class SandboxPoolStatus(ScaledResourceStatus):
     queue_depth: float | None = None
     workers_busy: float | None = None
+    announced_workers: float | None = Field(
+        None,
+        description="Sandbox workers the pool's trainers announced for their coming or current rollout "
+        "phases; the pool is held at least that large until the phases are over.",
+    )
 
 
 class SandboxPool(Resource):

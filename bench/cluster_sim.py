@@ -25,7 +25,7 @@ against modelled engines, tool-call durations, pod start-up, update and weight s
    the calls already queued: no scale-up policy fixes a cold first burst, capacity in place does.
 3. The same autoscaler from one pod with the trainer announcing each rollout phase before it
    starts ("announced"): the pool has the phase's pods ready when its calls come
-   (``autoscale.pods_for_phase``; the first phase by the per-GPU sizing rule) and drops back to
+   (``rollout.phases``; the first phase by the per-GPU sizing rule) and drops back to
    its minimum for the update. Its core-seconds over the run are printed beside the others'.
 
 Prints a table per scenario and step, the sizing answer in cores per GPU, and writes a PNG of

@@ -219,6 +219,17 @@ SANDBOX: tuple[PanelSpec, ...] = (
         ),
         min=0,
     ),
+    PanelSpec(
+        "Workers announced by the trainers",
+        "Sandbox workers each trainer's coming or current rollout phase asks for (0 between "
+        "phases): the autoscaler holds the pool at least that large until the phase is over, so "
+        "a step's burst meets ready pods; against them, the workers busy now.",
+        (
+            Query("kuberl_rollout_phase_workers", "announced {{job}}"),
+            Query(f"sum by (pool) (kuberl_sandbox_workers_busy{{{P}}})", "busy {{pool}}"),
+        ),
+        min=0,
+    ),
 )
 
 ROLLOUT: tuple[PanelSpec, ...] = (

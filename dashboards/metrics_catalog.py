@@ -80,6 +80,13 @@ CATALOG: dict[str, MetricSpec] = {
             "Rollouts waiting in the trainer's scheduler for an engine with room (the fleet autoscaler reads it)",
         ),
         MetricSpec(
+            "kuberl_rollout_phase_workers",
+            "gauge",
+            ("job",),
+            "rollout",
+            "Sandbox workers the trainer's next or current rollout phase asks for (0 between phases)",
+        ),
+        MetricSpec(
             "kuberl_rollout_generated_tokens_total",
             "counter",
             ("engine",),

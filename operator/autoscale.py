@@ -22,6 +22,11 @@ trainers' ``kuberl_rollout_requests_waiting``
 fleet grows in proportion (``ceil(engines * (inflight + waiting) / inflight)``) and never
 shrinks.
 
+A SandboxPool's tool calls come in bursts the trainers see coming: before each rollout phase
+they announce the sandbox workers it asks for (``rollout.phases``), and the pool is held at
+least that large (:func:`phase_floor`, as the decision's minimum) until the phase is over; then
+the stabilization window is dropped, so the phase's pods do not wait out the update.
+
 An asynchronous run (asyncLevel > 0) says which side of its pipeline waits: the trainers
 export, over their last RL step, the fraction they waited for rollouts and the fraction no
 rollout batch was generating. A trainer starved for rollouts above ``PIPELINE_WAIT_TARGET``
@@ -52,6 +57,7 @@ SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
 SGLANG_TOKEN_USAGE, SGLANG_QUEUE = ENGINE_METRICS["sglang"]
 TRAINER_WAITING = "kuberl_rollout_requests_waiting"
 TRAINER_INFLIGHT = "kuberl_rollout_requests_inflight"
+TRAINER_PHASE_WORKERS = "kuberl_rollout_phase_workers"
 TRAINER_ROLLOUT_WAIT = "kuberl_train_rollout_wait_ratio"
 TRAINER_ENGINE_IDLE = "kuberl_train_engine_idle_ratio"
 PIPELINE_WAIT_TARGET = 0.15  # a trainer may wait this much of its step for rollouts
@@ -137,38 +143,10 @@ def recommend_pool(current: int, load: PoolLoad, workers_per_pod: int, auto: San
     return max(by_queue, by_busy)
 
 
-PHASE_BURST_FACTOR = 5.0
-"""Workers a rollout phase asks for, over its average demand (calls x call seconds / phase
-seconds): tool calls come in bursts, and a p99 of 1 s needs room for them. In the 64-GPU
-simulation (bench/README.md) the smallest fixed pools that met the goal held 3.2x (long calls)
-and 5.2x (short calls) the average demand."""
-FIRST_PHASE_CORES_PER_GPU = 2.1
-"""The first phase, before any step has measured its calls: the sizing rule of docs/cluster.md
-for heavy numeric tool code (2.1 cores per GPU of the job; light code needs ~1.1)."""
-
-
-@dataclass(frozen=True)
-class Phase:
-    """A rollout phase as a trainer announces it before it starts, from its last steps."""
-
-    tool_calls: float  # calls the phase is expected to make
-    seconds: float  # how long the phase is expected to last
-    call_seconds: float  # how long one call runs, on average
-
-
-def pods_for_phase(phase: Phase, workers_per_pod: int, burst: float = PHASE_BURST_FACTOR) -> int:
-    """SandboxPool pods to have ready before an announced phase: its average demand in workers
-    times the burst factor, in whole pods (0 for a phase without calls)."""
-    if phase.tool_calls <= 0 or phase.seconds <= 0 or phase.call_seconds <= 0:
-        return 0
-    workers = burst * phase.tool_calls * phase.call_seconds / phase.seconds
-    return math.ceil(workers / workers_per_pod - 1e-9)
-
-
-def pods_for_first_phase(gpus: int, workers_per_pod: int, cores_per_gpu: float = FIRST_PHASE_CORES_PER_GPU) -> int:
-    """Pods for a job's first rollout phase, which no step has measured yet: the sizing rule
-    (one worker per core)."""
-    return max(1, math.ceil(cores_per_gpu * gpus / workers_per_pod - 1e-9))
+def phase_floor(workers: float, workers_per_pod: int) -> int:
+    """Pods that hold the sandbox workers the pool's trainers announced for their rollout phase
+    (``rollout.phases``): the pool stays at least this large until the phase is over."""
+    return math.ceil(workers / workers_per_pod - 1e-9) if workers > 0 else 0
 
 
 def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> int:
@@ -311,6 +289,12 @@ def trainer_backlog(scrapes: Sequence[str]) -> tuple[float, float]:
         waiting += g.get(TRAINER_WAITING, 0.0)
         inflight += g.get(TRAINER_INFLIGHT, 0.0)
     return waiting, inflight
+
+
+def phase_workers(scrapes: Sequence[str]) -> float:
+    """Sandbox workers the pool's trainers announced for their coming or current rollout
+    phases, summed (0 between phases, or where none announces)."""
+    return sum(parse_gauges(text, (TRAINER_PHASE_WORKERS,)).get(TRAINER_PHASE_WORKERS, 0.0) for text in scrapes)
 
 
 def trainer_pipeline(scrapes: Sequence[str]) -> tuple[float | None, float | None]:

@@ -133,6 +133,9 @@ def endpoints_env(
             env.append({"name": "KUBERL_ROLLOUT_ENGINE", "value": fleet_spec.engine.type})
             env.append({"name": "KUBERL_ROLLOUT_DTYPE", "value": fleet_spec.engine.dtype})
             env.append({"name": "KUBERL_SCHEDULER_POLICY", "value": fleet_spec.scheduler.policy})
+            if fleet_spec.accelerator.profile != "cpu":  # the first rollout phase's sandbox sizing
+                gpus = fleet_spec.replicas * fleet_spec.accelerator.count * fleet_spec.nodes_per_engine
+                env.append({"name": "KUBERL_ROLLOUT_GPUS", "value": str(gpus)})
             if fleet_spec.weight_sync is not None:
                 env.append({"name": "KUBERL_WEIGHTS_DIR", "value": fleet_spec.weight_sync.mount_path})
     pool = job.spec.sandbox.pool_ref or (

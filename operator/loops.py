@@ -29,7 +29,7 @@ from kuberl.operator import autoscale, builders, metrics, status
 from kuberl.operator.context import PLURALS, SCALED, OperatorContext
 from kuberl.operator.handlers import parse_body, pod_selector, post_events, reconcile
 from kuberl.operator.kube import ApiError, is_subset, kind_of
-from kuberl.operator.pods import fleet_trainer_pods, ready_pods, scrape_pods
+from kuberl.operator.pods import ready_pods, scrape_pods, trainer_pods_using
 from kuberl.operator.summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
@@ -70,14 +70,24 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
     current = res.spec.replicas
     rec: int | None = None
     st: dict[str, Any] = {}
+    previous = body.get("status") or {}
+    history = autoscale.history_from_status(previous.get("recommendations"))
+    floor = 0
     if isinstance(res, SandboxPool):
         load = autoscale.pool_load(texts)
         if load is not None:
             rec = autoscale.recommend_pool(current, load, res.spec.workers_per_pod, auto)
             st.update(queueDepth=load.queue_depth, workersBusy=load.workers_busy)
+        # rank 0 of each trainer using the pool announces its rollout phases on "metrics"
+        trainers = await trainer_pods_using(ctx.client(), namespace, "KUBERL_SANDBOX_POOL", res.metadata.name)
+        announced = autoscale.phase_workers(await scrape_pods(ctx.scrape, trainers, ("metrics",)))
+        floor = autoscale.phase_floor(announced, res.spec.workers_per_pod)
+        st["announcedWorkers"] = announced
+        if not announced and previous.get("announcedWorkers"):
+            history = ()  # the phase is over: its pods need not wait out the window
     else:
         # rank 0 of each trainer using the fleet serves its scheduler's backlog on "metrics"
-        trainers = await fleet_trainer_pods(ctx.client(), namespace, res.metadata.name)
+        trainers = await trainer_pods_using(ctx.client(), namespace, "KUBERL_ROLLOUT_FLEET", res.metadata.name)
         fload = autoscale.fleet_load(texts, await scrape_pods(ctx.scrape, trainers, ("metrics",)))
         if fload is not None:
             rec = autoscale.recommend_fleet(current, fload, auto)
@@ -90,12 +100,11 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
                 st["trainerRolloutWait"] = round(fload.rollout_wait, 3)
             if fload.engine_idle is not None:
                 st["engineIdle"] = round(fload.engine_idle, 3)
-    previous = body.get("status") or {}
     decision = autoscale.decide(
         current,
-        rec,
-        autoscale.history_from_status(previous.get("recommendations")),
-        min_replicas=auto.min_replicas,
+        rec if rec is not None or not floor else floor,
+        history,
+        min_replicas=max(auto.min_replicas, floor),
         max_replicas=auto.max_replicas,
         stabilization_s=auto.scale_down_stabilization_seconds,
         now=ctx.config.clock(),

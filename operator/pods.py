@@ -42,15 +42,16 @@ async def ready_pods(client: KubeClient, namespace: str, labels: dict[str, str])
     return out
 
 
-async def fleet_trainer_pods(client: KubeClient, namespace: str, fleet: str) -> list[dict[str, Any]]:
-    """The ready kuberl trainer pods whose rollouts go to RolloutFleet ``fleet`` (their
-    ``KUBERL_ROLLOUT_FLEET``): their schedulers hold the rollouts the engines cannot see yet."""
+async def trainer_pods_using(client: KubeClient, namespace: str, variable: str, name: str) -> list[dict[str, Any]]:
+    """The ready kuberl trainer pods whose ``variable`` names ``name``: ``KUBERL_ROLLOUT_FLEET``
+    for a RolloutFleet (their schedulers hold the rollouts the engines cannot see yet),
+    ``KUBERL_SANDBOX_POOL`` for a SandboxPool (they announce their rollout phases)."""
     labels = {LABEL_NAME: APP_NAME, LABEL_COMPONENT: "trainer"}
     return [
         pod
         for pod in await ready_pods(client, namespace, labels)
         if any(
-            e.get("name") == "KUBERL_ROLLOUT_FLEET" and e.get("value") == fleet
+            e.get("name") == variable and e.get("value") == name
             for c in pod.get("spec", {}).get("containers") or []
             for e in c.get("env") or []
         )

@@ -11,6 +11,10 @@ rollout that spans a push carries the version of each turn and counts as old as 
 turn (``grpo.prepare_batch`` drops what is older than k). Batches submitted ahead are not
 checkpointed: a resumed run generates them afresh.
 
+Before each rollout phase (at the weight push before it) the orchestrator announces the sandbox
+workers the phase asks for, and reports the phase done when its batch is in
+(:mod:`kuberl.rollout.phases`), so that the SandboxPool has its pods before the burst.
+
 Weights that engines load from a published folder (:class:`StagedWeightSync`) go out on a
 thread of their own (:class:`BackgroundPush`) while the trainer waits for its batch and
 updates; the batches ahead are submitted on that thread once the push is done, so the
@@ -30,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.engine import ENGINE_FAULTS
 from kuberl.rollout.loop import BatchRequest
+from kuberl.rollout.phases import PhaseAnnouncer
 from kuberl.trainer.grpo import Scored
 
 
@@ -118,11 +123,13 @@ class Orchestrator:
         request: Callable[[int], BatchRequest],
         *,
         ahead: int,
+        phases: PhaseAnnouncer | None = None,
     ):
         self.client = client
         self.weights = weights
         self.request = request
         self.ahead = ahead
+        self.phases = phases if client is not None else None  # rank 0 announces
         self.pending: dict[int, int] = {}  # global step -> ticket of its submitted batch
         self._background: BackgroundPush | None = None
         self._busy_mark = client.busy_seconds() if client is not None else None
@@ -149,6 +156,8 @@ class Orchestrator:
         the version at once.
         """
         waited = self.join()
+        if self.phases is not None:  # the push takes longer than a sandbox pod's start-up
+            self.phases.announce()
         staged = isinstance(self.weights, StagedWeightSync)
         if self.ahead > 0 and staged and (version in self.pending or self.client is None):
             push = self.weights.prepare(model, version)
@@ -167,10 +176,19 @@ class Orchestrator:
             # last step (a push that waited for a restarted server) belong to this step
             dropped = self.client.step_stats() or {}
             self._faults = {key: dropped[key] for _, key, _ in ENGINE_FAULTS if key in dropped}
-            return self.client.generate(self.request(0))
+            if self.phases is not None:
+                self.phases.started()
+            groups = self.client.generate(self.request(0))
+            if self.phases is not None:
+                self.phases.done(s.traj for g in groups for s in g)
+            return groups
         if step not in self.pending:  # the stage's first step: later ones were submitted ahead
             self._submit(step, self.request(0))
+            if self.phases is not None:
+                self.phases.started()
         groups = self.client.collect(self.pending.pop(step))
+        if self.phases is not None:
+            self.phases.done(s.traj for g in groups for s in g)
         aheads = range(1, min(self.ahead + 1, steps_left))
         later = [functools.partial(self._submit, step + a, self.request(a)) for a in aheads]
         if self._background is None:

@@ -32,7 +32,8 @@ from clustersim.workload import (  # noqa: E402
 from rollout_sim import run_virtual  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits  # noqa: E402
-from kuberl.operator.autoscale import PHASE_BURST_FACTOR, Phase, pods_for_first_phase, pods_for_phase  # noqa: E402
+from kuberl.operator.autoscale import phase_floor  # noqa: E402
+from kuberl.rollout.phases import PHASE_BURST_FACTOR, Phase, workers_for_first_phase, workers_for_phase  # noqa: E402
 from kuberl.sandbox.config import ServiceConfig  # noqa: E402
 from kuberl.sandbox.service.client import SandboxClient  # noqa: E402
 
@@ -252,10 +253,10 @@ def test_an_announced_phase_has_its_pods_before_its_burst_and_gives_them_back_fo
     res = simulate(
         _tiny_cfg(replay=[burst, burst], pool_autoscaling=auto, workers_per_pod=4, engines=8, announce=True)
     )
-    first = pods_for_first_phase(8, 4)  # 2.1 cores per GPU: ceil(16.8 / 4) = 5 pods
+    first = phase_floor(workers_for_first_phase(8), 4)  # 2.1 cores per GPU: ceil(16.8 / 4) = 5 pods
     assert first == 5
     kinds = [(d[4], d[2]) for d in res.pool_decisions if d[4] in ("announced", "released")]
-    second = pods_for_phase(Phase(600, res.steps[0].rollouts_done - res.steps[0].start, 1.0), 4)
+    second = phase_floor(workers_for_phase(Phase(600, res.steps[0].rollouts_done - res.steps[0].start, 1.0)), 4)
     assert second == math.ceil(PHASE_BURST_FACTOR * 600 * 1.0 / 60.0 / 4)  # 13 pods for 10 calls/s
     assert kinds[:3] == [("announced", first), ("released", 1), ("announced", second)], kinds
     assert res.steps[0].start >= burst.sync_s, "the first phase waited for the run's first weight push"
@@ -271,7 +272,9 @@ def test_an_announced_phase_has_its_pods_before_its_burst_and_gives_them_back_fo
 
 def test_phase_sizing_rules() -> None:
     # 45K calls of 0.19 s over a 200 s phase: 43 cores of average demand, 5x for the bursts
-    assert pods_for_phase(Phase(45_000, 200.0, 0.19), 32) == math.ceil(5.0 * 45_000 * 0.19 / 200 / 32)
-    assert pods_for_phase(Phase(0, 200.0, 0.19), 32) == 0  # a phase without tool calls
-    assert pods_for_phase(Phase(10, 0.0, 0.19), 32) == 0  # nothing measured yet
-    assert pods_for_first_phase(64, 32) == 5 and pods_for_first_phase(1, 32) == 1
+    assert workers_for_phase(Phase(45_000, 200.0, 0.19)) == pytest.approx(5.0 * 45_000 * 0.19 / 200)
+    assert phase_floor(workers_for_phase(Phase(45_000, 200.0, 0.19)), 32) == 7
+    assert workers_for_phase(Phase(0, 200.0, 0.19)) == 0  # a phase without tool calls
+    assert workers_for_phase(Phase(10, 0.0, 0.19)) == 0  # nothing measured yet
+    assert phase_floor(workers_for_first_phase(64), 32) == 5 and phase_floor(workers_for_first_phase(1), 32) == 1
+    assert phase_floor(0.0, 32) == 0

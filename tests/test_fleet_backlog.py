@@ -128,3 +128,48 @@ async def test_operator_scrapes_the_fleets_trainers_and_does_not_shrink_it_mid_s
             return (await k.get(f"{API}/rolloutfleets/gen"))["spec"]["replicas"] == 1
 
         await eventually(shrunk, what="scale-down once nothing waits")
+
+
+# -- a SandboxPool held for the rollout phases its trainers announce -----------------------------
+
+
+def _announcing(workers: float) -> str:
+    return f'kuberl_rollout_phase_workers{{job="j"}} {workers}\n'
+
+
+async def test_a_pool_is_held_for_the_phase_its_trainers_announce_then_released() -> None:
+    """An idle pool (nothing queued or busy) with a trainer announcing a phase of 20 workers:
+    the pool grows to the 5 pods of 4 workers that holds them, at once, before any call
+    arrives; once the trainer says the phase is over the pool goes back to its minimum without
+    waiting out the stabilization window. A trainer of another pool does not count."""
+    from tests.test_operator_e2e import pool
+    from tests.test_operator_hardening import sandbox_load
+
+    phase = {"workers": 20.0}
+    trainer_labels = {"app.kubernetes.io/name": "kuberl", "app.kubernetes.io/component": "trainer"}
+    async with (
+        metrics_server(lambda: sandbox_load("tools", 0, 0)) as pod_port,
+        metrics_server(lambda: _announcing(phase["workers"])) as trainer_port,
+        metrics_server(lambda: _announcing(999)) as other_port,
+        cluster_and_operator(autoscale_interval=0.2) as k,
+    ):
+        auto = {"minReplicas": 1, "maxReplicas": 8, "targetQueuePerWorker": 4, "scaleDownStabilizationSeconds": 600}
+        await k.create(f"{API}/sandboxpools", pool(replicas=1, workersPerPod=4, autoscaling=auto))
+        path = f"/apis/apps/v1/namespaces/{NS}/deployments/tools"
+        dep = await eventually(lambda: k.get(path), what="the pool's Deployment")
+        await _add_pod(k, "tools-0", dep["spec"]["selector"]["matchLabels"], pod_port, "http", [])
+        await _add_pod(k, "train-0", trainer_labels, trainer_port, "metrics",
+                       [{"name": "KUBERL_SANDBOX_POOL", "value": "tools"}])  # fmt: skip
+        await _add_pod(k, "other-0", trainer_labels, other_port, "metrics",
+                       [{"name": "KUBERL_SANDBOX_POOL", "value": "elsewhere"}])  # fmt: skip
+
+        async def replicas(n: int) -> bool:
+            return (await k.get(f"{API}/sandboxpools/tools"))["spec"]["replicas"] == n
+
+        await eventually(lambda: replicas(5), what="the announced phase's 5 pods")
+        st = (await k.get(f"{API}/sandboxpools/tools"))["status"]
+        assert st["announcedWorkers"] == 20.0
+        await asyncio.sleep(1.0)
+        assert await replicas(5), "held while the phase is announced, though nothing is queued"
+        phase["workers"] = 0.0  # the phase's rollouts are in
+        await eventually(lambda: replicas(1), what="released to the minimum, before the 600 s window")

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from kuberl.dashboards.metrics_catalog import CATALOG
 
 COMPONENT_MODULES = {
-    "rollout": ["kuberl.rollout.scheduler"],
+    "rollout": ["kuberl.rollout.scheduler", "kuberl.rollout.phases"],
     "trainer": ["kuberl.trainer.metrics"],
     "sandbox": ["kuberl.sandbox.service.server"],
     "operator": ["kuberl.operator.metrics"],

@@ -37,6 +37,7 @@ from kuberl.rollout import template
 from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.orchestrator import Orchestrator
+from kuberl.rollout.phases import PhaseAnnouncer, rollout_gpus
 from kuberl.trainer import data as data_mod
 from kuberl.trainer import length_reward
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
@@ -514,7 +515,8 @@ class Pipeline:
             )
 
         client = self.client if self.ctx.is_main else None
-        with Orchestrator(client, self.weights, request, ahead=a.async_level) as orch:
+        phases = PhaseAnnouncer(self.job.metadata.name, rollout_gpus(), overlapping=a.async_level > 0)
+        with Orchestrator(client, self.weights, request, ahead=a.async_level, phases=phases) as orch:
             while self.state.stage_step < stage.steps:
                 if self._out_of_time():
                     self.result.stopped_early = True

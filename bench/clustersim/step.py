@@ -28,6 +28,7 @@ from rollout_sim import EngineSpec, SimEngine, run_virtual
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
 from kuberl.operator import autoscale
+from kuberl.rollout import phases
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.sandbox.config import ServiceConfig
@@ -74,7 +75,7 @@ class SimConfig:
     # The trainer announces each rollout phase before it starts (synchronous steps): the first
     # before its first weight push (the run waits for that push, sync_s), sized by the rule
     # per GPU; every later one when its weight push starts, from the step before (calls, their
-    # mean time, the phase's length). The pool has the phase's pods (autoscale.pods_for_phase)
+    # mean time, the phase's length). The pool has the phase's pods (rollout.phases)
     # from then until the phase's calls are done, and returns to its minimum for the update.
     announce: bool = False
 
@@ -292,7 +293,8 @@ async def _run(cfg: SimConfig) -> SimResult:
         records.extend(batch_records)
     steps = 0 if cfg.ahead else len(cfg.replay) if cfg.replay else cfg.steps
     if cfg.announce and steps:
-        await pool.announce(autoscale.pods_for_first_phase(cfg.engines, cfg.workers_per_pod), loop.time())
+        first = phases.workers_for_first_phase(cfg.engines)
+        await pool.announce(autoscale.phase_floor(first, cfg.workers_per_pod), loop.time())
         await asyncio.sleep(cfg.replay[0].sync_s if cfg.replay else cfg.trainer.sync_seconds())
 
     async def between_steps(rec: StepRecord, last: bool) -> None:
@@ -302,8 +304,8 @@ async def _run(cfg: SimConfig) -> SimResult:
         await asyncio.sleep(rec.update_s)
         if cfg.announce and not last:
             mean_s = float(rec.costs.mean()) if rec.calls else 0.0
-            phase = autoscale.Phase(rec.calls, rec.rollouts_done - rec.start, mean_s)
-            await pool.announce(autoscale.pods_for_phase(phase, cfg.workers_per_pod), loop.time())
+            workers = phases.workers_for_phase(phases.Phase(rec.calls, rec.rollouts_done - rec.start, mean_s))
+            await pool.announce(autoscale.phase_floor(workers, cfg.workers_per_pod), loop.time())
         await asyncio.sleep(rec.sync_s)
 
     for step in range(steps):
