@@ -223,6 +223,21 @@ def test_publish_is_atomic_and_keeps_the_newest(tmp_path):
         DiskWeightSync(tmp_path, keep=0)
 
 
+def test_a_resumed_run_publishes_over_the_versions_its_killed_run_left(tmp_path):
+    """Killed after publishing v48 and v49 but checkpointed at 40, the resumed run publishes 40
+    again: that folder stays (it is the one its engines load next) and the later ones go; before,
+    pruning kept the newest two, 48 and 49, and deleted v40 under the push that needed it."""
+    sync = DiskWeightSync(tmp_path / "w", keep=2)
+    for v in (39, 48, 49):
+        sync.publish(_writer(), v)
+    assert versions(tmp_path / "w") == [48, 49]
+    assert sync.publish(_writer(), 40).endswith("v00000040")
+    assert versions(tmp_path / "w") == [40]
+    sync.publish(_writer(), 41)
+    assert versions(tmp_path / "w") == [40, 41]
+    assert stale_versions([38, 39, 40, 48], 2, current=40) == [38, 48]
+
+
 async def test_push_names_every_failing_engine(tmp_path):
     class Target:
         def __init__(self, name, ok):

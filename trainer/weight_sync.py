@@ -59,10 +59,14 @@ def versions(root: str | Path) -> list[int]:
     return sorted(found)
 
 
-def stale_versions(present: Iterable[int], keep: int) -> list[int]:
-    """The versions to delete so that the newest ``keep`` remain."""
+def stale_versions(present: Iterable[int], keep: int, current: int | None = None) -> list[int]:
+    """The versions to delete so that the newest ``keep`` remain, ``current`` (the one just
+    published) the newest of them: folders of later versions are what a run killed after them
+    left, and a resumed run replaces them as it gets there."""
     ordered = sorted(present)
-    return ordered[: max(0, len(ordered) - keep)]
+    later = [v for v in ordered if current is not None and v > current]
+    older = [v for v in ordered if v not in later]
+    return older[: max(0, len(older) - keep)] + later
 
 
 class DiskWeightSync:
@@ -83,7 +87,7 @@ class DiskWeightSync:
         if final.exists():  # re-publishing a version after a resume: replace it
             shutil.rmtree(final)
         tmp.rename(final)
-        for v in stale_versions(versions(self.root), self.keep):
+        for v in stale_versions(versions(self.root), self.keep, current=version):
             shutil.rmtree(version_dir(self.root, v), ignore_errors=True)
         self.current = str(final)
         return self.current
