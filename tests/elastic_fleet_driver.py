@@ -6,8 +6,8 @@ tests/test_elastic_fleet.py inside a network namespace of its own (``unshare -n`
 2. a RolloutFleet of one vLLM engine; each engine pod kwok runs gets a real vLLM server on its
    pod IP (tests/process_kubelet.py), so the trainer's discovery (EndpointSlices) reaches it;
 3. per mode (synchronous, then asyncLevel 1): ``kuberl run`` trains on the fleet; after its
-   second RL step ``kubectl scale rolloutfleet --replicas=2``; once the trainer has rolled out a
-   step on two engines, ``--replicas=1`` while the next step generates; two steps later the run
+   first RL step ``kubectl scale rolloutfleet --replicas=2``; once the trainer has rolled out a
+   step on two engines, ``--replicas=1`` while the next step generates; a step later the run
    is stopped by SIGTERM, as an eviction stops it (its step budget only bounds it: a new
    engine's start-up time decides how many steps the scenario takes).
 
@@ -43,8 +43,9 @@ from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E40
 
 POD_RANGE = "198.18.0.0/16"  # RFC 2544's benchmarking range: never routed anywhere else
 FLEET = "engines"
-STEPS = 40
-STEPS_AFTER_SCALE_DOWN = 2
+STEPS = 200  # a bound only: the driver stops the run once the scenario is done
+STEPS_AFTER_SCALE_DOWN = 1
+SCALE_UP_AFTER_STEP = 1
 SIGTERM_EXIT = 128 + 15  # kuberl run stopped by SIGTERM (kuberl.lifetime.exit_on_signals)
 
 
@@ -116,9 +117,9 @@ def train_while_scaling(kube: Kube, ns: str, kubelet: ProcessKubelet, model: str
         return len(rl_records(metrics)) >= n
 
     try:
-        wait_for(lambda: steps(2), 900, "the run's second RL step", interval=0.5)
+        wait_for(lambda: steps(SCALE_UP_AFTER_STEP), 900, "the run's first RL step", interval=0.5)
         scale(2)
-        marks["scaled_up_after_step"] = 2
+        marks["scaled_up_after_step"] = SCALE_UP_AFTER_STEP
         marks["scaled_up_at"] = time.monotonic()
 
         def two_engines() -> bool:
@@ -132,7 +133,7 @@ def train_while_scaling(kube: Kube, ns: str, kubelet: ProcessKubelet, model: str
         scale(1)
         marks["scaled_down_after_step"] = n + 1
         marks["scaled_down_at"] = time.monotonic()
-        wait_for(lambda: steps(n + 1 + STEPS_AFTER_SCALE_DOWN), 900, "two steps after the scale-down", interval=0.2)
+        wait_for(lambda: steps(n + 1 + STEPS_AFTER_SCALE_DOWN), 900, "a step after the scale-down", interval=0.2)
         run.terminate()
         run.wait(timeout=300)
     finally:
@@ -166,9 +167,14 @@ def main() -> int:
         kube.apply([fleet])
         selector = ",".join(f"{k}={v}" for k, v in engine_selector(RolloutFleet.model_validate(fleet)).items())
 
+        started = iter(range(10**6))
+
         def start_engine(pod: dict, ip: str, port: int) -> VLLMServer:
+            # each engine's threads on a core of its own, as each pod has its CPUs: unbound, a
+            # busy engine's spinning threads starve a new one's start-up on a 2-core machine
+            core = str(next(started) % (os.cpu_count() or 1))
             server = VLLMServer(VLLMServerConfig(model=args.model, host=ip, port=port, dtype="float32",
-                                                 max_model_len=1024, kv_cache_gib=0.5),
+                                                 max_model_len=1024, kv_cache_gib=0.5, cpus=core),
                                 log_path=out / f"{pod['metadata']['name']}.log")
             server.start(timeout=900)
             return server
