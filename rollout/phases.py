@@ -70,8 +70,7 @@ def workers_for_first_phase(gpus: int, cores_per_gpu: float = FIRST_PHASE_CORES_
 def rollout_gpus(env: dict[str, str] | None = None) -> int:
     """The accelerators of the fleet a trainer rolls out on (``KUBERL_ROLLOUT_GPUS``, which the
     operator sets from the RolloutFleet's spec), for the first phase's sizing; 1 where unset."""
-    raw = (os.environ if env is None else env).get("KUBERL_ROLLOUT_GPUS", "").strip()
-    return max(1, int(env_number("KUBERL_ROLLOUT_GPUS", 1.0, {"KUBERL_ROLLOUT_GPUS": raw})))
+    return max(1, int(env_number("KUBERL_ROLLOUT_GPUS", 1.0, dict(os.environ if env is None else env))))
 
 
 def measure(trajectories: Iterable[object], seconds: float) -> Phase:
