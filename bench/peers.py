@@ -150,7 +150,11 @@ def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
 
     Records carry ``step_seconds``, ``generation_seconds``, ``tool_seconds``, ``update_seconds``
     (``push_seconds``: the part of it spent pushing weights to the engines),
-    ``rollouts``, ``tokens`` (trained, model-written tokens) and ``reward_mean``.
+    ``rollouts``, ``rows`` (rows the update trained on: kuberl drops groups whose rewards all
+    tie, TRL trains every row), ``tokens`` (trained, model-written tokens) and ``reward_mean``.
+
+    At equal work: ``rows_per_s`` (trained rows over step seconds) and ``update_s_per_row``
+    (update seconds over trained rows), both over the timed steps together.
     """
     warm = steps[1:] if len(steps) > 1 else steps
     n = max(1, len(warm))
@@ -161,6 +165,7 @@ def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
 
     step_s = mean("step_seconds")
     upd_s = sum(float(r.get("update_seconds", 0.0)) for r in warm)
+    rows = sum(float(r.get("rows", 0)) for r in warm)
     return {
         "step_s": step_s,
         "steps_per_s": 1.0 / step_s if step_s > 0 else math.nan,
@@ -172,7 +177,23 @@ def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
         "trainer_tok_per_s": sum(float(r.get("tokens", 0.0)) for r in warm) / upd_s
         if upd_s > 0
         else math.nan,
+        "rows_per_s": rows / max(1e-9, step_s * n) if warm else math.nan,
+        "update_s_per_row": upd_s / rows if rows > 0 else math.nan,
     }
+
+
+def full_step_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> tuple[float, int]:
+    """Their step seconds over ours, summed over the timed steps (the first left out) in which both
+    sides trained the same number of rows (all of them, on TRL's side), and how many such steps
+    (pure): the speed-up at equal work with nothing dropped."""
+    pairs = [
+        (a, b)
+        for a, b in zip(ours[1:], theirs[1:], strict=False)
+        if float(a.get("rows", 0)) == float(b.get("rows", 0)) > 0
+    ]
+    if not pairs:
+        return math.nan, 0
+    return sum(b["step_seconds"] for _, b in pairs) / sum(a["step_seconds"] for a, _ in pairs), len(pairs)
 
 
 def kuberl_steps(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -196,6 +217,7 @@ def kuberl_steps(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "update_seconds": r["step_seconds"] - roll,
                 "push_seconds": float(r.get("sync_seconds", 0.0)),  # part of update_seconds
                 "rollouts": r.get("rollouts", 0),
+                "rows": 0.0 if r.get("skipped") else float(r.get("rollouts_kept", r.get("rollouts", 0))),
                 "tokens": 0.0 if r.get("skipped") else float(r.get("tokens", 0.0)),
                 "reward_mean": r.get("reward_mean", math.nan),
             }
@@ -409,6 +431,8 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
         ("steps_per_s", "RL steps/s"),
         ("samples_per_s", "samples/s"),
         ("trainer_tok_per_s", "trainer tok/s (trained tokens / update s)"),
+        ("rows_per_s", "trained rows/s (equal work)"),
+        ("update_s_per_row", "update s per trained row"),
         ("peak_rss_mb", "peak RSS MB (trainer process)"),
         ("peak_rss_children_mb", "peak RSS MB (largest child: vLLM server)"),
         ("heldout", "held-out accuracy after N steps"),
@@ -437,10 +461,18 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
             ("generation_s", "generation s"),
             ("update_s", "update s"),
             ("samples_per_s", "samples/s"),
+            ("rows_per_s", "trained rows/s (equal work)"),
+            ("update_s_per_row", "update s per trained row"),
         ):
             ours = sum(r[k] for r in results[n]) / len(results[n])
             theirs = sum(r[k] for r in results["trl"]) / len(results["trl"])
             print(f"{n}/trl {label}: {ours / theirs:.2f}x")
+        pairs = [full_step_ratio(a["steps"], b["steps"]) for a, b in zip(results[n], results["trl"], strict=False)]
+        both = [(x, k) for x, k in pairs if k]
+        if both:
+            mean = sum(x * k for x, k in both) / sum(k for _, k in both)
+            print(f"{n}/trl speed-up on steps where both trained every row: {mean:.2f}x "
+                  f"({sum(k for _, k in both)} steps over {len(both)} seeds)")
     print("reward curves (mean over seeds, per step):")
     for n in names:
         curve = [

@@ -180,6 +180,7 @@ def main(argv: list[str]) -> int:
                 "tool_calls": clock.tool_calls - calls0,
                 "reward_seconds": clock.reward_s - rew0,
                 "rollouts": int(mask.shape[0]),
+                "rows": int(mask.shape[0]),  # every row is in TRL's loss, tied groups' too
                 "tokens": float(mask.sum()),
                 "response_length": float(res["completion_mask"].sum()) / max(1, mask.shape[0]),
             }

@@ -129,7 +129,7 @@ def test_step_figures_leave_out_the_warm_up_step_and_convert_kuberl_records():
         {"type": "rl", "step": 2, "step_seconds": 10.0, "rollout_seconds": 6.0, "rollouts": 32, "tokens": 800.0,
          "tool_seconds": 3.0, "reward_mean": 0.5, "sync_seconds": 1.0},
         {"type": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 8.0, "rollouts": 32, "tokens": 1.0,
-         "skipped": True},
+         "skipped": True, "rollouts_kept": 16},
     ]  # fmt: skip
     steps = peers.kuberl_steps(metrics)
     assert [r["update_seconds"] for r in steps] == [10.0, 4.0, 2.0]
@@ -140,4 +140,17 @@ def test_step_figures_leave_out_the_warm_up_step_and_convert_kuberl_records():
     assert f["push_s"] == 0.5  # the push, part of the update, on its own (a record without it: 0)
     assert f["samples_per_s"] == 64 / 20.0
     assert f["trainer_tok_per_s"] == 800.0 / 6.0
+    # equal work: rows the update trained (kept rows; a skipped step none; older records: rollouts)
+    assert [r["rows"] for r in steps] == [32.0, 32.0, 0.0]
+    assert f["rows_per_s"] == 32 / 20.0 and f["update_s_per_row"] == 6.0 / 32
+
+
+def test_equal_work_pairs_only_steps_where_both_sides_trained_the_same_rows():
+    ours = [{"rows": 16, "step_seconds": 99.0}, {"rows": 16, "step_seconds": 10.0},
+            {"rows": 8, "step_seconds": 6.0}, {"rows": 16, "step_seconds": 20.0}]
+    theirs = [{"rows": 16, "step_seconds": 1.0}, {"rows": 16, "step_seconds": 15.0},
+              {"rows": 16, "step_seconds": 14.0}, {"rows": 16, "step_seconds": 30.0}]  # fmt: skip
+    ratio, n = peers.full_step_ratio(ours, theirs)
+    assert n == 2 and ratio == 45.0 / 30.0  # warm-up step and the step with 8 rows left out
+    assert math.isnan(peers.full_step_ratio(ours[:1], theirs[:1])[0])
     assert math.isnan(peers.side_figures([])["step_s"])
