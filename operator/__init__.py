@@ -2,9 +2,10 @@
 
 Modules (imported lazily; ``builders`` needs neither kopf nor a cluster):
 
-* ``builders``  -- pure spec -> manifests (``build_for``; pools, fleets, KEDA ScaledObject; the
-  operator's own Deployment and RBAC); ``job_builder`` -- an AgenticRLJob's; ``render_common`` --
-  their shared labels, ports and accelerator scheduling;
+* ``builders``  -- pure spec -> manifests (``build_for``; pools, fleets; the operator's own
+  Deployment and RBAC); ``job_builder`` -- an AgenticRLJob's; ``keda`` -- KEDA ScaledObjects on
+  the autoscaler's signals; ``render_common`` -- their shared labels, ports and accelerator
+  scheduling;
 * ``autoscale`` -- pure autoscaling decisions and /metrics parsing;
 * ``status``    -- pure phase/condition rules; ``admission`` -- webhook rules;
 * ``kube``      -- a small async REST client for the children; ``cache`` -- its informer-like

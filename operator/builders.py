@@ -26,7 +26,6 @@ import copy
 import json
 from typing import Any
 
-from kuberl import API_VERSION
 from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec
 from kuberl.api.rollout_fleet import GPUS_PER_NODE, RolloutFleetSpec
@@ -34,7 +33,6 @@ from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator import disruption, podtemplate, sizing
 from kuberl.operator.engines import (
     DRAIN_GRACE_S,
-    ENGINE_METRICS,
     SGLANG_DIST_PORT,
     engine_command,
     engine_env,
@@ -50,11 +48,11 @@ from kuberl.operator.isolation import (
 from kuberl.operator.job_builder import (
     build_job,
 )
+from kuberl.operator.keda import build_keda_scaled_object, wants_keda
 from kuberl.operator.rbac import (
     operator_rbac_rules,
 )
 from kuberl.operator.render_common import (
-    ANNOTATION_AUTOSCALER,
     ANNOTATION_CONFIG_HASH,
     APP_NAME,
     LABEL_COMPONENT,
@@ -378,104 +376,6 @@ def build_rollout_fleet(fleet: RolloutFleet, namespace: str = "default") -> list
     # One engine at a time: a Deployment pod, or every pod of one LeaderWorkerSet group.
     pdb = disruption.budget(name, namespace, labels, sel, nodes)
     return [workload, service, netpol, pdb]
-
-
-# --- KEDA ---------------------------------------------------------------------------------
-
-DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
-# app.kubernetes.io/instance as a Prometheus label (the chart's monitors copy it onto every series).
-PROM_INSTANCE_LABEL = "app_kubernetes_io_instance"
-
-
-def build_keda_scaled_object(
-    resource: Resource, namespace: str = "default", prometheus_url: str = DEFAULT_PROMETHEUS
-) -> Manifest:
-    """A KEDA ScaledObject equivalent to the operator's own autoscaling timer.
-
-    KEDA scales the custom resource itself through its scale subresource (kubectl-scale
-    semantics), so the operator keeps reconciling the Deployment from spec.replicas. Several
-    triggers make the HPA take the largest demand, as ``autoscale.recommend_*`` does.
-
-    SandboxPool: queued calls, ``sum(queue)/workersPerPod`` as an AverageValue metric gives
-    ``ceil(queue / (workersPerPod * targetQueuePerWorker))`` pods, and busy workers,
-    ``sum(busy)`` with threshold workersPerPod gives ``ceil(busy / workersPerPod)`` pods (work
-    in flight keeps its pods). RolloutFleet: mean KV-cache usage as a Value metric
-    (replicas * usage / target) and queued requests per engine.
-
-    Every query selects one object's series only: the namespace plus the pool's own ``pool``
-    label, or for SGLang (whose metrics carry no fleet name) the ``app_kubernetes_io_instance``
-    label that the chart's PodMonitor copies from the pod (``podTargetLabels``). A name regex
-    such as ``pod=~"gen-.*"`` would also match fleet ``gen-x``.
-    """
-    if not isinstance(resource, SandboxPool | RolloutFleet):
-        raise ValueError(f"{resource.KIND} has no autoscaling; KEDA applies to SandboxPool and RolloutFleet")
-    name = resource.metadata.name
-    auto = resource.spec.autoscaling
-    if auto is None:
-        raise ValueError(f"{resource.KIND}/{name}: spec.autoscaling is not set, nothing to render for KEDA")
-
-    def trigger(trigger_name: str, metric_type: str, query: str, threshold: float) -> dict[str, Any]:
-        return {
-            "type": "prometheus",
-            "name": trigger_name,
-            "metricType": metric_type,
-            "metadata": {"serverAddress": prometheus_url, "query": query, "threshold": f"{threshold:g}"},
-        }
-
-    if isinstance(resource, SandboxPool):
-        component = "sandbox"
-        series = f'{{namespace="{namespace}",pool="{name}"}}'
-        per_pod = resource.spec.workers_per_pod
-        triggers = [
-            trigger(
-                "queue-per-worker",
-                "AverageValue",
-                f"sum(kuberl_sandbox_queue_depth{series}) / {per_pod}",
-                auto.target_queue_per_worker,
-            ),
-            trigger("busy-workers", "AverageValue", f"sum(kuberl_sandbox_workers_busy{series})", per_pod),
-        ]
-    else:
-        component = "rollout"
-        series = f'{{namespace="{namespace}",{PROM_INSTANCE_LABEL}="{name}"}}'
-        usage, queue = ENGINE_METRICS[resource.spec.engine.type]
-        triggers = [
-            trigger(
-                "kv-cache-utilization",
-                "Value",
-                f"avg({usage}{series})",
-                auto.target_kv_cache_utilization,
-            ),
-            trigger(
-                "queued-requests",
-                "AverageValue",
-                f"sum({queue}{series})",
-                auto.target_queued_requests,
-            ),
-        ]
-    return {
-        "apiVersion": "keda.sh/v1alpha1",
-        "kind": "ScaledObject",
-        "metadata": _meta(name, namespace, object_labels(name, component, resource.KIND)),
-        "spec": {
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": resource.KIND, "name": name},
-            "minReplicaCount": auto.min_replicas,
-            "maxReplicaCount": auto.max_replicas,
-            "pollingInterval": 15,
-            "advanced": {
-                "horizontalPodAutoscalerConfig": {
-                    "behavior": {
-                        "scaleDown": {"stabilizationWindowSeconds": auto.scale_down_stabilization_seconds}
-                    }
-                }
-            },
-            "triggers": triggers,
-        },
-    }
-
-
-def wants_keda(resource: Resource) -> bool:
-    return resource.metadata.annotations.get(ANNOTATION_AUTOSCALER) == "keda"
 
 
 # --- dispatch -----------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from kuberl.operator import (
     conditions,
     isolation,
     job_builder,
+    keda,
     metrics,
     render_common,
     status,
@@ -234,7 +235,7 @@ def pod_selector(res: SandboxPool | RolloutFleet) -> dict[str, str]:
 
 
 def _autoscaled_here(res: SandboxPool | RolloutFleet) -> bool:
-    return res.spec.autoscaling is not None and not builders.wants_keda(res)
+    return res.spec.autoscaling is not None and not keda.wants_keda(res)
 
 
 async def _reconcile_scaled(

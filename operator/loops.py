@@ -25,7 +25,7 @@ import kopf
 
 from kuberl import GROUP, VERSION
 from kuberl.api import ManifestError, RolloutFleet, SandboxPool
-from kuberl.operator import autoscale, builders, metrics, status
+from kuberl.operator import autoscale, keda, metrics, status
 from kuberl.operator.context import PLURALS, SCALED, OperatorContext
 from kuberl.operator.handlers import parse_body, pod_selector, post_events, reconcile
 from kuberl.operator.kube import ApiError, is_subset, kind_of
@@ -60,7 +60,7 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
     if (
         not isinstance(res, SandboxPool | RolloutFleet)
         or res.spec.autoscaling is None
-        or builders.wants_keda(res)
+        or keda.wants_keda(res)
     ):
         return None
     auto = res.spec.autoscaling

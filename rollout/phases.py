@@ -41,8 +41,9 @@ FIRST_PHASE_CORES_PER_GPU = 2.1
 
 PHASE_WORKERS = Gauge(
     "kuberl_rollout_phase_workers",
-    "Sandbox workers the trainer's next or current rollout phase asks for (0 between phases)",
-    ["job"],
+    "Sandbox workers the trainer's next or current rollout phase asks for (0 between phases), "
+    "by the SandboxPool its calls go to",
+    ["job", "pool"],
 )
 
 
@@ -87,8 +88,9 @@ def measure(trajectories: Iterable[object], seconds: float) -> Phase:
 class PhaseAnnouncer:
     """The trainer's side: announce before a phase, report it done after (rank 0)."""
 
-    def __init__(self, job: str, gpus: int, *, overlapping: bool):
+    def __init__(self, job: str, gpus: int, *, overlapping: bool, pool: str = ""):
         self.job = job
+        self.pool = pool  # the SandboxPool's name on a cluster (KEDA's query selects by it)
         self.gpus = max(1, gpus)
         self.overlapping = overlapping  # asyncLevel > 0: phases overlap, never announce 0
         self.last: Phase | None = None
@@ -97,7 +99,7 @@ class PhaseAnnouncer:
     def announce(self) -> float:
         """The next phase is about to start: set the workers it asks for."""
         workers = workers_for_first_phase(self.gpus) if self.last is None else workers_for_phase(self.last)
-        PHASE_WORKERS.labels(self.job).set(math.ceil(workers))
+        PHASE_WORKERS.labels(self.job, self.pool).set(math.ceil(workers))
         return workers
 
     def started(self) -> None:
@@ -109,5 +111,5 @@ class PhaseAnnouncer:
         self.last = measure(trajectories, seconds)
         self._started = time.monotonic() if self.overlapping else None
         if not self.overlapping:
-            PHASE_WORKERS.labels(self.job).set(0)
+            PHASE_WORKERS.labels(self.job, self.pool).set(0)
         return self.last

@@ -438,7 +438,7 @@ def test_probe_gaps_compare_engine_scores_with_pi_old_on_trained_tokens_only():
     assert res.gaps == {"a": 0.25} and res.errors == {"b": "HTTP 500"}
 
 
-def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path):
+def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path, monkeypatch):
     """The fleet autoscaler's signals: the trainer's wait for rollouts and the engines' idle time,
     as fractions of the step; a synchronous run (which waits by design) exports neither."""
     from prometheus_client import REGISTRY
@@ -447,8 +447,10 @@ def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path
 
     base = {"type": "rl", "stage": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 2.5,
             "engine_busy_seconds": 6.0}  # fmt: skip
+    monkeypatch.setenv("KUBERL_ROLLOUT_FLEET", "gen")  # the operator's env: the fleet it rolls out on
     MetricsSink("pipe-async", tmp_path / "a").step({**base, "async_level": 1})
-    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-async"}) == 0.25
-    assert REGISTRY.get_sample_value("kuberl_train_engine_idle_ratio", {"job": "pipe-async"}) == pytest.approx(0.4)
+    on = {"job": "pipe-async", "fleet": "gen"}
+    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", on) == 0.25
+    assert REGISTRY.get_sample_value("kuberl_train_engine_idle_ratio", on) == pytest.approx(0.4)
     MetricsSink("pipe-sync", tmp_path / "s").step({**base, "async_level": 0})
-    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-sync"}) is None
+    assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-sync", "fleet": "gen"}) is None

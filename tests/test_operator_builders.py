@@ -9,8 +9,9 @@ import yaml
 from kube_schemas import validate_manifest
 
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
-from kuberl.operator.builders import build_for, build_keda_scaled_object, engine_selector
+from kuberl.operator.builders import build_for, engine_selector
 from kuberl.operator.job_builder import resolved_job_document
+from kuberl.operator.keda import build_keda_scaled_object
 from kuberl.operator.render_common import ANNOTATION_AUTOSCALER, CHILD_KINDS, selector_string
 from kuberl.operator.trainer_runs import NEVER_PRUNED
 
@@ -384,7 +385,7 @@ def test_keda_scaled_objects() -> None:
         "name": "p",
     }
     assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 10)
-    queue, busy = so["spec"]["triggers"]
+    queue, busy, announced = so["spec"]["triggers"]
     assert queue["type"] == "prometheus" and queue["metricType"] == "AverageValue"
     # One pool's series only: same-named pools in other namespaces are not summed in.
     assert queue["metadata"]["query"] == 'sum(kuberl_sandbox_queue_depth{namespace="default",pool="p"}) / 8'
@@ -392,16 +393,24 @@ def test_keda_scaled_objects() -> None:
     # Work in flight keeps its pods, as in autoscale.recommend_pool: ceil(busy / workersPerPod).
     assert busy["metadata"]["query"] == 'sum(kuberl_sandbox_workers_busy{namespace="default",pool="p"})'
     assert busy["metricType"] == "AverageValue" and busy["metadata"]["threshold"] == "8"
+    # the trainers' announced rollout phase, as autoscale.phase_floor: ceil(workers / workersPerPod)
+    assert announced["metadata"]["query"] == 'sum(kuberl_rollout_phase_workers{namespace="default",pool="p"})'
+    assert announced["metricType"] == "AverageValue" and announced["metadata"]["threshold"] == "8"
     fleet = _fleet(autoscaling={"minReplicas": 1, "maxReplicas": 8, "scaleDownStabilizationSeconds": 120})
     fso = build_keda_scaled_object(fleet, "ns")
     validate_manifest(fso)
     queries = [t["metadata"]["query"] for t in fso["spec"]["triggers"]]
     # By the instance label the chart's monitors copy onto the series: a pod-name regex
     # ("f-.*") would also match a fleet called "f-x".
-    assert queries == [
+    assert queries[:2] == [
         'avg(sglang:token_usage{namespace="ns",app_kubernetes_io_instance="f"})',
         'sum(sglang:num_queue_reqs{namespace="ns",app_kubernetes_io_instance="f"})',
     ]
+    # the asynchronous trainers' pipeline, a Value metric against 1 (tests/test_keda_queries.py
+    # evaluates it in a real Prometheus)
+    pipeline = fso["spec"]["triggers"][2]
+    assert pipeline["metricType"] == "Value" and pipeline["metadata"]["threshold"] == "1"
+    assert 'kuberl_train_rollout_wait_ratio{namespace="ns",fleet="f"}' in queries[2]
     assert fso["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"] == {
         "stabilizationWindowSeconds": 120
     }

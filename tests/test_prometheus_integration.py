@@ -38,6 +38,7 @@ import yaml
 from kuberl.dashboards.definitions import all_expressions
 from kuberl.dashboards.metrics_catalog import CATALOG, metric_for_series
 from kuberl.ports import free_port
+from tests.prometheus_server import query, running_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "obs-e2e"
@@ -186,63 +187,6 @@ def _operator_on_emulator(tmp: Path):
         thread.join(10)
 
 
-@contextlib.contextmanager
-def _prometheus(tmp: Path, targets: dict[str, str]):
-    port = free_port()
-    cfg = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            # honor_labels keeps the trainer's own `job` label (the AgenticRLJob name).
-            {"job_name": name, "honor_labels": True, "static_configs": [{"targets": [hostport]}]}
-            for name, hostport in targets.items()
-        ],
-    }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                if _get(f"{base}/-/ready", 1.0):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(
-                    f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-
-
-def query(base: str, expr: str, at: float | None = None) -> list[dict]:
-    """An instant query, at ``at`` (unix seconds) when given, as Grafana evaluates a time range."""
-    params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
-    url = f"{base}/api/v1/query?" + urllib.parse.urlencode(params)
-    body = json.loads(_get(url))
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
 def concrete(expr: str) -> str:
     """Substitute the dashboard variables the way Grafana would for this run."""
     return (
@@ -285,7 +229,7 @@ def scraped(tmp_path_factory):
             from tests.trainer_fakes import FakeSandbox
 
             executor_factory = FakeSandbox
-        prom = stack.enter_context(_prometheus(tmp, targets))
+        prom = stack.enter_context(running_prometheus(tmp, targets))
         if HAVE_SANDBOX:
             traffic = _ToolTraffic(sandbox_url)
             traffic.thread.start()

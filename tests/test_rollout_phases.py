@@ -23,8 +23,8 @@ class _Traj:
     tool_seconds: float
 
 
-def _announced(job: str) -> float | None:
-    return REGISTRY.get_sample_value("kuberl_rollout_phase_workers", {"job": job})
+def _announced(job: str, pool: str = "") -> float | None:
+    return REGISTRY.get_sample_value("kuberl_rollout_phase_workers", {"job": job, "pool": pool})
 
 
 def test_a_synchronous_trainer_announces_each_phase_and_releases_it(monkeypatch):
@@ -43,11 +43,11 @@ def test_a_synchronous_trainer_announces_each_phase_and_releases_it(monkeypatch)
 def test_an_asynchronous_trainer_never_releases_between_overlapping_phases(monkeypatch):
     clock = iter([0.0, 30.0, 30.0])
     monkeypatch.setattr("kuberl.rollout.phases.time.monotonic", lambda: next(clock))
-    ann = PhaseAnnouncer("phases-async", gpus=8, overlapping=True)
+    ann = PhaseAnnouncer("phases-async", gpus=8, overlapping=True, pool="tools")
     ann.announce()
     ann.started()
     ann.done([_Traj(300, 60.0)])
-    assert _announced("phases-async") == 17, "still the first phase's workers: ceil(2.1 * 8)"
+    assert _announced("phases-async", "tools") == 17, "still the first phase's workers: ceil(2.1 * 8)"
     assert ann.announce() == pytest.approx(PHASE_BURST_FACTOR * 300 * 0.2 / 30.0)
 
 

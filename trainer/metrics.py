@@ -80,14 +80,14 @@ def _gauges() -> dict[str, Gauge]:
             rollout_wait=Gauge(
                 "kuberl_train_rollout_wait_ratio",
                 "Fraction of the last RL step the trainer waited for its rollouts (asyncLevel > 0: "
-                "starved for rollouts, the fleet autoscaler adds engines)",
-                ["job"],
+                "starved for rollouts, the fleet autoscaler adds engines), by the RolloutFleet it uses",
+                ["job", "fleet"],
             ),
             engine_idle=Gauge(
                 "kuberl_train_engine_idle_ratio",
                 "Fraction of the last RL step no rollout batch was generating (asyncLevel > 0: engines "
-                "waiting for weights, the fleet autoscaler removes engines)",
-                ["job"],
+                "waiting for weights, the fleet autoscaler removes engines), by the RolloutFleet it uses",
+                ["job", "fleet"],
             ),
             stale=Counter(
                 "kuberl_train_rollouts_stale",
@@ -184,9 +184,10 @@ class MetricsSink:
                 g[gauge].labels(self.job, *extra).set(v)
         step_s = record.get("step_seconds") or 0.0
         if record.get("async_level") and step_s > 0:  # the pipeline's sides, for the fleet autoscaler
-            g["rollout_wait"].labels(self.job).set(min(1.0, record.get("rollout_seconds", 0.0) / step_s))
+            fleet = os.environ.get("KUBERL_ROLLOUT_FLEET", "")  # set by the operator on a cluster
+            g["rollout_wait"].labels(self.job, fleet).set(min(1.0, record.get("rollout_seconds", 0.0) / step_s))
             if record.get("engine_busy_seconds") is not None:
-                g["engine_idle"].labels(self.job).set(max(0.0, 1.0 - record["engine_busy_seconds"] / step_s))
+                g["engine_idle"].labels(self.job, fleet).set(max(0.0, 1.0 - record["engine_busy_seconds"] / step_s))
         for engine, gap in (record.get("engine_logprob_gap") or {}).items():
             g["engine_gap"].labels(self.job, engine).set(gap)
         if record.get("length_penalty_mean") is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -515,7 +516,12 @@ class Pipeline:
             )
 
         client = self.client if self.ctx.is_main else None
-        phases = PhaseAnnouncer(self.job.metadata.name, rollout_gpus(), overlapping=a.async_level > 0)
+        phases = PhaseAnnouncer(
+            self.job.metadata.name,
+            rollout_gpus(),
+            overlapping=a.async_level > 0,
+            pool=os.environ.get("KUBERL_SANDBOX_POOL", ""),
+        )
         with Orchestrator(client, self.weights, request, ahead=a.async_level, phases=phases) as orch:
             while self.state.stage_step < stage.steps:
                 if self._out_of_time():

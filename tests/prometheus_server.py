@@ -1,0 +1,88 @@
+"""A real Prometheus (Debian's ``prometheus``, installed by .ci/run) for tests: scrape some
+/metrics endpoints, answer PromQL through its HTTP API."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from kuberl.ports import free_port
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
+        return r.read()
+
+
+@contextlib.contextmanager
+def running_prometheus(
+    tmp: Path, targets: dict[str, str], labels: dict[str, str] | None = None, paths: dict[str, str] | None = None
+):
+    """A real Prometheus scraping ``targets`` ({scrape job: host:port}) every second, at
+    ``paths[job]`` (default /metrics), with ``labels`` on every target's series (what a
+    cluster's service discovery adds, e.g. ``namespace``); yields its base URL."""
+    port = free_port()
+    cfg = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            # honor_labels keeps the trainer's own `job` label (the AgenticRLJob name).
+            {
+                "job_name": name,
+                "honor_labels": True,
+                "metrics_path": (paths or {}).get(name, "/metrics"),
+                "static_configs": [{"targets": [hostport], "labels": labels or {}}],
+            }
+            for name, hostport in targets.items()
+        ],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    log = open(tmp / "prometheus.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if _get(f"{base}/-/ready", 1.0):
+                    break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(
+                    f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}"
+                )
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def query(base: str, expr: str, at: float | None = None) -> list[dict]:
+    """An instant query, at ``at`` (unix seconds) when given, as Grafana evaluates a time range."""
+    params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode(params)
+    body = json.loads(_get(url))
+    assert body["status"] == "success", body
+    return body["data"]["result"]
