@@ -13,7 +13,16 @@ Reported per run: steps trained, rollouts generated / aborted / stale, the engin
 counters of the step records (reconnects, version mismatches, re-pushes) and the time lost:
 the run's RL seconds minus the undisturbed run's.
 
+``--trainer-kills``: the trainer itself SIGKILLed at a point of step 3 (tests/kill_during.py:
+``generate``, ``reload`` (its weight push, the server reloading), ``publish`` (the weights
+folder half written), ``update``, ``checkpoint`` (the file half written), ``step`` (between
+steps 2 and 3)), its server and sandbox ending with it, then the same command run again,
+resuming from its last checkpoint (every step). Reported: the steps recorded (each once),
+rollouts, and the time lost: both processes' wall time minus an undisturbed process's (the
+restart's new server included, as a restarted trainer pod pays it).
+
     python bench/fault_injection.py [--steps 4] [--modes sync,async] [--kills between-steps,mid-generation]
+                                    [--trainer-kills generate,reload,publish,update,checkpoint,step]
 """
 
 from __future__ import annotations
@@ -129,11 +138,52 @@ def one_run(model: str, steps: int, async_level: int, kill: str | None) -> dict:
     }
 
 
+KILL = REPO / "tests" / "kill_during.py"
+# the kill_during.py count that lands in step 3 of a run of 4 prompts x 2 samples, one turn
+TRAINER_KILL_AT = {"generate": 20, "reload": 3, "publish": 3, "update": 3, "checkpoint": 3, "step": 2}
+
+
+def trainer_run(model: str, steps: int, async_level: int, point: str | None) -> dict:
+    """The run as its own process, SIGKILLed at ``point`` (None: undisturbed) and run again."""
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="kuberl-trainer-kill-") as tmp:
+        doc = job_spec(model, steps, async_level)
+        doc.update(apiVersion="kuberl.io/v1alpha1", kind="AgenticRLJob")
+        doc["spec"]["checkpoint"] = {"uri": str(Path(tmp) / "ckpt"), "everySteps": 1, "keep": 2}
+        job, out = Path(tmp) / "job.yaml", Path(tmp) / "run"
+        job.write_text(yaml.safe_dump(doc))
+        walls, codes = [], []
+        for kill in ([point] if point else []) + [None]:
+            at = TRAINER_KILL_AT[kill] if kill else 0
+            t0 = time.monotonic()
+            done = subprocess.run([sys.executable, str(KILL), kill or "update", str(at), str(job), str(out)],
+                                  capture_output=True, text=True, timeout=1200)  # fmt: skip
+            walls.append(time.monotonic() - t0)
+            codes.append(done.returncode)
+            if done.returncode not in (0, -signal.SIGKILL):
+                raise SystemExit(f"trainer run {kill or 'resume'} failed ({done.returncode}): {done.stderr[-2000:]}")
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rl = [r for r in records if r.get("type") == "rl"]
+    return {
+        "kill": f"trainer {point}" if point else "none",
+        "async_level": async_level,
+        "exit_codes": codes,
+        "steps": [r["step"] for r in rl],
+        "rollouts": sum(r["rollouts"] for r in rl),
+        "aborted": sum(r.get("rollouts_aborted", 0) for r in rl),
+        "stale": sum(r.get("rollouts_stale", 0) for r in rl),
+        "wall_seconds": sum(walls),
+        **{k: sum(r.get(k, 0) for r in rl) for k in FAULTS},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--kills", default="between-steps,mid-generation")
+    ap.add_argument("--trainer-kills", default="", help=f"comma-separated of {','.join(TRAINER_KILL_AT)}")
     ap.add_argument("--json", type=Path, help="write the runs' figures here too")
     args = ap.parse_args()
     from vllm_fixtures import prepared_model
@@ -141,19 +191,31 @@ def main() -> None:
     model = str(prepared_model())
     load = os.getloadavg()[0]
     print(f"{os.cpu_count()} CPUs, load average {load:.2f} at start; {args.steps} RL steps per run")
-    runs = []
+    runs: list[dict] = []
+    trainer_runs: list[dict] = []
     for mode in args.modes.split(","):
         level = {"sync": 0, "async": 1}[mode]
-        base = one_run(model, args.steps, level, None)
-        runs.append(base)
-        for kill in args.kills.split(","):
+        kills = list(filter(None, args.kills.split(",")))
+        if kills:
+            base = one_run(model, args.steps, level, None)
+            runs.append(base)
+        for kill in kills:
             r = one_run(model, args.steps, level, kill)
             r["seconds_lost"] = r["rl_seconds"] - base["rl_seconds"]
             runs.append(r)
-    print(
-        f"\n{'mode':6} {'kill':15} {'steps':>9} {'rollouts':>8} {'aborted':>7} {'stale':>5} "
-        f"{'reconn':>6} {'mismatch':>8} {'repush':>6} {'RL s':>6} {'lost s':>6}  step seconds"
-    )
+        points = list(filter(None, args.trainer_kills.split(",")))
+        if points:
+            whole = trainer_run(model, args.steps, level, None)
+            trainer_runs.append(whole)
+            for point in points:
+                r = trainer_run(model, args.steps, level, point)
+                r["seconds_lost"] = r["wall_seconds"] - whole["wall_seconds"]
+                trainer_runs.append(r)
+    if runs:
+        print(
+            f"\n{'mode':6} {'kill':15} {'steps':>9} {'rollouts':>8} {'aborted':>7} {'stale':>5} "
+            f"{'reconn':>6} {'mismatch':>8} {'repush':>6} {'RL s':>6} {'lost s':>6}  step seconds"
+        )
     for r in runs:
         mode = "sync" if r["async_level"] == 0 else f"async{r['async_level']}"
         lost = f"{r['seconds_lost']:6.1f}" if "seconds_lost" in r else "     -"
@@ -164,8 +226,21 @@ def main() -> None:
         )
         for line in r["killed"]:
             print(f"       {line}")
+    if trainer_runs:
+        print(
+            f"\n{'mode':6} {'kill':18} {'exits':>9} {'steps':>9} {'rollouts':>8} {'aborted':>7} {'stale':>5} "
+            f"{'reconn':>6} {'mismatch':>8} {'repush':>6} {'wall s':>7} {'lost s':>6}"
+        )
+    for r in trainer_runs:
+        mode = "sync" if r["async_level"] == 0 else f"async{r['async_level']}"
+        lost = f"{r['seconds_lost']:6.1f}" if "seconds_lost" in r else "     -"
+        print(
+            f"{mode:6} {r['kill']:18} {','.join(map(str, r['exit_codes'])):>9} {','.join(map(str, r['steps'])):>9} "
+            f"{r['rollouts']:8.0f} {r['aborted']:7.0f} {r['stale']:5.0f} {r['engine_reconnects']:6.0f} "
+            f"{r['engine_version_mismatches']:8.0f} {r['engine_repushes']:6.0f} {r['wall_seconds']:7.1f} {lost}"
+        )
     if args.json:
-        args.json.write_text(json.dumps(runs, indent=1) + "\n")
+        args.json.write_text(json.dumps(runs + trainer_runs, indent=1) + "\n")
 
 
 if __name__ == "__main__":

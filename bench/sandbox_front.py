@@ -176,6 +176,7 @@ def service(
     cwd: str | None = None,
     workers: int = 2,
     pod_pids: bool = False,
+    log=None,
 ):
     """The sandbox service in ``mode``; basic runs as a fresh non-root uid with a pod's 1,024
     open files, and with ``pod_pids`` in a PID namespace of its own as in a pod."""
@@ -189,7 +190,7 @@ def service(
         wrapper = ([prlimit, f"--nofile=1024:{hard}"] if prlimit else []) + found
     return running_sandbox(
         workers=workers, limits=limits, pool=f"front-{mode}", wrapper=wrapper, extra_args=["--isolation", mode, *extra],
-        python=python, cwd=cwd,
+        python=python, cwd=cwd, log=log,
     )  # fmt: skip
 
 

@@ -7,7 +7,9 @@
   long as they should (the main thread).
 * :func:`reap_on_exit` starts a watchdog, tied to this process the same way, that kills given
   processes (by pid and start time) when this process ends: for programs that start processes
-  of their own and do not tie them to themselves (a local Ray cluster's agents).
+  of their own and do not tie them to themselves (a local Ray cluster's agents), and, after a
+  grace period, for servers that may not end on the SIGTERM they were sent (a vLLM server
+  paused in a weight reload waits for that request forever).
 * :func:`exit_on_signals` turns SIGTERM and SIGHUP into ``SystemExit`` in the main thread, as
   Python does for SIGINT with ``KeyboardInterrupt``, so that every ``finally`` and context
   manager on the way out runs: servers are stopped, checkpoints already written stay whole.
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 # prctl(PR_SET_PDEATHSIG = 1, SIGTERM); if the parent is gone already, nobody will signal: stop
@@ -58,25 +61,34 @@ def start_time(pid: int) -> str | None:
         return None
 
 
-def reap_on_exit(pids: Iterable[int]) -> subprocess.Popen | None:
-    """A watchdog that SIGKILLs ``pids`` once this process has ended (however it ended)."""
+def reap_on_exit(pids: Iterable[int], grace_s: float = 0.0, groups: bool = False) -> subprocess.Popen | None:
+    """A watchdog that SIGKILLs ``pids`` once this process has ended (however it ended): at once,
+    or those still running ``grace_s`` later (a server tied to this process got SIGTERM and may
+    be shutting down by itself); ``groups``: each pid's whole process group (it leads one)."""
     if not sys.platform.startswith("linux"):
         return None
     targets = [f"{pid}:{t}" for pid in pids if (t := start_time(pid)) is not None]
-    cmd = tied_to_this_process([sys.executable, "-m", "kuberl.lifetime", str(os.getpid()), *targets])
+    args = [str(os.getpid()), f"{grace_s:g}", "group" if groups else "pid", *targets]
+    cmd = tied_to_this_process([sys.executable, "-m", "kuberl.lifetime", *args])
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-def _watch(parent: int, targets: list[tuple[int, str]]) -> None:
-    """The watchdog of :func:`reap_on_exit`: wait for SIGTERM (``parent`` ended), then SIGKILL
-    each target that is still the process it was."""
+def _watch(parent: int, targets: list[tuple[int, str]], grace_s: float = 0.0, groups: bool = False) -> None:
+    """The watchdog of :func:`reap_on_exit`: wait for SIGTERM (``parent`` ended), give the
+    targets ``grace_s`` to end, then SIGKILL each one (or its group) that is still the process it was."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if os.getppid() == parent:  # else it is gone already and no signal will come
         signal.sigwait({signal.SIGTERM})
-    for pid, started in targets:
-        if start_time(pid) == started:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+
+    def running() -> list[int]:
+        return [pid for pid, started in targets if start_time(pid) == started]
+
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in running():
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL) if groups else os.kill(pid, signal.SIGKILL)
 
 
 def tied_to_this_process(cmd: Sequence[str]) -> list[str]:
@@ -107,4 +119,9 @@ def exit_on_signals(signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.
 
 
 if __name__ == "__main__":
-    _watch(int(sys.argv[1]), [(int(p), t) for p, t in (a.split(":", 1) for a in sys.argv[2:])])
+    _watch(
+        int(sys.argv[1]),
+        [(int(p), t) for p, t in (a.split(":", 1) for a in sys.argv[4:])],
+        grace_s=float(sys.argv[2]),
+        groups=sys.argv[3] == "group",
+    )

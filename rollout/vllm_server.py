@@ -35,7 +35,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from kuberl.lifetime import tied_to_this_process
+from kuberl.lifetime import reap_on_exit, tied_to_this_process
 from kuberl.ports import free_port
 
 log = logging.getLogger("kuberl.rollout.vllm_server")
@@ -178,6 +178,10 @@ class VLLMServerConfig:
         return env
 
 
+STOP_GRACE_S = 30.0
+"""How long a stopping server may take before its process group is killed."""
+
+
 class VLLMServer:
     """One running server; ``url`` once :meth:`start` returned. Use as a context manager."""
 
@@ -185,6 +189,7 @@ class VLLMServer:
         self.config = config
         self.log_path = Path(log_path) if log_path else None
         self.proc: subprocess.Popen | None = None
+        self._reaper: subprocess.Popen | None = None
         self.url: str | None = None
         self.port: int | None = config.port
         self.restarts = 0  # times keep_running brought it back
@@ -212,6 +217,9 @@ class VLLMServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        # Tied, the server gets SIGTERM when this process dies, SIGKILL included; one paused in a
+        # weight reload would wait for that request forever: its group goes after a grace period.
+        self._reaper = reap_on_exit([self.proc.pid], grace_s=STOP_GRACE_S, groups=True)
         self.url = f"http://{cfg.host}:{port}"
         deadline = time.monotonic() + timeout
         while True:
@@ -259,6 +267,7 @@ class VLLMServer:
                     return
                 self.restarts += 1
                 log.warning("vLLM server at %s exited with code %s: restarting it", self.url, proc.returncode)
+                self._end_reaper()
                 try:
                     self.start(timeout)
                 except RuntimeError as err:
@@ -275,14 +284,23 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, 9)
                 self.proc.wait(timeout=10)
+        self._end_reaper()
         if self._cwd is not None:
             shutil.rmtree(self._cwd, ignore_errors=True)
             self._cwd = None
+
+    def _end_reaper(self) -> None:
+        """The server is gone: its watchdog finds nothing to kill and ends."""
+        if self._reaper is not None:
+            self._reaper.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(timeout=10)
+            self._reaper = None
 
     def __enter__(self) -> VLLMServer:
         self.start()

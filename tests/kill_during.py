@@ -3,16 +3,24 @@ at one point of the run, as an OOM kill or a lost node ends a trainer pod:
 
 * ``update N``: right after the N-th optimizer step of the run (SFT steps count one each, an
   RL step one per mini-batch), so an RL update is half applied in memory and not saved;
-* ``checkpoint N``: half-way through writing the N-th checkpoint file (half its bytes on disk).
+* ``checkpoint N``: half-way through writing the N-th checkpoint file (half its bytes on disk);
+* ``reload N``: while the engine reloads the N-th weight push (vLLM: its ``reload_weights``
+  call sent, the server paused and reading the folder);
+* ``publish N``: half-way through writing the N-th weights folder an engine would load (its
+  safetensors file half on disk);
+* ``step N``: between steps, right after the N-th RL step's record is written;
+* ``generate N``: mid-generation, once the N-th request to a vLLM engine is on its way.
 
-    python tests/kill_during.py POINT N JOB.yaml OUT
+    python tests/kill_during.py POINT N JOB.yaml OUT       # N = 0: never (a resume)
 
-The rollouts' sandbox is the tests' deterministic CoinVerifySandbox and the held-out set has 4
-problems, as in tests/test_trainer_checkpoint.py, so the run is the one those tests compare to.
+The held-out set has 4 problems. The rollouts' sandbox is the tests' deterministic
+CoinVerifySandbox, as in tests/test_trainer_checkpoint.py (so the run is the one those tests
+compare to), except for jobs rolled out on vLLM: those get the real sandbox, as ``kuberl run``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import signal
@@ -72,12 +80,91 @@ def kill_in_checkpoint(at: int) -> None:
     checkpoint._write_blob = half_written
 
 
+def kill_in_reload(at: int) -> None:
+    from kuberl.rollout.vllm_engine import VLLMEngine
+
+    call = VLLMEngine._rl_call
+    count = 0
+
+    async def reloading(self, path: str, json=None):
+        nonlocal count
+        if path == "/collective_rpc":
+            count += 1
+            if count == at:
+                asyncio.ensure_future(call(self, path, json))
+                await asyncio.sleep(0.3)  # the request is on the wire, the server reloading
+                _die()
+        return await call(self, path, json)
+
+    VLLMEngine._rl_call = reloading
+
+
+def kill_in_publish(at: int) -> None:
+    import kuberl.trainer.hf as hf
+
+    write = hf.write_hf_folder
+    count = 0
+
+    def half_written(state, source_dir, dest, *args, **kwargs):
+        nonlocal count
+        count += 1
+        out = write(state, source_dir, dest, *args, **kwargs)
+        if count == at:
+            for f in Path(dest).glob("*.safetensors"):
+                data = f.read_bytes()
+                f.write_bytes(data[: len(data) // 2])
+            _die()
+        return out
+
+    hf.write_hf_folder = half_written
+
+
+def kill_after_step(at: int) -> None:
+    from kuberl.trainer.metrics import MetricsSink
+
+    record = MetricsSink.step
+    count = 0
+
+    def recorded(self, rec):
+        nonlocal count
+        out = record(self, rec)
+        if rec.get("type") == "rl":
+            count += 1
+            if count == at:
+                _die()
+        return out
+
+    MetricsSink.step = recorded
+
+
+def kill_in_generation(at: int) -> None:
+    from kuberl.rollout.vllm_engine import VLLMEngine
+
+    generate = VLLMEngine.generate
+    count = 0
+
+    async def generating(self, req):
+        nonlocal count
+        count += 1
+        if count == at:
+            asyncio.get_running_loop().call_later(0.3, _die)  # this request and its peers in flight
+        return await generate(self, req)
+
+    VLLMEngine.generate = generating
+
+
+POINTS = {"update": kill_in_update, "checkpoint": kill_in_checkpoint, "reload": kill_in_reload,
+          "publish": kill_in_publish, "step": kill_after_step, "generate": kill_in_generation}  # fmt: skip
+
+
 def main() -> int:
     point, at, job_file, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
-    {"update": kill_in_update, "checkpoint": kill_in_checkpoint}[point](at)
+    if at:
+        POINTS[point](at)
     stages.EVAL_SIZE = 4
     job = find_one(load_manifests(job_file), AgenticRLJob)
-    run_job(job, out, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
+    sandbox = None if job.spec.rollout.engine == "vllm" else CoinVerifySandbox
+    run_job(job, out, use_ray=False, executor_factory=sandbox, quiet=True)
     return 0  # not reached when the kill point is
 
 

@@ -33,16 +33,24 @@ BODY_TIMEOUT, IDLE_TIMEOUT = 2.0, 3.0
 FRONT = ["--body-timeout", str(BODY_TIMEOUT), "--idle-timeout", str(IDLE_TIMEOUT)]
 
 
-def _service(mode: str, extra: list[str] | None = None):
+def _service(mode: str, extra: list[str] | None = None, log=None):
     if mode == "basic" and unprivileged_wrapper() is None:
         pytest.skip("cannot run the service as a non-root uid here")
-    return service(mode, LIMITS, [*FRONT, *(extra or [])])
+    return service(mode, LIMITS, [*FRONT, *(extra or [])], log=log)
 
 
 @pytest.fixture(scope="module", params=["full", "basic"])
-def svc(request):
-    with _service(request.param) as url:
-        yield request.param, url
+def svc(request, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("front") / "service.log"
+    with log_path.open("w") as log, _service(request.param, log=log) as url:
+        yield request.param, url, log_path
+
+
+def _quiet(log_path) -> None:
+    """Nothing an attack did shows in the service's log: no traceback, no task left pending."""
+    text = log_path.read_text()
+    for bad in ("Traceback", "Error handling request", "Task was destroyed"):
+        assert bad not in text, f"{text.count(bad)} x {bad!r} in the service's log: {text[-2000:]}"
 
 
 def _post(url: str, path: str, payload: dict) -> tuple[int | None, bytes]:
@@ -57,7 +65,7 @@ def _post(url: str, path: str, payload: dict) -> tuple[int | None, bytes]:
 
 @pytest.mark.parametrize("path", ["/v1/execute", "/v1/execute_batch", "/v1/verify", "/v1/verify_batch"])
 def test_a_body_over_the_limit_is_refused_from_its_length_before_it_is_read(svc, path):
-    _, url = svc
+    _, url, _ = svc
     with socket.create_connection(addr(url), timeout=10) as s:
         s.sendall(request_head(path, 200 * 2**20) + b'{"code": "')  # 200 MiB announced, 10 bytes sent
         t = time.perf_counter()
@@ -67,7 +75,7 @@ def test_a_body_over_the_limit_is_refused_from_its_length_before_it_is_read(svc,
 
 
 def test_a_chunked_body_is_cut_at_the_limit(svc):
-    _, url = svc
+    _, url, _ = svc
     with socket.create_connection(addr(url), timeout=10) as s:
         s.sendall(request_head("/v1/execute", None, chunked=True))
         chunk = b"x" * 2**20
@@ -80,7 +88,7 @@ def test_a_chunked_body_is_cut_at_the_limit(svc):
 
 @pytest.mark.parametrize(("field", "setting"), [("code", "maxCodeKB"), ("stdin", "maxStdinKB")])
 def test_code_or_stdin_over_its_limit_is_refused_naming_the_field(svc, field, setting):
-    _, url = svc
+    _, url, _ = svc
     call = {"code": "print(1)", "stdin": "", field: "é" * 40_000}  # 80,000 bytes of UTF-8 > 64 KiB
     status, data = _post(url, "/v1/execute", call)
     assert status == 413 and f"'{field}' is 80000 bytes, over the pool's limits.{setting} (64 KiB)".encode() in data
@@ -91,7 +99,7 @@ def test_code_or_stdin_over_its_limit_is_refused_naming_the_field(svc, field, se
 
 
 def test_three_200_mib_requests_cost_the_service_less_than_100_mib(svc):
-    _, url = svc
+    _, url, _ = svc
     statuses, grew_mib = big_requests(url, 200)
     assert statuses == [413, 413, 413], statuses
     assert grew_mib < 100, f"the service's peak RSS grew {grew_mib:.0f} MiB"
@@ -101,7 +109,7 @@ def test_three_200_mib_requests_cost_the_service_less_than_100_mib(svc):
 
 
 def test_a_head_that_never_ends_is_dropped_after_the_idle_timeout(svc):
-    _, url = svc
+    _, url, _ = svc
     socks = [socket.create_connection(addr(url), timeout=10) for _ in range(50)]
     try:
         for s in socks:
@@ -118,8 +126,8 @@ def test_a_head_that_never_ends_is_dropped_after_the_idle_timeout(svc):
 def test_5000_half_sent_requests_neither_stop_calls_nor_stay(svc):
     """Trivial calls on a client's open connection keep a p99 under 100 ms while 5,000
     connections hold half-sent requests, and every held connection is closed within the body
-    timeout (or at once, beyond the connection cap)."""
-    _, url = svc
+    timeout (or at once, beyond the connection cap), without a line in the service's log."""
+    _, url, log_path = svc
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 6000:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
@@ -134,6 +142,23 @@ def test_5000_half_sent_requests_neither_stop_calls_nor_stay(svc):
     assert left == 0, f"{left} of {len(held)} half-sent requests still open {BODY_TIMEOUT + 8:g} s after the flood"
     assert p99 < 0.1, f"trivial p99 {p99 * 1000:.0f} ms with 5000 half-sent requests held"
     assert readyz(url)[0] == 200
+    _quiet(log_path)
+
+
+def test_clients_that_hang_up_mid_body_cost_the_log_nothing(tmp_path):
+    """Connections that send half a body and hang up long before the body timeout are dropped
+    without a line in the service's log (aiohttp logged a traceback for each)."""
+    log_path = tmp_path / "service.log"
+    with log_path.open("w") as log, _service("full", log=log) as url:
+        socks = [socket.create_connection(addr(url), timeout=10) for _ in range(200)]
+        for s in socks:
+            s.sendall(request_head("/v1/execute", 4096) + b'{"id": "x", "code": "pri')
+        time.sleep(0.5)
+        for s in socks:
+            s.close()
+        time.sleep(1.0)
+        assert _post(url, "/v1/execute", {"id": "after", "code": "print(1)"})[0] == 200
+    _quiet(log_path)
 
 
 def test_connections_beyond_the_cap_are_closed_as_they_arrive():

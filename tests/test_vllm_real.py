@@ -422,25 +422,11 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
 
 def _three_rl_steps(smollm2_dir: Path, tmp_path: Path, name: str, *, async_level: int):
     """A run of 3 small GRPO steps on the real model, rolled out on a local vLLM server."""
+    from vllm_fixtures import small_rl_job
+
     from kuberl.api.job import AgenticRLJob
 
-    return AgenticRLJob.model_validate(
-        {
-            "metadata": {"name": name},
-            "spec": {
-                "model": {"base": str(smollm2_dir)},
-                "data": {"train": "builtin:arith"},
-                "algorithm": {
-                    "groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5,
-                    "miniBatches": 1, "asyncLevel": async_level,
-                },
-                "rollout": {"engine": "vllm", "maxTurns": 1, "maxResponseTokens": 48, "promptTemplate": "compact"},
-                "stages": [{"name": "rl", "type": "rl", "steps": 3}],
-                "trainer": {"device": "cpu", "threads": 1},
-                "checkpoint": {"uri": str(tmp_path / "ckpt"), "everySteps": 100, "keep": 1},
-            },
-        }
-    )  # fmt: skip
+    return AgenticRLJob.model_validate(small_rl_job(smollm2_dir, tmp_path / "ckpt", name, async_level=async_level))
 
 
 def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_dir, tmp_path):

@@ -44,3 +44,27 @@ def vllm_available() -> None:
         vllm_python()
     except RuntimeError as err:
         require_or_skip(str(err))
+
+
+def small_rl_job(
+    model: Path, ckpt: Path, name: str, *, async_level: int, every_steps: int = 100, keep: int = 1, max_turns: int = 1
+) -> dict:
+    """A run of 3 small GRPO steps on the real model, rolled out on a local vLLM server (the
+    AgenticRLJob document)."""
+    return {
+        "apiVersion": "kuberl.io/v1alpha1",
+        "kind": "AgenticRLJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"base": str(model)},
+            "data": {"train": "builtin:arith"},
+            "algorithm": {
+                "groupSize": 2, "oversample": 1, "batchPrompts": 2, "learningRate": 1e-5,
+                "miniBatches": 1, "asyncLevel": async_level,
+            },
+            "rollout": {"engine": "vllm", "maxTurns": max_turns, "maxResponseTokens": 48, "promptTemplate": "compact"},
+            "stages": [{"name": "rl", "type": "rl", "steps": 3}],
+            "trainer": {"device": "cpu", "threads": 1},
+            "checkpoint": {"uri": str(ckpt), "everySteps": every_steps, "keep": keep},
+        },
+    }  # fmt: skip

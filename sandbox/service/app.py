@@ -92,9 +92,15 @@ def make_app(svc: SandboxService) -> web.Application:
             async with asyncio.timeout(svc.cfg.body_timeout_s):
                 raw = await request.read()  # aiohttp stops at client_max_size (413) without a length
         except TimeoutError:
+            # The body is given up on: marked ended, so aiohttp closes after the 408 instead of
+            # lingering to read more from a client that sent nothing for body_timeout_s (a client
+            # hanging up then left the lingering read pending forever, one log line each).
+            request.content.feed_eof()
             raise _closing(
                 web.HTTPRequestTimeout(text=f"request body not received within {svc.cfg.body_timeout_s:g} s")
             ) from None
+        except ConnectionResetError:  # the client hung up mid-body: nobody to answer, nothing to log
+            raise _closing(web.HTTPBadRequest(text="connection lost before the request body was whole")) from None
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
+from typing import IO
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.lifetime import tied_to_this_process
@@ -30,13 +31,15 @@ def running_sandbox(
     env: dict[str, str] | None = None,
     python: str | None = None,
     cwd: str | None = None,
+    log: IO[str] | None = None,
 ) -> Iterator[str]:
     """Run ``kuberl sandbox serve`` on a loopback port; yield its base URL once /readyz is 200.
 
     ``extra_args`` are further ``sandbox serve`` flags (e.g. ``--queue-limit 8``); ``wrapper``
     is a command prefix it runs under (e.g. one that drops to a non-root uid, like a pod);
     ``env`` adds variables to the service's environment (calls never see them); ``python`` is
-    the interpreter to run it with (default: this one).
+    the interpreter to run it with (default: this one); ``log`` a file its stderr (the service's
+    log) goes to (default: this process's stderr).
     The limits travel as ``KUBERL_SANDBOX_LIMITS``, the way a SandboxPool pod gets them.
     """
     lim = limits or SandboxLimits()
@@ -46,7 +49,7 @@ def running_sandbox(
     ]  # fmt: skip
     service_env = dict(os.environ, **(env or {}), KUBERL_SANDBOX_LIMITS=json.dumps(lim.wire()))
     proc = subprocess.Popen(
-        tied_to_this_process(cmd), stdout=subprocess.PIPE, stderr=None, text=True, start_new_session=True, env=service_env, cwd=cwd
+        tied_to_this_process(cmd), stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True, env=service_env, cwd=cwd
     )
     try:
         assert proc.stdout is not None
