@@ -33,9 +33,11 @@ rollout batch was generating. A trainer starved for rollouts above ``PIPELINE_WA
 means generation is the longer side: the fleet grows so that generation would fit the update
 (``ceil(engines / (1 - wait))``). Engines idle above ``PIPELINE_IDLE_TARGET`` while no trainer
 waits mean the update is the longer side: the fleet shrinks to the engines that keep
-``1 - PIPELINE_IDLE_TARGET`` busy (``ceil(engines * busy / (1 - target))``), unless KV usage,
-queues or a backlog ask for more. Synchronous runs wait for their rollouts by design and do
-not vote.
+``1 - PIPELINE_IDLE_TARGET`` busy (``ceil(engines * busy / (1 - target))``). Where such trainers
+report, their pipeline is the fleet's demand, not its KV usage, queues or their backlog: their
+schedulers keep the batches ahead waiting and fill every engine's KV cache by design, so those
+signals would hold any fleet at its maximum (bench/phase_run.py measured it). Synchronous
+runs wait for their rollouts by design and do not vote; their backlog still grows the fleet.
 """
 
 from __future__ import annotations
@@ -152,25 +154,23 @@ def phase_floor(workers: float, workers_per_pod: int) -> int:
 def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> int:
     """Engines needed for mean KV-cache usage <= target and queued requests/engine <= target,
     and, while the trainers hold rollouts no engine had room for, enough engines to run them
-    at today's rollouts per engine (never fewer than now)."""
+    at today's rollouts per engine (never fewer than now). Where asynchronous trainers report
+    their pipeline, it decides instead of KV usage and queues (the module docstring);
+    ``load.waiting`` is then the synchronous trainers' backlog only."""
     base = max(current, 1)
+    by_backlog = 0
+    if load.waiting > 0:
+        ratio = (load.inflight + load.waiting) / load.inflight if load.inflight > 0 else 2.0
+        by_backlog = max(base, math.ceil(base * ratio - 1e-9))
+    if load.rollout_wait is not None or load.engine_idle is not None:
+        by_pipeline = recommend_by_pipeline(base, load.rollout_wait, load.engine_idle)
+        return max(current if by_pipeline is None else by_pipeline, by_backlog)
     by_kv = _proportional(base, load.mean_token_usage / auto.target_kv_cache_utilization)
     by_queue = 0
     if auto.target_queued_requests > 0 and load.queued_per_engine > auto.target_queued_requests:
         # A queue under target is no reason to shrink; only KV usage decides scale-down.
         by_queue = _proportional(base, load.queued_per_engine / auto.target_queued_requests)
-    by_backlog = 0
-    if load.waiting > 0:
-        ratio = (load.inflight + load.waiting) / load.inflight if load.inflight > 0 else 2.0
-        by_backlog = max(base, math.ceil(base * ratio - 1e-9))
-    wanted = max(by_kv, by_queue, by_backlog)
-    by_pipeline = recommend_by_pipeline(base, load.rollout_wait, load.engine_idle)
-    if by_pipeline is None:
-        return wanted
-    if by_pipeline > base:
-        return max(wanted, by_pipeline)
-    # fewer engines only where nothing else asks for more than there are
-    return min(wanted, by_pipeline) if wanted <= base else wanted
+    return max(by_kv, by_queue, by_backlog)
 
 
 def recommend_by_pipeline(engines: int, wait: float | None, idle: float | None) -> int | None:
@@ -282,10 +282,13 @@ def pool_load(scrapes: Sequence[str]) -> PoolLoad | None:
 
 
 def trainer_backlog(scrapes: Sequence[str]) -> tuple[float, float]:
-    """(waiting, in flight) rollouts summed over the trainer /metrics pages of a fleet's jobs."""
+    """(waiting, in flight) rollouts summed over the trainer /metrics pages of a fleet's
+    synchronous jobs (an asynchronous one's backlog is its batches ahead, by design)."""
     waiting = inflight = 0.0
     for text in scrapes:
-        g = parse_gauges(text, (TRAINER_WAITING, TRAINER_INFLIGHT))
+        g = parse_gauges(text, (TRAINER_WAITING, TRAINER_INFLIGHT, TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE))
+        if TRAINER_ROLLOUT_WAIT in g or TRAINER_ENGINE_IDLE in g:
+            continue
         waiting += g.get(TRAINER_WAITING, 0.0)
         inflight += g.get(TRAINER_INFLIGHT, 0.0)
     return waiting, inflight

@@ -39,7 +39,9 @@ def build_keda_scaled_object(
     (``autoscale.phase_floor``: the phase's pods before its burst). RolloutFleet: mean KV-cache
     usage as a Value metric (replicas * usage / target), queued requests per engine, and the
     asynchronous trainers' pipeline (:func:`pipeline_ratio_query`, a Value metric against 1:
-    ``autoscale.recommend_by_pipeline`` as a ratio of today's engines). What KEDA cannot say:
+    ``autoscale.recommend_by_pipeline`` as a ratio of today's engines; KV usage and queues count
+    only while no asynchronous trainer reports, as in ``autoscale.recommend_fleet``). What KEDA
+    cannot say:
     the operator drops its stabilization window when a phase is released, and the HPA's 10 %
     tolerance band holds a fleet whose pipeline asks for a change under 10 %.
 
@@ -82,17 +84,19 @@ def build_keda_scaled_object(
         component = "rollout"
         series = f'{{namespace="{namespace}",{PROM_INSTANCE_LABEL}="{name}"}}'
         usage, queue = ENGINE_METRICS[resource.spec.engine.type]
+        # asynchronous trainers fill every engine by design: their pipeline decides instead
+        unless = f' unless on() count({TRAINER_ROLLOUT_WAIT}{{namespace="{namespace}",fleet="{name}"}}) > 0) or vector(0)'
         triggers = [
             trigger(
                 "kv-cache-utilization",
                 "Value",
-                f"avg({usage}{series})",
+                f"(avg({usage}{series}){unless}",
                 auto.target_kv_cache_utilization,
             ),
             trigger(
                 "queued-requests",
                 "AverageValue",
-                f"sum({queue}{series})",
+                f"(sum({queue}{series}){unless}",
                 auto.target_queued_requests,
             ),
             trigger("trainer-pipeline", "Value", pipeline_ratio_query(namespace, name), 1.0),

@@ -31,7 +31,7 @@ HPA_TOLERANCE = 0.1
 
 
 class Pages:
-    """/metrics pages served on one port: /a, /b, /other, /pool (replaced by each case)."""
+    """/metrics pages served on one port: /a, /b, /other, /pool, /engine (replaced by each case)."""
 
     def __init__(self) -> None:
         self.text: dict[str, str] = {}
@@ -85,7 +85,7 @@ def _scraped(prom: str, expr: str, want: float, within_s: float = 20.0) -> None:
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     pages = Pages()
-    targets = {name: f"127.0.0.1:{pages.port}" for name in ("a", "b", "other", "pool")}
+    targets = {name: f"127.0.0.1:{pages.port}" for name in ("a", "b", "other", "pool", "engine")}
     tmp = tmp_path_factory.mktemp("prom")
     # one scrape job per page: the Prometheus config's metrics_path differs per job
     with running_prometheus(tmp, targets, labels={"namespace": NS}, paths={n: f"/{n}" for n in targets}) as prom:
@@ -162,3 +162,25 @@ def test_the_pool_trigger_holds_the_announced_phase(prometheus):
     value = _value(prom, trigger["metadata"]["query"])
     pods = math.ceil(value / float(trigger["metadata"]["threshold"]) - 1e-9)  # AverageValue
     assert value == 152 and pods == phase_floor(135 + 17, 8) == 19
+
+
+def test_engine_gauges_count_only_while_no_asynchronous_trainer_reports(prometheus):
+    """KV usage and queues are demand for synchronous runs; asynchronous trainers fill every
+    engine's KV cache by design, so while one reports, those triggers ask for nothing (0) and
+    the pipeline decides, as in autoscale.recommend_fleet."""
+    prom, pages = prometheus
+    pages.text["/engine"] = (
+        'sglang:token_usage{app_kubernetes_io_instance="gen",engine="0"} 0.9\n'
+        'sglang:token_usage{app_kubernetes_io_instance="gen",engine="1"} 1.0\n'
+        'sglang:num_queue_reqs{app_kubernetes_io_instance="gen",engine="0"} 6\n'
+    )
+    kv, queued, _ = build_keda_scaled_object(FLEET, NS)["spec"]["triggers"]
+    pages.text["/a"] = pages.text["/b"] = ""
+    pages.text["/other"] = _ratios("c", "elsewhere", 0.9, 0.0)  # another fleet's async trainer
+    _scraped(prom, 'sglang:token_usage{engine="1"}', 1.0)
+    _scraped_absent(prom, 'kuberl_train_rollout_wait_ratio{fleet="gen"}')
+    assert _value(prom, kv["metadata"]["query"]) == pytest.approx(0.95)
+    assert _value(prom, queued["metadata"]["query"]) == 6
+    pages.text["/a"] = _ratios("a", "gen", 0.05, 0.65)
+    _scraped(prom, 'kuberl_train_rollout_wait_ratio{job="a"}', 0.05)
+    assert _value(prom, kv["metadata"]["query"]) == 0 and _value(prom, queued["metadata"]["query"]) == 0

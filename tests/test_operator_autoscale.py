@@ -172,7 +172,12 @@ def test_an_asynchronous_pipeline_grows_the_fleet_when_the_trainer_starves_and_s
     # engines idle 65 % of the step (waiting for weights): keep 70 % busy -> ceil(4 * 0.35 / 0.7) = 2
     low_kv = (0.5,) * 4, (0,) * 4  # KV alone would say ceil(4 * 0.5/0.8) = 3
     assert recommend_fleet(4, FleetLoad(*low_kv, rollout_wait=0.05, engine_idle=0.65), FLEET) == 2
-    # ... unless something else asks for more than there are: rollouts waiting for KV room
+    # the asynchronous trainers fill every engine's KV cache by design: full engines are no reason
+    # to hold a fleet whose engines idle (before, KV at 0.95 held it, and grew it by 19 %)
+    full = (0.95,) * 4, (3,) * 4
+    assert recommend_fleet(4, FleetLoad(*full, rollout_wait=0.05, engine_idle=0.65), FLEET) == 2
+    assert recommend_fleet(4, FleetLoad(*full, rollout_wait=0.05, engine_idle=0.1), FLEET) == 4  # holds
+    # ... but a synchronous trainer's rollouts waiting for KV room still ask for more
     busy = FleetLoad(*low_kv, waiting=8, inflight=8, rollout_wait=0.05, engine_idle=0.65)
     assert recommend_fleet(4, busy, FLEET) == 8
     # a starving trainer outvotes idle engines (another job's); the doubling cap is decide()'s
@@ -190,3 +195,7 @@ def test_fleet_load_reads_the_asynchronous_trainers_pipeline():
     assert load.rollout_wait == 0.3 and load.engine_idle == 0.1  # the most starved, the least idle
     load = fleet_load([engine], [sync])
     assert load.rollout_wait is None and load.engine_idle is None  # synchronous runs do not vote
+    # an asynchronous trainer's batches ahead wait in its scheduler by design: not the fleet's backlog
+    ahead = starved + 'kuberl_rollout_requests_waiting 500\nkuberl_rollout_requests_inflight 64\n'
+    load = fleet_load([engine], [ahead, "kuberl_rollout_requests_waiting 6\n" + sync])
+    assert (load.waiting, load.inflight) == (6, 4)
