@@ -82,9 +82,10 @@ CATALOG: dict[str, MetricSpec] = {
         MetricSpec(
             "kuberl_rollout_phase_workers",
             "gauge",
-            ("job",),
+            ("job", "pool"),
             "rollout",
-            "Sandbox workers the trainer's next or current rollout phase asks for (0 between phases)",
+            "Sandbox workers the trainer's next or current rollout phase asks for (0 between phases), "
+            "by the SandboxPool its calls go to",
         ),
         MetricSpec(
             "kuberl_rollout_generated_tokens_total",
@@ -132,16 +133,18 @@ CATALOG: dict[str, MetricSpec] = {
         MetricSpec(
             "kuberl_train_rollout_wait_ratio",
             "gauge",
-            ("job",),
+            ("job", "fleet"),
             "trainer",
-            "Fraction of the last RL step the trainer waited for its rollouts (asyncLevel > 0)",
+            "Fraction of the last RL step the trainer waited for its rollouts (asyncLevel > 0), by the "
+            "RolloutFleet it uses",
         ),
         MetricSpec(
             "kuberl_train_engine_idle_ratio",
             "gauge",
-            ("job",),
+            ("job", "fleet"),
             "trainer",
-            "Fraction of the last RL step no rollout batch was generating (asyncLevel > 0)",
+            "Fraction of the last RL step no rollout batch was generating (asyncLevel > 0), by the "
+            "RolloutFleet it uses",
         ),
         MetricSpec(
             "kuberl_train_engine_logprob_gap",

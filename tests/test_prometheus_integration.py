@@ -66,6 +66,7 @@ def _job_manifest(tmp: Path) -> str:
     spec["model"]["config"] = {"nLayer": 1, "nEmbd": 32, "nHead": 2}
     spec["algorithm"].update(groupSize=2, batchPrompts=2, warmupSteps=1, learningRate=0.001)
     spec["algorithm"]["lengthReward"] = {"targets": [32, 64]}  # the thinking-budget panel has data too
+    spec["algorithm"]["asyncLevel"] = 1  # and the asynchronous pipeline's (its own, not another test's gauges)
     spec["rollout"]["maxResponseTokens"] = 160  # room for two tool calls, a traceback and the answer
     spec["stages"] = [
         {"name": "sft", "type": "sft", "steps": 3, "learningRate": 0.003, "batchSize": 4},
