@@ -127,15 +127,26 @@ def one_run(model: str, steps: int, async_level: int, kill: str | None) -> dict:
         "kill": kill or "none",
         "async_level": async_level,
         "killed": log,
+        **accounted(rl),
+        "step_seconds": [round(h["step_seconds"], 1) for h in rl],
+        "rl_seconds": sum(h["step_seconds"] for h in rl),
+        "wall_seconds": wall,
+    }
+
+
+def accounted(rl: list[dict]) -> dict:
+    """What a run's RL step records say of its rollouts: steps, rollouts, aborted, stale, faults."""
+    return {
         "steps": [h["step"] for h in rl],
         "rollouts": sum(h["rollouts"] for h in rl),
         "aborted": sum(h.get("rollouts_aborted", 0) for h in rl),
         "stale": sum(h.get("rollouts_stale", 0) for h in rl),
-        "step_seconds": [round(h["step_seconds"], 1) for h in rl],
-        "rl_seconds": sum(h["step_seconds"] for h in rl),
-        "wall_seconds": wall,
         **{k: sum(h.get(k, 0) for h in rl) for k in FAULTS},
     }
+
+
+def mode_label(async_level: int) -> str:
+    return "sync" if async_level == 0 else f"async{async_level}"
 
 
 KILL = REPO / "tests" / "kill_during.py"
@@ -170,12 +181,8 @@ def trainer_run(model: str, steps: int, async_level: int, point: str | None) -> 
         "kill": f"trainer {point}" if point else "none",
         "async_level": async_level,
         "exit_codes": codes,
-        "steps": [r["step"] for r in rl],
-        "rollouts": sum(r["rollouts"] for r in rl),
-        "aborted": sum(r.get("rollouts_aborted", 0) for r in rl),
-        "stale": sum(r.get("rollouts_stale", 0) for r in rl),
+        **accounted(rl),
         "wall_seconds": sum(walls),
-        **{k: sum(r.get(k, 0) for r in rl) for k in FAULTS},
     }
 
 
@@ -218,7 +225,7 @@ def main() -> None:
             f"{'reconn':>6} {'mismatch':>8} {'repush':>6} {'RL s':>6} {'lost s':>6}  step seconds"
         )
     for r in runs:
-        mode = "sync" if r["async_level"] == 0 else f"async{r['async_level']}"
+        mode = mode_label(r["async_level"])
         lost = f"{r['seconds_lost']:6.1f}" if "seconds_lost" in r else "     -"
         print(
             f"{mode:6} {r['kill']:15} {','.join(map(str, r['steps'])):>9} {r['rollouts']:8.0f} {r['aborted']:7.0f} "
@@ -233,7 +240,7 @@ def main() -> None:
             f"{'reconn':>6} {'mismatch':>8} {'repush':>6} {'wall s':>7} {'lost s':>6}"
         )
     for r in trainer_runs:
-        mode = "sync" if r["async_level"] == 0 else f"async{r['async_level']}"
+        mode = mode_label(r["async_level"])
         lost = f"{r['seconds_lost']:6.1f}" if "seconds_lost" in r else "     -"
         print(
             f"{mode:6} {r['kill']:18} {','.join(map(str, r['exit_codes'])):>9} {','.join(map(str, r['steps'])):>9} "

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,15 +46,18 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _nth(at: int) -> Callable[[], bool]:
+    """A counter of calls: True on the ``at``-th, False on every other."""
+    calls = itertools.count(1)
+    return lambda: next(calls) == at
+
+
 def kill_in_update(at: int) -> None:
-    step = torch.optim.AdamW.step
-    count = 0
+    step, hit = torch.optim.AdamW.step, _nth(at)
 
     def counted(self, *args, **kwargs):
-        nonlocal count
         out = step(self, *args, **kwargs)
-        count += 1
-        if count == at:
+        if hit():
             _die()
         return out
 
@@ -60,13 +65,10 @@ def kill_in_update(at: int) -> None:
 
 
 def kill_in_checkpoint(at: int) -> None:
-    write = checkpoint._write_blob
-    count = 0
+    write, hit = checkpoint._write_blob, _nth(at)
 
     def half_written(payload, path: Path, name: str) -> None:
-        nonlocal count
-        count += 1
-        if count < at:
+        if not hit():
             return write(payload, path, name)
         buf = io.BytesIO()
         torch.save(payload, buf)
@@ -83,17 +85,13 @@ def kill_in_checkpoint(at: int) -> None:
 def kill_in_reload(at: int) -> None:
     from kuberl.rollout.vllm_engine import VLLMEngine
 
-    call = VLLMEngine._rl_call
-    count = 0
+    call, hit = VLLMEngine._rl_call, _nth(at)
 
     async def reloading(self, path: str, json=None):
-        nonlocal count
-        if path == "/collective_rpc":
-            count += 1
-            if count == at:
-                asyncio.ensure_future(call(self, path, json))
-                await asyncio.sleep(0.3)  # the request is on the wire, the server reloading
-                _die()
+        if path == "/collective_rpc" and hit():
+            asyncio.ensure_future(call(self, path, json))
+            await asyncio.sleep(0.3)  # the request is on the wire, the server reloading
+            _die()
         return await call(self, path, json)
 
     VLLMEngine._rl_call = reloading
@@ -102,14 +100,11 @@ def kill_in_reload(at: int) -> None:
 def kill_in_publish(at: int) -> None:
     import kuberl.trainer.hf as hf
 
-    write = hf.write_hf_folder
-    count = 0
+    write, hit = hf.write_hf_folder, _nth(at)
 
     def half_written(state, source_dir, dest, *args, **kwargs):
-        nonlocal count
-        count += 1
         out = write(state, source_dir, dest, *args, **kwargs)
-        if count == at:
+        if hit():
             for f in Path(dest).glob("*.safetensors"):
                 data = f.read_bytes()
                 f.write_bytes(data[: len(data) // 2])
@@ -122,16 +117,12 @@ def kill_in_publish(at: int) -> None:
 def kill_after_step(at: int) -> None:
     from kuberl.trainer.metrics import MetricsSink
 
-    record = MetricsSink.step
-    count = 0
+    record, hit = MetricsSink.step, _nth(at)
 
     def recorded(self, rec):
-        nonlocal count
         out = record(self, rec)
-        if rec.get("type") == "rl":
-            count += 1
-            if count == at:
-                _die()
+        if rec.get("type") == "rl" and hit():
+            _die()
         return out
 
     MetricsSink.step = recorded
@@ -140,13 +131,10 @@ def kill_after_step(at: int) -> None:
 def kill_in_generation(at: int) -> None:
     from kuberl.rollout.vllm_engine import VLLMEngine
 
-    generate = VLLMEngine.generate
-    count = 0
+    generate, hit = VLLMEngine.generate, _nth(at)
 
     async def generating(self, req):
-        nonlocal count
-        count += 1
-        if count == at:
+        if hit():
             asyncio.get_running_loop().call_later(0.3, _die)  # this request and its peers in flight
         return await generate(self, req)
 

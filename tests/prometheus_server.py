@@ -16,7 +16,7 @@ import yaml
 from kuberl.ports import free_port
 
 
-def _get(url: str, timeout: float = 5.0) -> bytes:
+def http_get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
         return r.read()
 
@@ -59,7 +59,7 @@ def running_prometheus(
         deadline = time.time() + 30
         while True:
             try:
-                if _get(f"{base}/-/ready", 1.0):
+                if http_get(f"{base}/-/ready", 1.0):
                     break
             except OSError:
                 pass
@@ -83,6 +83,6 @@ def query(base: str, expr: str, at: float | None = None) -> list[dict]:
     """An instant query, at ``at`` (unix seconds) when given, as Grafana evaluates a time range."""
     params = {"query": expr} | ({"time": f"{at:.3f}"} if at is not None else {})
     url = f"{base}/api/v1/query?" + urllib.parse.urlencode(params)
-    body = json.loads(_get(url))
+    body = json.loads(http_get(url))
     assert body["status"] == "success", body
     return body["data"]["result"]

@@ -38,7 +38,7 @@ import yaml
 from kuberl.dashboards.definitions import all_expressions
 from kuberl.dashboards.metrics_catalog import CATALOG, metric_for_series
 from kuberl.ports import free_port
-from tests.prometheus_server import query, running_prometheus
+from tests.prometheus_server import http_get, query, running_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = "obs-e2e"
@@ -50,11 +50,6 @@ pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None or shutil.which("promtool") is None,
     reason="Debian package `prometheus` (installed by .ci/run) is required",
 )
-
-
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback only
-        return r.read()
 
 
 def _job_manifest(tmp: Path) -> str:
@@ -305,7 +300,7 @@ def test_tool_error_ratio_in_positives_arrives_through_prometheus(scraped):
 
 def test_scraped_series_are_catalogued_with_their_labels(scraped):
     prom, _, _, _ = scraped
-    names = json.loads(_get(f"{prom}/api/v1/label/__name__/values"))["data"]
+    names = json.loads(http_get(f"{prom}/api/v1/label/__name__/values"))["data"]
     ours = [n for n in names if n.startswith("kuberl_")]
     assert ours
     for n in ours:
@@ -318,7 +313,7 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
     _, endpoints, _, _ = scraped
     declared: dict[str, str] = {}
     for url in endpoints.values():
-        for line in _get(url).decode().splitlines():
+        for line in http_get(url).decode().splitlines():
             if line.startswith("# TYPE kuberl_"):
                 _, _, name, typ = line.split()
                 declared[name] = typ
@@ -333,7 +328,7 @@ def test_scraped_series_are_catalogued_with_their_labels(scraped):
 def test_promtool_check_metrics_is_clean(scraped):
     _, endpoints, _, _ = scraped
     for name, url in endpoints.items():
-        text = _get(url)
+        text = http_get(url)
         assert b"kuberl_" in text, name
         res = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60)
         problems = (res.stdout + res.stderr).decode()
