@@ -167,15 +167,18 @@ def main() -> int:
         kube.apply([fleet])
         selector = ",".join(f"{k}={v}" for k, v in engine_selector(RolloutFleet.model_validate(fleet)).items())
 
-        started = iter(range(10**6))
+        on_core: dict[int, list[VLLMServer]] = {c: [] for c in range(os.cpu_count() or 1)}
 
         def start_engine(pod: dict, ip: str, port: int) -> VLLMServer:
-            # each engine's threads on a core of its own, as each pod has its CPUs: unbound, a
-            # busy engine's spinning threads starve a new one's start-up on a 2-core machine
-            core = str(next(started) % (os.cpu_count() or 1))
+            # each engine's threads on a core of its own, as each pod has its CPUs: unbound (or
+            # on the core a serving engine holds) a busy engine's spinning threads starve a new
+            # one's start-up on a 2-core machine; which engine a scale-down removes is the
+            # ReplicaSet's choice, so the new one takes the core fewest live engines hold
+            core = min(on_core, key=lambda c: sum(s.proc is None or s.alive() for s in on_core[c]))
             server = VLLMServer(VLLMServerConfig(model=args.model, host=ip, port=port, dtype="float32",
-                                                 max_model_len=1024, kv_cache_gib=0.5, cpus=core),
+                                                 max_model_len=1024, kv_cache_gib=0.5, cpus=str(core)),
                                 log_path=out / f"{pod['metadata']['name']}.log")
+            on_core[core].append(server)
             server.start(timeout=900)
             return server
 

@@ -62,6 +62,14 @@ def pods_of(kube: Kube, ns: str, selector: str = OWNER) -> list[dict]:
     return kube.items("pods", ns, selector)
 
 
+def seen(kube: Kube, ns: str, operator=None) -> str:
+    """What a timed-out wait shows: the namespace's objects and events, the operator's last lines."""
+    out = kube.run("get", "all,pvc,events", "-n", ns, "-o", "wide", check=False).stdout
+    if operator is not None and operator.log.exists():
+        out += "\n--- operator log\n" + "\n".join(operator.log.read_text(errors="replace").splitlines()[-40:])
+    return out
+
+
 def node_of(kube: Kube, pod: dict) -> dict:
     return kube.json("get", "node", pod["spec"]["nodeName"])
 
@@ -97,7 +105,7 @@ def test_example_applies_and_every_pod_runs_on_the_right_nodes(kube, kuberl_oper
         return pods
 
     pods = wait_for(all_running, TIMEOUT, lambda: f"every pod of {example.name} Running and Ready\n"
-                    + kube.run("get", "all,pvc,events", "-n", ns, "-o", "wide").stdout)
+                    + seen(kube, ns, kuberl_operator))
     for pod in pods:
         node = node_of(kube, pod)
         labels = node["metadata"]["labels"]
@@ -274,7 +282,8 @@ def test_spec_edit_and_drift_are_repaired(kube, kuberl_operator, namespace):
 def test_delete_cascades_through_the_garbage_collector(kube, kuberl_operator, namespace):
     ns = namespace("delete")
     kube.run("apply", "-n", ns, "-f", str(REPO / "examples" / "quickstart.yaml"))
-    wait_for(lambda: any(running_ready(p) for p in pods_of(kube, ns)), TIMEOUT, "a running pod")
+    wait_for(lambda: any(running_ready(p) for p in pods_of(kube, ns)), TIMEOUT,
+             lambda: "a running pod\n" + seen(kube, ns, kuberl_operator))
     kube.run("delete", "agenticrljob", "quickstart", "-n", ns, "--wait=true", "--timeout=60s")
 
     def gone() -> bool:
@@ -291,7 +300,7 @@ def test_a_failed_trainer_pod_is_reported(kube, kuberl_operator, namespace):
     kube.run("apply", "-n", ns, "-f", str(REPO / "examples" / "quickstart.yaml"))
     selector = "app.kubernetes.io/component=trainer,app.kubernetes.io/instance=quickstart"
     pod = wait_for(lambda: next((p for p in pods_of(kube, ns, selector) if running_ready(p)), None), TIMEOUT,
-                   "the trainer pod running")
+                   lambda: "the trainer pod running\n" + seen(kube, ns, kuberl_operator))
     # kwok plays the kubelet reporting the trainer's container exited 1
     kube.run("label", "pod", pod["metadata"]["name"], "-n", ns, f"{FAIL_LABEL}=true")
     wait_for(lambda: kube.json("get", "pod", pod["metadata"]["name"], "-n", ns)["status"]["phase"] == "Failed",
@@ -302,7 +311,7 @@ def test_a_failed_trainer_pod_is_reported(kube, kuberl_operator, namespace):
         msg = json.dumps(st.get("conditions", []))
         return st if (st.get("phase") == "Failed" or "exit" in msg.lower() or st.get("restarts")) else None
 
-    st = wait_for(reported, TIMEOUT, "the job reporting its trainer's failure")
+    st = wait_for(reported, TIMEOUT, lambda: "the job reporting its trainer's failure\n" + seen(kube, ns, kuberl_operator))
     assert st.get("observedGeneration") == 1
 
 
