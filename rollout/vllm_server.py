@@ -35,6 +35,7 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from kuberl.envvars import env_number
 from kuberl.lifetime import reap_on_exit, tied_to_this_process
 from kuberl.ports import free_port
 
@@ -179,7 +180,13 @@ class VLLMServerConfig:
 
 
 STOP_GRACE_S = 30.0
-"""How long a stopping server may take before its process group is killed."""
+"""How long a stopping server may take before its process group is killed, unless
+``KUBERL_VLLM_STOP_GRACE_S`` says otherwise (:func:`stop_grace_s`)."""
+
+
+def stop_grace_s(env: dict[str, str] | None = None) -> float:
+    """Seconds a stopping (or orphaned) server gets before its process group is killed."""
+    return env_number("KUBERL_VLLM_STOP_GRACE_S", STOP_GRACE_S, dict(os.environ if env is None else env))
 
 
 class VLLMServer:
@@ -219,7 +226,7 @@ class VLLMServer:
         )
         # Tied, the server gets SIGTERM when this process dies, SIGKILL included; one paused in a
         # weight reload would wait for that request forever: its group goes after a grace period.
-        self._reaper = reap_on_exit([self.proc.pid], grace_s=STOP_GRACE_S, groups=True)
+        self._reaper = reap_on_exit([self.proc.pid], grace_s=stop_grace_s(), groups=True)
         self.url = f"http://{cfg.host}:{port}"
         deadline = time.monotonic() + timeout
         while True:
@@ -284,7 +291,7 @@ class VLLMServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, 15)
             try:
-                self.proc.wait(timeout=STOP_GRACE_S)
+                self.proc.wait(timeout=stop_grace_s())
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, 9)

@@ -12,7 +12,7 @@ import yaml
 from kuberl.cluster import build, nodes
 from kuberl.cluster.control_plane import kubeconfig_text
 from kuberl.cluster.errors import ClusterError
-from kuberl.rollout.vllm_server import requirements_without_torch
+from kuberl.rollout.vllm_server import STOP_GRACE_S, requirements_without_torch, stop_grace_s
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
@@ -134,6 +134,14 @@ def test_vllm_requirements_leave_out_torch_and_other_platforms():
     assert ("xgrammar==0.2.8" in kept) == (platform.machine() == "s390x")
     with pytest.raises(ValueError, match="cannot be parsed"):
         requirements_without_torch(["not a requirement ==="])
+
+
+def test_the_vllm_servers_stop_grace_comes_from_the_environment_or_defaults_to_30_s():
+    assert stop_grace_s({}) == STOP_GRACE_S == 30.0
+    assert stop_grace_s({"KUBERL_VLLM_STOP_GRACE_S": "5"}) == 5.0
+    for bad in ("soon", "-1"):
+        with pytest.raises(ValueError, match="KUBERL_VLLM_STOP_GRACE_S"):
+            stop_grace_s({"KUBERL_VLLM_STOP_GRACE_S": bad})
 
 
 def test_pod_ranges_the_api_server_would_refuse_endpoints_from_are_refused():

@@ -62,7 +62,8 @@ def _marked(token: str) -> list[int]:
 
 
 def _run(point: str, at: int, job: Path, out: Path, token: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KUBERL_TEST_RUN": token}
+    # the server paused in the killed reload ignores SIGTERM: its group goes after this grace
+    env = {**os.environ, "KUBERL_TEST_RUN": token, "KUBERL_VLLM_STOP_GRACE_S": "5"}
     return subprocess.run([sys.executable, str(KILL), point, str(at), str(job), str(out)],
                           capture_output=True, text=True, timeout=800, env=env)  # fmt: skip
 
