@@ -184,6 +184,10 @@ class RolloutFleetStatus(ScaledResourceStatus):
         None,
         description="Asynchronous trainers: the smallest fraction of a step their engines idled (the fleet shrinks).",
     )
+    engines_served: float | None = Field(
+        None,
+        description="Asynchronous trainers: the most engines that served one's last step (the pipeline scales from them).",
+    )
     engines: list[str] = Field(default_factory=list)
 
 

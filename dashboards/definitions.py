@@ -275,13 +275,15 @@ ROLLOUT: tuple[PanelSpec, ...] = (
         "Autoscaler replicas",
         "Per RolloutFleet: the replicas the operator's autoscaler wants (KV-cache use, queued "
         "requests, the trainers' backlog and, for asynchronous runs, who waits in the pipeline) and "
-        "those ready; and the engines the trainer's scheduler has in rotation.",
+        "those ready; the engines the trainer's scheduler has in rotation, and (asynchronous runs) "
+        "those that served its last step, from which the pipeline rule scales.",
         (
             Query(
                 'max by (name) (kuberl_autoscaler_desired_replicas{kind="RolloutFleet"})', "desired {{name}}"
             ),
             Query('max by (name) (kuberl_autoscaler_ready_replicas{kind="RolloutFleet"})', "ready {{name}}"),
             Query(f"count(kuberl_rollout_kv_cache_utilization{{{E}}})", "in rotation"),
+            Query("max by (fleet) (kuberl_train_engines_in_service)", "serving the last step {{fleet}}"),
         ),
         min=0,
     ),

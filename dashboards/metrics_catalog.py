@@ -147,6 +147,14 @@ CATALOG: dict[str, MetricSpec] = {
             "RolloutFleet it uses",
         ),
         MetricSpec(
+            "kuberl_train_engines_in_service",
+            "gauge",
+            ("job", "fleet"),
+            "trainer",
+            "Engines serving the trainer's rollouts at the end of its last RL step (asyncLevel > 0), by "
+            "the RolloutFleet it uses",
+        ),
+        MetricSpec(
             "kuberl_train_engine_logprob_gap",
             "gauge",
             ("job", "engine"),

@@ -33,7 +33,9 @@ rollout batch was generating. A trainer starved for rollouts above ``PIPELINE_WA
 means generation is the longer side: the fleet grows so that generation would fit the update
 (``ceil(engines / (1 - wait))``). Engines idle above ``PIPELINE_IDLE_TARGET`` while no trainer
 waits mean the update is the longer side: the fleet shrinks to the engines that keep
-``1 - PIPELINE_IDLE_TARGET`` busy (``ceil(engines * busy / (1 - target))``). Where such trainers
+``1 - PIPELINE_IDLE_TARGET`` busy (``ceil(engines * busy / (1 - target))``). ``engines`` is
+the count that served the measured step (the trainers export it): replicas still starting did
+not shorten it, and counting them would grow the fleet again for the same wait. Where such trainers
 report, their pipeline is the fleet's demand, not its KV usage, queues or their backlog: their
 schedulers keep the batches ahead waiting and fill every engine's KV cache by design, so those
 signals would hold any fleet at its maximum (bench/phase_run.py measured it). Synchronous
@@ -62,6 +64,7 @@ TRAINER_INFLIGHT = "kuberl_rollout_requests_inflight"
 TRAINER_PHASE_WORKERS = "kuberl_rollout_phase_workers"
 TRAINER_ROLLOUT_WAIT = "kuberl_train_rollout_wait_ratio"
 TRAINER_ENGINE_IDLE = "kuberl_train_engine_idle_ratio"
+TRAINER_ENGINES_SERVED = "kuberl_train_engines_in_service"
 PIPELINE_WAIT_TARGET = 0.15  # a trainer may wait this much of its step for rollouts
 PIPELINE_IDLE_TARGET = 0.3  # engines may idle this much of a step, waiting for weights
 # A scrape is read with whichever (KV usage, queue) pair it carries, so one fleet's autoscaler
@@ -110,6 +113,7 @@ class FleetLoad:
     # asynchronous trainers' last step: the most any waited for rollouts, the least engines idled
     rollout_wait: float | None = None
     engine_idle: float | None = None
+    engines_served: float | None = None  # the engines that served that step (replicas start late)
 
     @property
     def mean_token_usage(self) -> float:
@@ -163,7 +167,7 @@ def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> in
         ratio = (load.inflight + load.waiting) / load.inflight if load.inflight > 0 else 2.0
         by_backlog = max(base, math.ceil(base * ratio - 1e-9))
     if load.rollout_wait is not None or load.engine_idle is not None:
-        by_pipeline = recommend_by_pipeline(base, load.rollout_wait, load.engine_idle)
+        by_pipeline = recommend_by_pipeline(base, load.rollout_wait, load.engine_idle, load.engines_served)
         return max(current if by_pipeline is None else by_pipeline, by_backlog)
     by_kv = _proportional(base, load.mean_token_usage / auto.target_kv_cache_utilization)
     by_queue = 0
@@ -173,12 +177,19 @@ def recommend_fleet(current: int, load: FleetLoad, auto: FleetAutoscaling) -> in
     return max(by_kv, by_queue, by_backlog)
 
 
-def recommend_by_pipeline(engines: int, wait: float | None, idle: float | None) -> int | None:
-    """Engines for an asynchronous run's pipeline (the module docstring); None: no opinion."""
+def recommend_by_pipeline(
+    engines: int, wait: float | None, idle: float | None, served: float | None = None
+) -> int | None:
+    """Engines for an asynchronous run's pipeline (the module docstring); None: no opinion.
+
+    The ratios were measured on the ``served`` engines (those in the trainer's rotation at the
+    step's end; today's ``engines`` where unknown): replicas still starting did not shorten that
+    step, so growth counts from the engines that served it and never asks for fewer than today's."""
+    base = served if served and served > 0 else engines
     if wait is not None and wait > PIPELINE_WAIT_TARGET:
-        return math.ceil(engines / max(1.0 - wait, 0.5) - 1e-9)
+        return max(engines, math.ceil(base / max(1.0 - wait, 0.5) - 1e-9))
     if idle is not None and idle > PIPELINE_IDLE_TARGET and (wait is None or wait <= PIPELINE_WAIT_TARGET):
-        return max(1, math.ceil(engines * (1.0 - idle) / (1.0 - PIPELINE_IDLE_TARGET) - 1e-9))
+        return max(1, math.ceil(base * (1.0 - idle) / (1.0 - PIPELINE_IDLE_TARGET) - 1e-9))
     return None
 
 
@@ -300,19 +311,22 @@ def phase_workers(scrapes: Sequence[str]) -> float:
     return sum(parse_gauges(text, (TRAINER_PHASE_WORKERS,)).get(TRAINER_PHASE_WORKERS, 0.0) for text in scrapes)
 
 
-def trainer_pipeline(scrapes: Sequence[str]) -> tuple[float | None, float | None]:
-    """(the largest rollout wait, the smallest engine idle) over the asynchronous trainers of a
-    fleet (those that export the ratios); None where none does. One starved trainer is reason
-    to grow; the fleet is idle only when every trainer's engines are."""
+def trainer_pipeline(scrapes: Sequence[str]) -> tuple[float | None, float | None, float | None]:
+    """(the largest rollout wait, the smallest engine idle, the most engines in service) over the
+    asynchronous trainers of a fleet (those that export the ratios); None where none does. One
+    starved trainer is reason to grow; the fleet is idle only when every trainer's engines are."""
     waits: list[float] = []
     idles: list[float] = []
+    served: list[float] = []
     for text in scrapes:
-        g = parse_gauges(text, (TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE))
+        g = parse_gauges(text, (TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE, TRAINER_ENGINES_SERVED))
         if TRAINER_ROLLOUT_WAIT in g:
             waits.append(g[TRAINER_ROLLOUT_WAIT])
         if TRAINER_ENGINE_IDLE in g:
             idles.append(g[TRAINER_ENGINE_IDLE])
-    return (max(waits) if waits else None), (min(idles) if idles else None)
+        if TRAINER_ENGINES_SERVED in g:
+            served.append(g[TRAINER_ENGINES_SERVED])
+    return (max(waits) if waits else None), (min(idles) if idles else None), (max(served) if served else None)
 
 
 def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> FleetLoad | None:
@@ -331,5 +345,5 @@ def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> F
     if not usage:
         return None
     waiting, inflight = trainer_backlog(trainer_scrapes)
-    wait, idle = trainer_pipeline(trainer_scrapes)
-    return FleetLoad(tuple(usage), tuple(queued), waiting, inflight, wait, idle)
+    wait, idle, served = trainer_pipeline(trainer_scrapes)
+    return FleetLoad(tuple(usage), tuple(queued), waiting, inflight, wait, idle, served)

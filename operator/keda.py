@@ -11,6 +11,7 @@ from kuberl.operator.autoscale import (
     PIPELINE_IDLE_TARGET,
     PIPELINE_WAIT_TARGET,
     TRAINER_ENGINE_IDLE,
+    TRAINER_ENGINES_SERVED,
     TRAINER_PHASE_WORKERS,
     TRAINER_ROLLOUT_WAIT,
 )
@@ -99,7 +100,7 @@ def build_keda_scaled_object(
                 f"(sum({queue}{series}){unless}",
                 auto.target_queued_requests,
             ),
-            trigger("trainer-pipeline", "Value", pipeline_ratio_query(namespace, name), 1.0),
+            trigger("trainer-pipeline", "Value", pipeline_ratio_query(namespace, name, f"{usage}{series}"), 1.0),
         ]
     return {
         "apiVersion": "keda.sh/v1alpha1",
@@ -122,16 +123,19 @@ def build_keda_scaled_object(
     }
 
 
-def pipeline_ratio_query(namespace: str, fleet: str) -> str:
+def pipeline_ratio_query(namespace: str, fleet: str, engine_series: str) -> str:
     """PromQL for the engines an asynchronous run's pipeline asks for, as a ratio of today's
-    (``autoscale.recommend_by_pipeline``): with W the largest rollout wait and I the smallest
-    engine idle over the fleet's trainers, 1 / max(1 - W, 0.5) while W > the wait target, else
-    (1 - I) / (1 - the idle target) while I > the idle target, else 1 (no trainer: no opinion).
-    The trainers label their ratios with the fleet they roll out on (``fleet``)."""
+    (``autoscale.recommend_by_pipeline``): with W the largest rollout wait, I the smallest engine
+    idle and S the most engines in service over the fleet's trainers, and N today's engines
+    (``engine_series``, one series an engine), R = S / N (1 where either is missing); then
+    max(R / max(1 - W, 0.5), 1) while W > the wait target, else R (1 - I) / (1 - the idle target)
+    while I > the idle target, else 1 (no trainer: no opinion). The trainers label their series
+    with the fleet they roll out on (``fleet``)."""
     sel = f'{{namespace="{namespace}",fleet="{fleet}"}}'
     wait, idle = f"max({TRAINER_ROLLOUT_WAIT}{sel})", f"min({TRAINER_ENGINE_IDLE}{sel})"
-    grow = f"(1 / clamp_min(1 - {wait}, 0.5) and {wait} > {PIPELINE_WAIT_TARGET:g})"
-    shrink = f"((1 - {idle}) / {1 - PIPELINE_IDLE_TARGET:g} and {idle} > {PIPELINE_IDLE_TARGET:g})"
+    served = f"(max({TRAINER_ENGINES_SERVED}{sel}) / count({engine_series}) or vector(1))"
+    grow = f"(clamp_min({served} / clamp_min(1 - {wait}, 0.5), 1) and {wait} > {PIPELINE_WAIT_TARGET:g})"
+    shrink = f"({served} * (1 - {idle}) / {1 - PIPELINE_IDLE_TARGET:g} and {idle} > {PIPELINE_IDLE_TARGET:g})"
     return f"{grow} or {shrink} or vector(1)"
 
 

@@ -100,6 +100,8 @@ async def autoscale_once(ctx: OperatorContext, body: Mapping[str, Any]) -> Scale
                 st["trainerRolloutWait"] = round(fload.rollout_wait, 3)
             if fload.engine_idle is not None:
                 st["engineIdle"] = round(fload.engine_idle, 3)
+            if fload.engines_served is not None:
+                st["enginesServed"] = fload.engines_served
     decision = autoscale.decide(
         current,
         rec if rec is not None or not floor else floor,

@@ -446,11 +446,13 @@ def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path
     from kuberl.trainer.metrics import MetricsSink
 
     base = {"type": "rl", "stage": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 2.5,
-            "engine_busy_seconds": 6.0}  # fmt: skip
+            "engine_busy_seconds": 6.0, "engines_in_service": 3.0}  # fmt: skip
     monkeypatch.setenv("KUBERL_ROLLOUT_FLEET", "gen")  # the operator's env: the fleet it rolls out on
     MetricsSink("pipe-async", tmp_path / "a").step({**base, "async_level": 1})
     on = {"job": "pipe-async", "fleet": "gen"}
     assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", on) == 0.25
     assert REGISTRY.get_sample_value("kuberl_train_engine_idle_ratio", on) == pytest.approx(0.4)
+    assert REGISTRY.get_sample_value("kuberl_train_engines_in_service", on) == 3  # the ratios' denominator
     MetricsSink("pipe-sync", tmp_path / "s").step({**base, "async_level": 0})
     assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-sync", "fleet": "gen"}) is None
+    assert REGISTRY.get_sample_value("kuberl_train_engines_in_service", {"job": "pipe-sync", "fleet": "gen"}) is None

@@ -42,6 +42,7 @@ EXTENSIONS = {
     "kuberl_rollout_engine_version_faults_total": "answers from weights never pushed, and re-pushes",
     "kuberl_train_rollout_wait_ratio": "asynchronous RL: the trainer starved for rollouts (fleet autoscaler)",
     "kuberl_train_engine_idle_ratio": "asynchronous RL: engines waiting for weights (fleet autoscaler)",
+    "kuberl_train_engines_in_service": "asynchronous RL: the engines the pipeline ratios were measured on",
     "kuberl_rollout_phase_workers": "rollout phases announced ahead: the SandboxPool's floor (issue 31)",
 }
 

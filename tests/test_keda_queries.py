@@ -54,8 +54,10 @@ class Pages:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def _ratios(job: str, fleet: str, wait: float | None, idle: float | None) -> str:
+def _ratios(job: str, fleet: str, wait: float | None, idle: float | None, served: int | None = None) -> str:
     lines = []
+    if served is not None:
+        lines.append(f'kuberl_train_engines_in_service{{job="{job}",fleet="{fleet}"}} {served}')
     if wait is not None:
         lines.append(f'kuberl_train_rollout_wait_ratio{{job="{job}",fleet="{fleet}"}} {wait}')
     if idle is not None:
@@ -102,32 +104,43 @@ FLEET = RolloutFleet.model_validate(
 
 
 @pytest.mark.parametrize(
-    ("wait_a", "wait_b", "idle_a", "idle_b"),
+    ("wait_a", "wait_b", "idle_a", "idle_b", "served"),
     [
-        (0.4, 0.1, 0.0, 0.2),  # trainer a starved: grow by 1 / (1 - 0.4)
-        (0.7, 0.0, 0.0, 0.0),  # starved past half its step: at most doubled
-        (0.05, 0.1, 0.6, 0.5),  # nobody waits, the fleet idles half of every step: shrink
-        (0.05, 0.2, 0.6, 0.5),  # b waits past the target: grow, however idle a's engines are
-        (0.1, 0.1, 0.2, 0.25),  # inside both targets: no opinion
-        (None, None, None, None),  # no asynchronous trainer: no opinion
+        (0.4, 0.1, 0.0, 0.2, None),  # trainer a starved: grow by 1 / (1 - 0.4)
+        (0.4, 0.1, 0.0, 0.2, 3),  # ... counted from the 3 engines that served the step
+        (0.7, 0.0, 0.0, 0.0, None),  # starved past half its step: at most doubled
+        (0.05, 0.1, 0.6, 0.5, None),  # nobody waits, the fleet idles half of every step: shrink
+        (0.05, 0.1, 0.6, 0.5, 3),  # ... to what keeps the 3 serving engines' work 70 % busy
+        (0.05, 0.2, 0.6, 0.5, None),  # b waits past the target: grow, however idle a's engines are
+        (0.1, 0.1, 0.2, 0.25, 3),  # inside both targets: no opinion
+        (None, None, None, None, None),  # no asynchronous trainer: no opinion
     ],
 )
-def test_the_fleet_pipeline_trigger_asks_what_the_operator_decides(prometheus, wait_a, wait_b, idle_a, idle_b):
+def test_the_fleet_pipeline_trigger_asks_what_the_operator_decides(prometheus, wait_a, wait_b, idle_a, idle_b, served):
     prom, pages = prometheus
-    pages.text["/a"] = _ratios("a", "gen", wait_a, idle_a)
-    pages.text["/b"] = _ratios("b", "gen", wait_b, idle_b)
-    pages.text["/other"] = _ratios("c", "elsewhere", 0.9, 0.0)  # another fleet's trainer: not counted
+    pages.text["/a"] = _ratios("a", "gen", wait_a, idle_a, served)
+    pages.text["/b"] = _ratios("b", "gen", wait_b, idle_b, None if served is None else served - 1)
+    pages.text["/other"] = _ratios("c", "elsewhere", 0.9, 0.0, 50)  # another fleet's trainer: not counted
     for job, wait in (("a", wait_a), ("b", wait_b)):
         if wait is not None:
             _scraped(prom, f'kuberl_train_rollout_wait_ratio{{job="{job}"}}', wait)
         else:
             _scraped_absent(prom, f'kuberl_train_rollout_wait_ratio{{job="{job}"}}')
+    if served is not None:
+        _scraped(prom, 'kuberl_train_engines_in_service{job="a"}', served)
+    else:
+        _scraped_absent(prom, 'kuberl_train_engines_in_service{job="a"}')
     (trigger,) = [t for t in build_keda_scaled_object(FLEET, NS)["spec"]["triggers"] if t["name"] == "trainer-pipeline"]
-    value = _value(prom, trigger["metadata"]["query"])
     waits = [w for w in (wait_a, wait_b) if w is not None]
     idles = [i for i in (idle_a, idle_b) if i is not None]
-    for engines in (4, 10, 20):
-        wanted = recommend_by_pipeline(engines, max(waits) if waits else None, min(idles) if idles else None)
+    for engines in (4, 10):
+        # today's engines, one KV series each (another fleet's engine must not count)
+        pages.text["/engine"] = "".join(
+            f'sglang:token_usage{{app_kubernetes_io_instance="gen",engine="{i}"}} 0.9\n' for i in range(engines)
+        ) + 'sglang:token_usage{app_kubernetes_io_instance="other",engine="0"} 0.9\n'
+        _scraped(prom, 'count(sglang:token_usage{app_kubernetes_io_instance="gen"})', engines)
+        value = _value(prom, trigger["metadata"]["query"])
+        wanted = recommend_by_pipeline(engines, max(waits) if waits else None, min(idles) if idles else None, served)
         hpa = _hpa_value(engines, value / float(trigger["metadata"]["threshold"]))
         if wanted is None:
             assert value == 1.0 and hpa == engines

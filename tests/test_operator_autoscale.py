@@ -186,6 +186,22 @@ def test_an_asynchronous_pipeline_grows_the_fleet_when_the_trainer_starves_and_s
     assert recommend_by_pipeline(4, None, None) is None
 
 
+def test_the_pipeline_counts_the_engines_that_served_the_measured_step_not_those_still_starting():
+    # 6 replicas, 2 of them still starting: the 40 % wait was measured on 4 engines, which ask
+    # for ceil(4 / 0.6) = 7, not ceil(6 / 0.6) = 10 (the same wait counted on engines that did
+    # not serve it grew the fleet twice for one shortage)
+    assert recommend_by_pipeline(6, 0.4, 0.0, served=4) == 7
+    assert recommend_by_pipeline(6, 0.4, 0.0) == 10
+    # a shortage that the starting replicas cover already: hold, never shrink while starved
+    assert recommend_by_pipeline(6, 0.2, 0.0, served=4) == 6
+    # idle engines shrink from those that served: ceil(4 * 0.4 / 0.7) = 3 of the 6 replicas
+    assert recommend_by_pipeline(6, 0.0, 0.6, served=4) == 3
+    # served unknown (0 or missing: a trainer before the gauge) counts today's replicas
+    assert recommend_by_pipeline(6, 0.4, 0.0, served=0) == recommend_by_pipeline(6, 0.4, 0.0) == 10
+    on_target = (0.8,) * 6, (0,) * 6
+    assert recommend_fleet(6, FleetLoad(*on_target, rollout_wait=0.4, engine_idle=0.0, engines_served=4), FLEET) == 7
+
+
 def test_fleet_load_reads_the_asynchronous_trainers_pipeline():
     engine = 'vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_waiting{engine="0"} 0\n'
     sync = 'kuberl_rollout_requests_inflight 4\n'
@@ -193,6 +209,10 @@ def test_fleet_load_reads_the_asynchronous_trainers_pipeline():
     idle = 'kuberl_train_rollout_wait_ratio{job="b"} 0.0\nkuberl_train_engine_idle_ratio{job="b"} 0.6\n'
     load = fleet_load([engine], [sync, starved, idle])
     assert load.rollout_wait == 0.3 and load.engine_idle == 0.1  # the most starved, the least idle
+    assert load.engines_served is None
+    load = fleet_load([engine], [starved + 'kuberl_train_engines_in_service{job="a"} 3\n',
+                                 idle + 'kuberl_train_engines_in_service{job="b"} 4\n'])
+    assert load.engines_served == 4  # every trainer rolls out on the whole fleet: the most any saw
     load = fleet_load([engine], [sync])
     assert load.rollout_wait is None and load.engine_idle is None  # synchronous runs do not vote
     # an asynchronous trainer's batches ahead wait in its scheduler by design: not the fleet's backlog

@@ -89,6 +89,13 @@ def _gauges() -> dict[str, Gauge]:
                 "waiting for weights, the fleet autoscaler removes engines), by the RolloutFleet it uses",
                 ["job", "fleet"],
             ),
+            engines_served=Gauge(
+                "kuberl_train_engines_in_service",
+                "Engines serving the trainer's rollouts at the end of its last RL step (asyncLevel > 0: "
+                "the fleet autoscaler sizes the pipeline from them, not from replicas still starting), "
+                "by the RolloutFleet it uses",
+                ["job", "fleet"],
+            ),
             stale=Counter(
                 "kuberl_train_rollouts_stale",
                 "Rollouts dropped for being older than asyncLevel or from a version never pushed",
@@ -188,6 +195,8 @@ class MetricsSink:
             g["rollout_wait"].labels(self.job, fleet).set(min(1.0, record.get("rollout_seconds", 0.0) / step_s))
             if record.get("engine_busy_seconds") is not None:
                 g["engine_idle"].labels(self.job, fleet).set(max(0.0, 1.0 - record["engine_busy_seconds"] / step_s))
+            if record.get("engines_in_service"):
+                g["engines_served"].labels(self.job, fleet).set(record["engines_in_service"])
         for engine, gap in (record.get("engine_logprob_gap") or {}).items():
             g["engine_gap"].labels(self.job, engine).set(gap)
         if record.get("length_penalty_mean") is not None:

@@ -214,7 +214,8 @@ def play_autoscaled(
                     reported = True
                     wait, idle = pipeline_ratios(ph, engines, step)
                     n = len(fleet.created)
-                    load = autoscale.FleetLoad((0.95,) * n, (0.0,) * n, rollout_wait=wait, engine_idle=idle)
+                    load = autoscale.FleetLoad((0.95,) * n, (0.0,) * n, rollout_wait=wait, engine_idle=idle,
+                                               engines_served=engines)
                     fleet.apply(autoscale.recommend_fleet(n, load, auto), now)
                 rec.engines_over_time.append((now / 3600.0, len(fleet.created)))
             rec.rl_steps += ph.steps
