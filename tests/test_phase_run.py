@@ -16,6 +16,7 @@ from clustersim.phaserun import (  # noqa: E402
     pipeline_ratios,
     play_autoscaled,
     play_fixed,
+    play_per_phase,
     step_seconds,
 )
 
@@ -76,3 +77,21 @@ def test_the_autoscaled_fleet_parks_during_sft_grows_for_rl_and_follows_each_pha
     blind = play_autoscaled(phases, 8, auto, 2, startup_s=120.0, pipeline=False)
     assert blind.phases[2]["engines_mean"] > 15 and blind.gpu_hours > r.gpu_hours
     assert [h for h, _ in r.engines_over_time] == sorted(h for h, _ in r.engines_over_time)
+
+
+def test_the_per_phase_floor_holds_each_phases_smallest_near_fastest_fleet_and_bounds_the_autoscaler():
+    phases = [PhaseCosts("sft", hours=2.0), _rl("light", 100, 160.0, 60.0), _rl("heavy", 100, 1200.0, 120.0)]
+    floor = play_per_phase(phases, 8, 16, 2)
+    sft, light, heavy = (p["engines_mean"] for p in floor.phases)
+    assert sft == 1.0 and light < heavy <= 16
+    for ph, engines in ((phases[1], light), (phases[2], heavy)):
+        fastest = min(step_seconds(ph, f, 2) for f in range(1, 17))
+        assert step_seconds(ph, int(engines), 2) <= 1.01 * fastest  # near the fastest ...
+        assert step_seconds(ph, int(engines) - 1, 2) > 1.01 * fastest  # ... and the smallest such
+    rl_s = 100 * step_seconds(phases[1], int(light), 2) + 100 * step_seconds(phases[2], int(heavy), 2)
+    assert floor.hours == pytest.approx(2.0 + rl_s / 3600.0)
+    assert floor.gpu_hours == pytest.approx(2.0 * 9 + sum(
+        100 * step_seconds(ph, int(e), 2) / 3600.0 * (8 + e) for ph, e in ((phases[1], light), (phases[2], heavy))))
+    # the autoscaler measures a phase before it knows it and waits for engines: never under the floor
+    scaled = play_autoscaled(phases, 8, FleetAutoscaling(minReplicas=1, maxReplicas=16), 2, startup_s=120.0)
+    assert scaled.gpu_hours >= floor.gpu_hours

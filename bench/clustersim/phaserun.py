@@ -119,6 +119,31 @@ def play_fixed(phases: Sequence[PhaseCosts], trainer_gpus: int, engines: int, le
     return rec
 
 
+def play_per_phase(
+    phases: Sequence[PhaseCosts], trainer_gpus: int, max_engines: int, level: int, *,
+    min_engines: int = 1, within: float = 0.01,
+) -> RunRecord:
+    """The floor for any autoscaler: in each RL phase the smallest fleet whose steps are within
+    ``within`` of that phase's fastest (up to ``max_engines``), ``min_engines`` through SFT, each
+    change made at the phase's first step with no start-up. An autoscaler that must measure a
+    phase before it knows it, and waits for engines to start, holds at least this."""
+    rec = RunRecord()
+    for ph in phases:
+        if not ph.is_rl:
+            engines, seconds = min_engines, ph.hours * 3600.0
+        else:
+            steps = {f: step_seconds(ph, f, level) for f in range(min_engines, max_engines + 1)}
+            fastest = min(steps.values())
+            engines = min(f for f, s in steps.items() if s <= fastest * (1.0 + within))
+            seconds = ph.steps * steps[engines]
+        rec.engines_over_time.append((rec.hours, engines))
+        rec.hours += seconds / 3600.0
+        rec.gpu_hours += seconds / 3600.0 * (trainer_gpus + engines)
+        rec.rl_steps += ph.steps
+        rec.phases.append({"phase": ph.name, "hours": seconds / 3600.0, "engines_mean": float(engines)})
+    return rec
+
+
 @dataclass
 class _Fleet:
     """The autoscaled fleet's engines: creation and ready times (seconds), desired count, history."""
