@@ -132,11 +132,13 @@ def test_a_run_whose_sandbox_workers_are_killed_trains_every_step(tmp_path):
         while proc.poll() is None and time.monotonic() < deadline and len(killed) < 3:
             metrics = out / "metrics.jsonl"
             if metrics.exists() and '"label": "sft"' in metrics.read_text():  # the RL stage runs
-                for pid, cmd in alive(set(descendants(proc.pid))).items():
-                    if "kuberl.sandbox.process.worker" not in cmd or cmd.startswith("/usr/bin/unshare"):
-                        continue
+                workers = {pid for pid, cmd in alive(set(descendants(proc.pid))).items()
+                           if "kuberl.sandbox.process.worker" in cmd and not cmd.startswith("/usr/bin/unshare")}
+                for pid in workers:
                     with contextlib.suppress(OSError):  # gone meanwhile
-                        if time.monotonic() - _started(pid) > 1.0:
+                        # the worker itself, not a process it forked (whose command line is the
+                        # worker's): its whole call tree goes with it
+                        if _parent(pid) not in workers and time.monotonic() - _started(pid) > 1.0:
                             os.kill(pid, signal.SIGKILL)
                             killed.append(pid)
             time.sleep(0.3)
@@ -149,6 +151,10 @@ def test_a_run_whose_sandbox_workers_are_killed_trains_every_step(tmp_path):
     rl = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "rl"' in x]
     assert len(rl) == 6, rl
     assert all(r["rollouts"] == 4 * 2 * 2 and r["rollouts_aborted"] == 0 for r in rl), rl
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _started(pid: int) -> float:
