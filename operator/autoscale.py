@@ -45,7 +45,7 @@ runs wait for their rollouts by design and do not vote; their backlog still grow
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -292,17 +292,19 @@ def pool_load(scrapes: Sequence[str]) -> PoolLoad | None:
     return PoolLoad(queue, busy, pods) if pods else None
 
 
-def trainer_backlog(scrapes: Sequence[str]) -> tuple[float, float]:
-    """(waiting, in flight) rollouts summed over the trainer /metrics pages of a fleet's
-    synchronous jobs (an asynchronous one's backlog is its batches ahead, by design)."""
-    waiting = inflight = 0.0
-    for text in scrapes:
-        g = parse_gauges(text, (TRAINER_WAITING, TRAINER_INFLIGHT, TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE))
-        if TRAINER_ROLLOUT_WAIT in g or TRAINER_ENGINE_IDLE in g:
-            continue
-        waiting += g.get(TRAINER_WAITING, 0.0)
-        inflight += g.get(TRAINER_INFLIGHT, 0.0)
-    return waiting, inflight
+TRAINER_GAUGES = (TRAINER_WAITING, TRAINER_INFLIGHT, TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE, TRAINER_ENGINES_SERVED)
+
+
+def _asynchronous(g: Mapping[str, float]) -> bool:
+    """A trainer page of an asynchronous run: it exports its pipeline's ratios."""
+    return TRAINER_ROLLOUT_WAIT in g or TRAINER_ENGINE_IDLE in g
+
+
+def trainer_backlog(trainers: Sequence[Mapping[str, float]]) -> tuple[float, float]:
+    """(waiting, in flight) rollouts summed over the trainer pages (:data:`TRAINER_GAUGES`) of a
+    fleet's synchronous jobs (an asynchronous one's backlog is its batches ahead, by design)."""
+    sync = [g for g in trainers if not _asynchronous(g)]
+    return sum(g.get(TRAINER_WAITING, 0.0) for g in sync), sum(g.get(TRAINER_INFLIGHT, 0.0) for g in sync)
 
 
 def phase_workers(scrapes: Sequence[str]) -> float:
@@ -311,21 +313,13 @@ def phase_workers(scrapes: Sequence[str]) -> float:
     return sum(parse_gauges(text, (TRAINER_PHASE_WORKERS,)).get(TRAINER_PHASE_WORKERS, 0.0) for text in scrapes)
 
 
-def trainer_pipeline(scrapes: Sequence[str]) -> tuple[float | None, float | None, float | None]:
+def trainer_pipeline(trainers: Sequence[Mapping[str, float]]) -> tuple[float | None, float | None, float | None]:
     """(the largest rollout wait, the smallest engine idle, the most engines in service) over the
     asynchronous trainers of a fleet (those that export the ratios); None where none does. One
     starved trainer is reason to grow; the fleet is idle only when every trainer's engines are."""
-    waits: list[float] = []
-    idles: list[float] = []
-    served: list[float] = []
-    for text in scrapes:
-        g = parse_gauges(text, (TRAINER_ROLLOUT_WAIT, TRAINER_ENGINE_IDLE, TRAINER_ENGINES_SERVED))
-        if TRAINER_ROLLOUT_WAIT in g:
-            waits.append(g[TRAINER_ROLLOUT_WAIT])
-        if TRAINER_ENGINE_IDLE in g:
-            idles.append(g[TRAINER_ENGINE_IDLE])
-        if TRAINER_ENGINES_SERVED in g:
-            served.append(g[TRAINER_ENGINES_SERVED])
+    waits = [g[TRAINER_ROLLOUT_WAIT] for g in trainers if TRAINER_ROLLOUT_WAIT in g]
+    idles = [g[TRAINER_ENGINE_IDLE] for g in trainers if TRAINER_ENGINE_IDLE in g]
+    served = [g[TRAINER_ENGINES_SERVED] for g in trainers if TRAINER_ENGINES_SERVED in g]
     return (max(waits) if waits else None), (min(idles) if idles else None), (max(served) if served else None)
 
 
@@ -344,6 +338,7 @@ def fleet_load(scrapes: Sequence[str], trainer_scrapes: Sequence[str] = ()) -> F
                 break
     if not usage:
         return None
-    waiting, inflight = trainer_backlog(trainer_scrapes)
-    wait, idle, served = trainer_pipeline(trainer_scrapes)
+    trainers = [parse_gauges(text, TRAINER_GAUGES) for text in trainer_scrapes]  # each page parsed once
+    waiting, inflight = trainer_backlog(trainers)
+    wait, idle, served = trainer_pipeline(trainers)
     return FleetLoad(tuple(usage), tuple(queued), waiting, inflight, wait, idle, served)

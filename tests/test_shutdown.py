@@ -28,7 +28,7 @@ def alive(pids: set[int]) -> dict[int, str]:
     out = {}
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = _stat(pid)[0]
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
@@ -153,11 +153,16 @@ def test_a_run_whose_sandbox_workers_are_killed_trains_every_step(tmp_path):
     assert all(r["rollouts"] == 4 * 2 * 2 and r["rollouts_aborted"] == 0 for r in rl), rl
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first; proc(5)'s 3rd on)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(_stat(pid)[1])
 
 
 def _started(pid: int) -> float:
     """When ``pid`` started, on time.monotonic()'s clock (both count from boot)."""
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    ticks = int(_stat(pid)[19])
     return ticks / os.sysconf("SC_CLK_TCK")
