@@ -112,7 +112,7 @@ def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
     for w in workers:
         started = {}
         for kid in _children(w):
-            with contextlib.suppress(FileNotFoundError):  # a call's process that just ended
+            with contextlib.suppress(OSError):  # a call's process that just ended (ENOENT or ESRCH)
                 started[kid] = _start_time(kid)
         for oldest in sorted(started, key=started.__getitem__)[:per_worker]:
             found[oldest] = started[oldest]

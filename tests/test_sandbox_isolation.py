@@ -558,13 +558,17 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
     mode, url = svc
     before = readyz(url)[1]
     def ready_children() -> list[int]:
-        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
+        """This service's live children forked ahead: a killed one its worker has not reaped
+        yet (state Z, or X while it goes) still carries the name and is left out."""
+        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True).stdout
         rows = [ln.split() for ln in ps.splitlines()]
         ours, frontier = set(), set(before["worker_pids"])  # this service's processes only
         while frontier:
             frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
             ours |= frontier
-        return [int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-ready"]]
+        return [
+            int(r[0]) for r in rows if int(r[0]) in ours and r[3:] == ["kuberl-ready"] and r[2][0] not in "ZX"
+        ]
 
     # a worker forks ahead once it has cleaned up after the last call: one child per zygote
     wanted = len(before["worker_pids"]) * (2 if before["protections"].get("light_zygote") else 1)

@@ -199,7 +199,7 @@ def _alive_process(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # gone: ENOENT, or ESRCH while it is being reaped
         return False
 
 
