@@ -376,6 +376,16 @@ class TrainerSpec(KubeModel):
         ),
     )
 
+    precision: Literal["float32", "bf16"] = Field(
+        "float32",
+        description=(
+            "What the trainer's forwards and backwards compute in: float32, or bf16 autocast over "
+            "float32 weights, gradients and optimizer state (matmuls in bf16, softmaxes, log-probs and "
+            "the loss in float32). bf16 is several times faster on CPUs with AVX512-BF16/AMX and on "
+            "accelerators; FSDP on accelerators always computes in bf16."
+        ),
+    )
+
     @property
     def resolved_image(self) -> str:
         return self.image or DEFAULT_TRAINER_IMAGES[self.accelerator.profile]

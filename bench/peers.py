@@ -19,6 +19,7 @@ LocalEngine (``local``, the transformers-class engine); TRL through transformers
 because its vLLM paths do not run on this CPU machine (bench/README.md says why).
 
     python bench/peers.py [--steps 5] [--seeds 0 1 2] [--kuberl-engines vllm local] [--out /tmp/kuberl-peers]
+                          [--precision float32|bf16]
 """
 
 from __future__ import annotations
@@ -54,10 +55,12 @@ def rl_manifest(
     prompts: int,
     group: int,
     heldout: str | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """The kuberl side's manifest: ``base`` (the real-model example) with only its RL stage, plain
     GRPO with ``prompts`` x ``group`` rollouts per step, started from ``model_dir``, evaluated on
-    the ``heldout`` jsonl (default: the builtin 256) (pure)."""
+    the ``heldout`` jsonl (default: the builtin 256), its update in ``precision`` (default: the
+    example's) (pure)."""
     m = copy.deepcopy(base)
     spec = m["spec"]
     if heldout:
@@ -78,6 +81,8 @@ def rl_manifest(
     # TRL runs the update as one forward of the whole batch (gradient_accumulation_steps 1): so
     # does this side, for a like-for-like time and peak (the gradient is the same either way)
     spec.get("trainer", {}).pop("microBatchTokens", None)
+    if precision is not None:
+        spec.setdefault("trainer", {})["precision"] = precision
     spec["checkpoint"] = dict(spec.get("checkpoint", {}), everySteps=max(steps + 1, 1))
     m["metadata"]["name"] = f"peers-{engine}-s{seed}"
     return m
@@ -132,7 +137,7 @@ def trl_settings(job, model_dir: str, sandbox_url: str, threads: int) -> dict[st
             "shuffle_dataset": False,  # kuberl walks its pool in order
             "seed": spec.seed,
             "use_cpu": True,
-            "bf16": False,
+            "bf16": spec.trainer.precision == "bf16",  # autocast over float32 weights, as kuberl's
             "fp16": False,
             "gradient_checkpointing": False,  # memory is not short; recomputation only slows CPU steps
             "logging_steps": 1,
@@ -519,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--heldout", type=int, default=128, help="held-out problems evaluated after RL")
     ap.add_argument("--out", default="/tmp/kuberl-peers")
+    ap.add_argument(
+        "--precision", choices=["float32", "bf16"], default=None,
+        help="both sides' update: kuberl's trainer.precision, TRL's bf16 (default: the example's)",
+    )  # fmt: skip
     ap.add_argument("--report", action="store_true", help="only print the table of --out's results.json")
     args = ap.parse_args(argv)
     import yaml
@@ -546,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts=args.prompts,
             group=args.group,
             heldout=held,
+            precision=args.precision,
         )
         path = out / f"{name}.yaml"
         path.write_text(yaml.safe_dump(m, sort_keys=False))

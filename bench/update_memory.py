@@ -16,6 +16,10 @@ seconds (on a shared machine the CPU time is the steadier figure). Paths:
 * ``on-policy``: pi_old from the update's own forward, forwards still build the cache
 * ``new``: the current defaults (on-policy, no KV cache in training forwards)
 * ``bounded``: ``new`` with ``trainer.microBatchTokens`` = ``--micro-tokens``
+* ``bf16``, ``bounded-bf16``: ``new`` and ``bounded`` with ``trainer.precision: bf16`` (autocast
+  over the float32 weights; the loss and gradient norm then agree to bf16's resolution only)
+
+A path may be named more than once (``--paths new,bf16,new,bf16``): each run is its own process.
 
 The loss and gradient norm must agree between paths (the same weights, the same batch): the
 changes are about memory and time, not about what is trained. Prints one JSON line per path,
@@ -34,10 +38,12 @@ from pathlib import Path
 
 DEFAULT_MODEL = Path.home() / ".cache/kuberl/models/hf/smollm2-135m-instruct"
 PATHS = {
-    "old": {"on_policy": False, "kv_cache": True, "bounded": False},
-    "on-policy": {"on_policy": True, "kv_cache": True, "bounded": False},
-    "new": {"on_policy": True, "kv_cache": False, "bounded": False},
-    "bounded": {"on_policy": True, "kv_cache": False, "bounded": True},
+    "old": {"on_policy": False, "kv_cache": True, "bounded": False, "precision": "float32"},
+    "on-policy": {"on_policy": True, "kv_cache": True, "bounded": False, "precision": "float32"},
+    "new": {"on_policy": True, "kv_cache": False, "bounded": False, "precision": "float32"},
+    "bounded": {"on_policy": True, "kv_cache": False, "bounded": True, "precision": "float32"},
+    "bf16": {"on_policy": True, "kv_cache": False, "bounded": False, "precision": "bf16"},
+    "bounded-bf16": {"on_policy": True, "kv_cache": False, "bounded": True, "precision": "bf16"},
 }
 
 
@@ -79,6 +85,7 @@ def child(path: str, model_dir: str, rows: int, length: int, threads: int, micro
     from kuberl.trainer.grpo import recompute_old_logprobs, rl_update
     from kuberl.trainer.hf import load_hf_policy
     from kuberl.trainer.loss import LossConfig
+    from kuberl.trainer.precision import compute_in
 
     torch.set_num_threads(threads)
     knobs = PATHS[path]
@@ -110,13 +117,15 @@ def child(path: str, model_dir: str, rows: int, length: int, threads: int, micro
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := RSS now
     t0, c0 = time.perf_counter(), time.process_time()
     gap = None
-    if not knobs["on_policy"]:
-        gap = recompute_old_logprobs(model, batch, micro_batch_tokens=bound)
+    with compute_in(knobs["precision"], "cpu"):
+        if not knobs["on_policy"]:
+            gap = recompute_old_logprobs(model, batch, micro_batch_tokens=bound)
     t1, c1 = time.perf_counter(), time.process_time()
-    st = rl_update(
-        model, opt, batch, LossConfig(0.2, 0.28), grad_clip=1.0, on_policy=knobs["on_policy"],
-        micro_batch_tokens=bound,
-    )  # fmt: skip
+    with compute_in(knobs["precision"], "cpu"):
+        st = rl_update(
+            model, opt, batch, LossConfig(0.2, 0.28), grad_clip=1.0, on_policy=knobs["on_policy"],
+            micro_batch_tokens=bound,
+        )  # fmt: skip
     t2, c2 = time.perf_counter(), time.process_time()
     gap = st.pop("rollout_logprob_gap", gap)
     return {
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(json.dumps(results[-1]), flush=True)
     print(f"# done, load {os.getloadavg()}")
-    cols = ("path", "peak_rss_mb", "peak_over_before_mb", "total_s", "pi_old_cpu_s", "total_cpu_s", "loss", "grad_norm")
+    cols = ("path", "precision", "peak_rss_mb", "peak_over_before_mb", "total_s", "pi_old_cpu_s", "total_cpu_s", "loss", "grad_norm")
     print(" ".join(f"{c:>19}" for c in cols))
     for r in results:
         print(" ".join(f"{r[c]:>19.6g}" if isinstance(r[c], float) else f"{r[c]:>19}" for c in cols))

@@ -68,6 +68,9 @@ def test_trl_settings_map_every_training_setting_one_to_one():
     assert c["shuffle_dataset"] is False and c["seed"] == 3
     # the same prompt pool as kuberl's first RL stage: steps x prompts problems, seed data.seed + 1000
     assert (s["pool_size"], s["pool_seed"], s["data"]) == (20, 1000, "builtin:arith")
+    assert c["bf16"] is False and job.spec.trainer.precision == "float32"  # the example's, both sides
+    bf16 = _job(precision="bf16")
+    assert bf16.spec.trainer.precision == "bf16" and peers.trl_settings(bf16, "/m", "", 2)["grpo_config"]["bf16"]
 
 
 def test_trl_settings_refuse_what_trl_cannot_do():

@@ -6,7 +6,8 @@
    submitted k steps ago, and the next batches go out now);
 3. **advantages**: Resample-on-Correct down-sampling (2G -> G), group-normalised advantages,
    the zero-advantage filter, then each FSDP rank's share;
-4. **update**: pi_old, then the clipped loss's optimizer steps;
+4. **update**: pi_old, then the clipped loss's optimizer steps (forwards and backwards in
+   ``trainer.precision``: float32, or bf16 autocast over float32 weights);
 5. **check the engines**: their sampling log-probs against the trainer's for the same weights;
 6. **record** the step's figures.
 
@@ -41,6 +42,7 @@ from kuberl.trainer.grpo import (
     trained_engines,
 )
 from kuberl.trainer.loss import LossConfig
+from kuberl.trainer.precision import compute_in
 from kuberl.trainer.spot_check import ProbeResult, probe_engines
 
 
@@ -115,12 +117,12 @@ def rl_step(
     # One optimizer step per batch: pi_old is the update's own forward, no separate pass
     on_policy = a.ppo_epochs == 1 and mini_batches == 1
     logprob_gap = 0.0
-    with clock("pi_old"):
+    with clock("pi_old"), compute_in(cfg.spec.trainer.precision, cfg.device):
         if not on_policy:
             logprob_gap = pi_old(model, batch, cfg)
-    with clock("spot_check"):
+    with clock("spot_check"), compute_in(cfg.spec.trainer.precision, cfg.device):
         gaps, probe_target = check_engines_before_update(model, batch, groups, cfg, version, ahead=orch.ahead)
-    with clock("optimizer"):
+    with clock("optimizer"), compute_in(cfg.spec.trainer.precision, cfg.device):
         upd = update(model, optimizer, batch, cfg, mini_batches=mini_batches, on_policy=on_policy)
     if on_policy:
         logprob_gap = upd.pop("rollout_logprob_gap", 0.0)

@@ -47,6 +47,7 @@ from kuberl.trainer.grpo import Scored, budget_rows
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
+from kuberl.trainer.precision import compute_in
 from kuberl.trainer.rl_step import StepSettings, rl_step
 from kuberl.trainer.sft import sft_loss
 from kuberl.trainer.spot_check import EngineWatch, finding_texts
@@ -413,11 +414,12 @@ class Pipeline:
             if self.ctx.enabled:  # this rank's share; every rank knows the batch's token count
                 mine = idx[self.ctx.rank :: self.ctx.world_size]
                 tokens = float(sum(sum(masks[i][1:]) for i in idx))
-            loss, acc = sft_loss(
-                self.model, [seqs[i] for i in mine], [masks[i] for i in mine], self.device, num_tokens=tokens
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            (loss * self.ctx.loss_scale).backward()
+            with compute_in(self.spec.trainer.precision, self.device):
+                loss, acc = sft_loss(
+                    self.model, [seqs[i] for i in mine], [masks[i] for i in mine], self.device, num_tokens=tokens
+                )
+                self.optimizer.zero_grad(set_to_none=True)
+                (loss * self.ctx.loss_scale).backward()
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.algorithm.grad_clip)
             gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
             self.optimizer.step()
