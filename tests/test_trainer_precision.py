@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 
 import pytest
 import torch
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests, parse_resource
-from kuberl.trainer.grpo import StepBatch, rl_update
+from kuberl.trainer.grpo import rl_update
 from kuberl.trainer.local import run_job
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.model import GPT, GPTConfig
 from kuberl.trainer.precision import compute_in
+from tests.test_grpo_micro_batches import _batch
 from tests.test_trainer_pipeline import TINY, _write
 from tests.trainer_fakes import FakeSandbox
 
@@ -46,19 +46,6 @@ def test_the_manifest_takes_the_two_precisions_and_names_the_field_for_others():
         match=r"spec.trainer.precision: unknown trainer precision 'fp16'; expected one of float32, bf16",
     ):
         parse_resource(doc)
-
-
-def _batch(vocab: int, seed: int) -> StepBatch:
-    rng = random.Random(seed)
-    b = StepBatch()
-    for i in range(6):
-        n, prompt = rng.randint(12, 40), rng.randint(2, 5)
-        b.seqs.append([rng.randrange(vocab) for _ in range(n)])
-        b.masks.append([0] * prompt + [1] * (n - prompt))
-        b.old_logprobs.append([0.0] + [-rng.uniform(0.5, 5.0) for _ in range(n - 1)])
-        b.behavior_logprobs.append(list(b.old_logprobs[-1]))
-        b.advantages.append([1.0, -1.0, 0.5][i % 3])
-    return b
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
