@@ -72,7 +72,7 @@ class DistContext:
         dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
 
     def close(self) -> None:
-        """Leave the group. After a successful run call :meth:`barrier` first: a rank that tears
+        """Leave the group. After a successful run call :meth:`leave_together` first: a rank that tears
         gloo down while a peer is still sending aborts the peer (``terminate called without an
         active exception``). After an error do not: the peers may never reach a barrier, and
         tearing down is what makes their pending collectives fail instead of hang."""
@@ -84,6 +84,21 @@ class DistContext:
     def barrier(self) -> None:
         if self.enabled:
             dist.barrier()
+
+    def leave_together(self, timeout_s: float = 300.0) -> None:
+        """Before :meth:`close` after a successful run: wait until every rank is done with its
+        collectives. A gloo barrier alone is not enough: a rank returns from it while its last
+        message to a peer can still be in flight, and a peer that tears gloo down meanwhile
+        aborts it. So after the barrier each rank marks itself done in the rendezvous store (its
+        own TCP connection, apart from gloo's) and waits for every rank's mark."""
+        if not self.enabled:
+            return
+        from datetime import timedelta
+
+        dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"kuberl/left/{self.rank}", "1")
+        store.wait([f"kuberl/left/{r}" for r in range(self.world_size)], timedelta(seconds=timeout_s))
 
     def broadcast(self, obj: T) -> T:
         """``obj`` from rank 0 to every rank (pickled)."""

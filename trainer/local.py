@@ -273,7 +273,7 @@ def run_job(
             algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
             executor_factory=executor_factory, engine_factory=engine_factory, quiet=quiet or not main, device=device,
         )  # fmt: skip
-        ctx.barrier()  # leave together (see DistContext.close)
+        ctx.leave_together()  # see DistContext.close
     finally:
         servers.close()
         ctx.close()
