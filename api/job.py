@@ -337,6 +337,9 @@ def paper_stages() -> list[StageSpec]:
     ]
 
 
+Precision = Literal["float32", "bf16"]  # trainer.precision (kuberl.trainer.precision)
+
+
 class TrainerSpec(KubeModel):
     replicas: int = Field(
         1, ge=1, le=1024, description="Trainer pods (torch.distributed world = replicas x count)."
@@ -376,13 +379,13 @@ class TrainerSpec(KubeModel):
         ),
     )
 
-    precision: Literal["float32", "bf16"] = Field(
+    precision: Precision = Field(
         "float32",
         description=(
             "What the trainer's forwards and backwards compute in: float32, or bf16 autocast over "
             "float32 weights, gradients and optimizer state (matmuls in bf16, softmaxes, log-probs and "
-            "the loss in float32). bf16 is several times faster on CPUs with AVX512-BF16/AMX and on "
-            "accelerators; FSDP on accelerators always computes in bf16."
+            "the loss in float32). bf16 is faster where the hardware has bf16 matmuls (CPUs with "
+            "AVX512-BF16 or AMX, accelerators); FSDP on accelerators always computes in bf16."
         ),
     )
 

@@ -549,11 +549,23 @@ def test_protections_report_the_filesystem_view(svc):
         assert prot["private_root"] and prot["call_tmpfs"] and prot["ipc_namespace"]
 
 
+def _service_processes(worker_pids: list[int]) -> list[tuple[int, str, str]]:
+    """(pid, state, name) of this service's processes below its workers, from one look at ps."""
+    import subprocess
+
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True).stdout
+    rows = [ln.split() for ln in ps.splitlines()]
+    ours, frontier = set(), set(worker_pids)
+    while frontier:
+        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
+        ours |= frontier
+    return [(int(r[0]), r[2], " ".join(r[3:])) for r in rows if int(r[0]) in ours]
+
+
 def test_a_dead_child_forked_ahead_costs_no_call(svc):
     """The idle child a worker forked for its next call can die (another slot's call can signal
     it on kernels without Landlock signal scoping): the call runs on a fresh one."""
     import signal
-    import subprocess
 
     mode, url = svc
     before = readyz(url)[1]
@@ -564,19 +576,13 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
         worker has not reaped yet (state Z, or X while it goes), which keeps the name."""
         zygotes: set[int] = set()
         for _ in range(4):
-            ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,stat=,comm="], capture_output=True, text=True).stdout
-            rows = [ln.split() for ln in ps.splitlines()]
-            zygotes |= {int(r[0]) for r in rows if r[3:] == ["kuberl-zygote"]}
+            procs = _service_processes(before["worker_pids"])
+            zygotes |= {pid for pid, _, name in procs if name == "kuberl-zygote"}
             time.sleep(0.02)
-        ours, frontier = set(), set(before["worker_pids"])  # this service's processes only
-        while frontier:
-            frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
-            ours |= frontier
         return [
-            int(r[0])
-            for r in rows
-            if int(r[0]) in ours - zygotes and r[3:] == ["kuberl-ready"] and r[2][0] not in "ZX"
-        ]
+            pid for pid, state, name in procs
+            if name == "kuberl-ready" and pid not in zygotes and state[0] not in "ZX"
+        ]  # fmt: skip
 
     # a worker forks ahead once it has cleaned up after the last call: one child per zygote
     # (the deadline is for a loaded machine: the loop ends as soon as they are all there)
@@ -989,18 +995,9 @@ def _zygote_processes(worker_pids: list[int]) -> dict[str, list[int]]:
     A zygote is named kuberl-ready for the moment it forks a child (the child is born with that
     name), so one look can miss it: the names are read a few times and the zygotes seen alive
     in any of them are kept."""
-    import subprocess
-    import time
-
     seen: set[int] = set()
     for _ in range(5):
-        ps = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,comm="], capture_output=True, text=True).stdout
-        rows = [ln.split() for ln in ps.splitlines()]
-        ours, frontier = set(), set(worker_pids)
-        while frontier:
-            frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - ours
-            ours |= frontier
-        seen |= {int(r[0]) for r in rows if int(r[0]) in ours and r[2:] == ["kuberl-zygote"]}
+        seen |= {pid for pid, _, name in _service_processes(worker_pids) if name == "kuberl-zygote"}
         time.sleep(0.02)
     found: dict[str, list[int]] = {"light": [], "full": []}
     for pid in sorted(seen):

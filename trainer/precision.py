@@ -5,17 +5,21 @@ float32 master weights (the usual mixed-precision recipe): matmuls and attention
 reductions, softmaxes and the loss in float32 (the log-probs are taken from float32 logits,
 ``loss.token_logprobs``), and the weights, gradients and AdamW moments stay float32, so
 checkpoints and pushed weights are unchanged in kind. CPUs with AVX512-BF16 or AMX and every
-current accelerator run bf16 matmuls several times faster; elsewhere the CPU emulates them.
+current accelerator run bf16 matmuls faster than float32 (the RL update 1.5x on an AVX512-BF16
+CPU without AMX, bench/README.md); elsewhere the CPU emulates them.
 FSDP on accelerators computes in bf16 whatever this says (``distributed.shard_policy``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import get_args
 
 import torch
 
-PRECISIONS = ("float32", "bf16")
+from kuberl.api.job import Precision
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 def compute_in(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:

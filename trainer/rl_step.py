@@ -60,6 +60,10 @@ class StepSettings:
     def sizes(self) -> dict[str, Any]:
         return {"micro_batch_tokens": self.spec.trainer.micro_batch_tokens, "device": self.device}
 
+    def compute(self) -> contextlib.AbstractContextManager:
+        """The context the step's forwards and backwards run in (``trainer.precision``)."""
+        return compute_in(self.spec.trainer.precision, self.device)
+
     @property
     def spot_check(self) -> int:
         """Rollouts the spot check looks at on this rank (0: off)."""
@@ -117,12 +121,12 @@ def rl_step(
     # One optimizer step per batch: pi_old is the update's own forward, no separate pass
     on_policy = a.ppo_epochs == 1 and mini_batches == 1
     logprob_gap = 0.0
-    with clock("pi_old"), compute_in(cfg.spec.trainer.precision, cfg.device):
+    with clock("pi_old"), cfg.compute():
         if not on_policy:
             logprob_gap = pi_old(model, batch, cfg)
-    with clock("spot_check"), compute_in(cfg.spec.trainer.precision, cfg.device):
+    with clock("spot_check"), cfg.compute():
         gaps, probe_target = check_engines_before_update(model, batch, groups, cfg, version, ahead=orch.ahead)
-    with clock("optimizer"), compute_in(cfg.spec.trainer.precision, cfg.device):
+    with clock("optimizer"), cfg.compute():
         upd = update(model, optimizer, batch, cfg, mini_batches=mini_batches, on_policy=on_policy)
     if on_policy:
         logprob_gap = upd.pop("rollout_logprob_gap", 0.0)
