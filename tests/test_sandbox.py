@@ -1006,6 +1006,38 @@ def test_bad_requests_get_clear_errors(url):
         assert status == 400 and "'timeout' must be a positive number of seconds" in text, (raw, text)
 
 
+def test_deeply_nested_json_gets_a_400_and_the_service_stays_healthy(url):
+    """Nesting past the parser's recursion limit (a few hundred KB of '[[[[') or past the
+    front's own bound is a client's error: a 400 that says so, on every route, and the next
+    call still runs. A body nested within the bound is served."""
+    deep = 200_000
+    bodies = {
+        "/v1/execute": [b"[" * deep + b"]" * deep, b'{"a":' * 5000 + b"1" + b"}" * 5000],
+        "/v1/execute_batch": [b'{"calls": [' + b"[" * deep + b"]" * deep + b"]}"],
+        "/v1/verify": [b'{"prediction": "1", "gold": "1", "id": ' + b"[" * 40 + b"]" * 40 + b"}"],
+    }
+    ok_body = b'{"code": "print(7)", "extra": ' + b"[" * 20 + b"]" * 20 + b"}"
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            answers = []
+            for route, datas in bodies.items():
+                for data in datas:
+                    async with s.post(url + route, data=data) as r:
+                        answers.append((route, len(data), r.status, await r.text()))
+            async with s.post(url + "/v1/execute", data=ok_body) as r:
+                ok = (r.status, await r.json())
+            async with s.get(url + "/healthz") as r:
+                health = r.status
+            return answers, ok, health
+
+    answers, (ok_status, ok), health = run(go())
+    for route, size, status, text in answers:
+        assert status == 400 and "nests arrays or objects deeper than" in text, (route, size, status, text)
+    assert ok_status == 200 and ok["output"] == "7\n", ok
+    assert health == 200
+
+
 def test_verify_math_and_hard_inputs_time_out(url):
     """2^(10^9) vs 3^(10^8) keeps math-verify busy far beyond the 2 s verify deadline of the
     fixture: only the worker's outer kill ends it (math-verify's own alarms are off), so the

@@ -41,6 +41,40 @@ from kuberl.sandbox.service.server import (
 
 R = TypeVar("R", bound=web.StreamResponse)
 
+# Deepest nesting of arrays and objects a request body may have. A call needs three levels
+# ({"calls": [{...}]}); the bound keeps parsing, hashing and printing a body off the
+# interpreter's recursion limit, which a few KB of "[[[[" reach.
+MAX_JSON_DEPTH = 32
+
+
+def _nested_deeper_than(doc: Any, limit: int) -> bool:
+    """Whether ``doc`` nests arrays/objects more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = node.values()
+        elif not isinstance(node, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in node if isinstance(child, dict | list))
+    return False
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 that says what is wrong with it."""
+    too_deep = f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels"
+    try:
+        doc = json.loads(raw)
+    except RecursionError:  # the parser's own recursion ran out first
+        raise web.HTTPBadRequest(text=too_deep) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
+    if _nested_deeper_than(doc, MAX_JSON_DEPTH):
+        raise web.HTTPBadRequest(text=too_deep)
+    return doc
+
 
 def _utf8_size(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
@@ -101,10 +135,7 @@ def make_app(svc: SandboxService) -> web.Application:
             ) from None
         except ConnectionResetError:  # the client hung up mid-body: nobody to answer, nothing to log
             raise _closing(web.HTTPBadRequest(text="connection lost before the request body was whole")) from None
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise web.HTTPBadRequest(text=f"request body is not JSON: {err}") from err
+        return _parse_json(raw)
 
     # A busy or stopping pod closes the connection after its 429/503: the client's retry then
     # opens a new one, which the pool's Service balances afresh, instead of queueing again
