@@ -127,7 +127,13 @@ def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: boo
         check=True, cwd=neutral, capture_output=True, text=True,
     ).stdout
     subprocess.run([*pip, *requirements_without_torch(json.loads(declared))], check=True, cwd=neutral)
-    subprocess.run([py, "-P", "-c", "import vllm._C, vllm.entrypoints.openai.api_server"], check=True, cwd=neutral)
+    # The kernels as vLLM itself loads them: the wheel holds one library per x86 instruction set
+    # (AVX512-BF16, AVX512, AVX2) and the platform picks the one this CPU runs.
+    check = (
+        "from vllm.platforms import current_platform; current_platform.import_kernels(); "
+        "import vllm.entrypoints.openai.api_server"
+    )
+    subprocess.run([py, "-P", "-c", check], check=True, cwd=neutral)
     return venv
 
 
