@@ -35,7 +35,7 @@ from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.engine import ENGINE_FAULTS
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.phases import PhaseAnnouncer
-from kuberl.trainer.grpo import Scored
+from kuberl.rollout.scored import Scored
 
 
 class WeightSync(Protocol):

@@ -29,9 +29,9 @@ import torch
 
 from kuberl.api.job import AgenticRLJobSpec
 from kuberl.rollout.orchestrator import Orchestrator
+from kuberl.rollout.scored import Scored
 from kuberl.trainer.distributed import DistContext
 from kuberl.trainer.grpo import (
-    Scored,
     StepBatch,
     engine_gaps,
     prepare_batch,
