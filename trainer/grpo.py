@@ -96,10 +96,11 @@ def prepare_batch(
 
     Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
     dropped before selection and only counted (``rollouts_aborted``). With ``version`` (the
-    policy version being trained) and ``max_staleness`` (asyncLevel), a rollout any of whose
-    turns came from a policy more than ``max_staleness`` versions older, or from a version newer
-    than ``version`` (an engine serving weights it was never given), is dropped the same way and
-    counted in ``rollouts_stale``; ``staleness_<k>`` counts the rollouts k versions old.
+    policy version being trained) and ``max_staleness`` (the orchestrator's bound), a rollout
+    any of whose turns came from a policy more than ``max_staleness`` versions older, or from a
+    version newer than ``version`` (an engine serving weights it was never given), is dropped
+    the same way and counted in ``rollouts_stale``; ``staleness_<k>`` counts the rollouts k
+    versions old.
     """
     out = StepBatch()
     generated = sum(len(g) for g in groups)
