@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -324,6 +325,7 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
     from kuberl.trainer.local import local_vllm_config
     from kuberl.trainer.policy import build_tokenizer
     from kuberl.trainer.stages import EVAL_SIZE
+    from kuberl.trainer.tokenizer import BPETokenizer
 
     job = find_one(load_manifests(str(manifest)), AgenticRLJob)
     spec = job.spec
@@ -340,7 +342,8 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
         running_sandbox(workers=pool.workers_per_pod, limits=pool.limits) as sandbox,
         running_vllm(local_vllm_config(job, folder.resolve()), log_path=out / "vllm-eval.log") as url,
     ):
-        worker = RolloutWorker(None, tok.to_str(), sandbox, fleet=FleetSource(urls=(url,), engine="vllm"))
+        make_tokenizer = functools.partial(BPETokenizer.from_str, tok.to_str())
+        worker = RolloutWorker(None, make_tokenizer, sandbox, fleet=FleetSource(urls=(url,), engine="vllm"))
         try:
             groups = worker.rollouts(
                 BatchRequest(

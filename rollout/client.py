@@ -18,9 +18,9 @@ import torch
 
 from kuberl.lifetime import descendants, reap_on_exit
 from kuberl.rollout.loop import BatchRequest
+from kuberl.rollout.mirror import RolloutMirror
+from kuberl.rollout.scored import Scored
 from kuberl.rollout.worker import RolloutWorker
-from kuberl.trainer.grpo import Scored
-from kuberl.trainer.metrics import RolloutMirror
 
 
 class RolloutClient(Protocol):

@@ -35,7 +35,7 @@ from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.engine import ENGINE_FAULTS
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.phases import PhaseAnnouncer
-from kuberl.trainer.grpo import Scored
+from kuberl.rollout.scored import Scored
 
 
 class WeightSync(Protocol):
@@ -114,6 +114,7 @@ class Orchestrator:
     ``request(ahead)`` is the batch of the step ``ahead`` steps after the current one.
     ``client`` is None on FSDP ranks other than 0: they take part in the weights' gather only.
     Use it as a context manager: leaving early discards the batches nobody will train on.
+    The step learns how old its rollouts may be from :attr:`max_staleness`, not from ``ahead``.
     """
 
     def __init__(
@@ -134,6 +135,13 @@ class Orchestrator:
         self._background: BackgroundPush | None = None
         self._busy_mark = client.busy_seconds() if client is not None else None
         self._faults: dict[str, float] = {}  # engine faults counted before this step's rollouts
+
+    @property
+    def max_staleness(self) -> int:
+        """How many policy versions older than its step an acquired rollout may be: a batch
+        submitted ``ahead`` steps early samples on the version pushed then (0: every rollout is
+        sampled by the step's own version)."""
+        return self.ahead
 
     def __enter__(self) -> Orchestrator:
         return self

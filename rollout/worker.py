@@ -15,16 +15,24 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from kuberl.rollout.engine import ENGINE_FAULTS
-from kuberl.rollout.loop import BatchRequest, rollout_group
-from kuberl.trainer.grpo import Scored
-from kuberl.trainer.tool_stats import ToolTally
+from kuberl.rollout.loop import BatchRequest, Tokenizer, ToolExecutor, rollout_group
+from kuberl.rollout.scored import Scored
+from kuberl.rollout.tool_stats import ToolTally
+
+
+class SftBuilder(Protocol):
+    """Writes SFT traces of ``problems`` whose tool outputs come from ``executor`` (the sandbox)."""
+
+    def __call__(
+        self, problems: list, executor: ToolExecutor, *, seed: int, error_fraction: float, style: str
+    ) -> Awaitable[list]: ...
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -61,11 +69,16 @@ def pin_to_cpus(spec: str | None) -> None:
 class RolloutWorker:
     """Owns the engines, Scheduler and sandbox client; one persistent event loop.
 
-    Engines: a LocalEngine serving a private copy of the policy (``model_config``, the default),
-    ``engine_factory(model, tokenizer)``'s engine (tests script what the policy writes), or,
-    with ``fleet``, the SGLang engines of a RolloutFleet, kept current by a FleetWatcher; a
-    fleet takes new weights as a published folder (:meth:`load_weights`), the local engine as
-    a state dict (:meth:`set_weights`).
+    Engines: a LocalEngine serving a private copy of the policy (``make_policy()``, the
+    default), ``engine_factory(model, tokenizer)``'s engine (tests script what the policy
+    writes), or, with ``fleet``, the SGLang engines of a RolloutFleet, kept current by a
+    FleetWatcher; a fleet takes new weights as a published folder (:meth:`load_weights`), the
+    local engine as a state dict (:meth:`set_weights`).
+
+    The trainer hands in what the worker builds from it: ``make_policy`` and
+    ``make_tokenizer`` run in the worker's process, ``sft_builder`` writes SFT traces with the
+    worker's sandbox executor (:meth:`build_sft`). Under Ray every argument is pickled, so
+    they are module-level functions or partials of them.
 
     ``executor_factory`` returns an async context manager yielding a ToolExecutor with
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
@@ -73,8 +86,8 @@ class RolloutWorker:
 
     def __init__(
         self,
-        model_config: dict | None,
-        tokenizer_json: str,
+        make_policy: Callable[[], nn.Module] | None,
+        make_tokenizer: Callable[[], Tokenizer],
         sandbox_url: str | None,
         *,
         device: str = "cpu",
@@ -85,16 +98,16 @@ class RolloutWorker:
         engine_factory: Callable[[nn.Module, Any], Any] | None = None,
         fleet: Any = None,
         scheduler_policy: str = "kv-aware",
+        sft_builder: SftBuilder | None = None,
     ):
         if threads:
             torch.set_num_threads(threads)
         pin_to_cpus(os.environ.get("KUBERL_ROLLOUT_CPUS"))  # benches: the engine on its own cores
         from kuberl.rollout.local_engine import LocalEngine
         from kuberl.rollout.scheduler import Scheduler
-        from kuberl.trainer.hf import policy_from_config
-        from kuberl.trainer.tokenizer import BPETokenizer
 
-        self.tokenizer = BPETokenizer.from_str(tokenizer_json)
+        self.tokenizer = make_tokenizer()
+        self.sft_builder = sft_builder
         self.device = device
         if executor_factory is None:
             if sandbox_url is None:
@@ -126,9 +139,9 @@ class RolloutWorker:
             self.fleet = FleetWatcher(fleet, policy=scheduler_policy)
             self.scheduler = self._run(self.fleet.start())
         else:
-            if model_config is None:
-                raise ValueError("RolloutWorker needs a model_config or a fleet")
-            self.model = policy_from_config(model_config)
+            if make_policy is None:
+                raise ValueError("RolloutWorker needs a make_policy or a fleet")
+            self.model = make_policy()
             if engine_factory is None:
                 self.engine = LocalEngine(
                     self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
@@ -305,7 +318,7 @@ class RolloutWorker:
         """Per-engine load and generated tokens, for a driver whose exporter this process is not.
 
         Under Ray the Scheduler's gauges live in the actor's registry, which nothing serves;
-        the driver polls this and mirrors it (``kuberl.trainer.metrics.RolloutMirror``).
+        the driver polls this and mirrors it (``kuberl.rollout.mirror.RolloutMirror``).
         """
 
         async def snap() -> list[dict[str, Any]]:  # on the loop thread: no torn reads
@@ -353,11 +366,12 @@ class RolloutWorker:
 
         return self._run(run())
 
-    def build_sft(self, problems, *, seed: int, error_fraction: float, style: str = "compact"):
-        from kuberl.trainer.data import build_sft_traces
-
+    def build_sft(self, problems: list, *, seed: int, error_fraction: float, style: str = "compact") -> list:
+        """``sft_builder``'s traces of ``problems``, their tool outputs from this worker's sandbox."""
+        if self.sft_builder is None:
+            raise RuntimeError("this worker was given no sft_builder")
         return self._run(
-            build_sft_traces(problems, self.executor, seed=seed, error_fraction=error_fraction, style=style)
+            self.sft_builder(problems, self.executor, seed=seed, error_fraction=error_fraction, style=style)
         )
 
     def close(self) -> None:

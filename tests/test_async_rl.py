@@ -10,7 +10,8 @@ import torch
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.rollout.loop import Trajectory
-from kuberl.trainer.grpo import Scored, prepare_batch, rl_update
+from kuberl.rollout.scored import Scored
+from kuberl.trainer.grpo import prepare_batch, rl_update
 from kuberl.trainer.local import run_job
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights
 from tests.test_trainer_pipeline import TINY

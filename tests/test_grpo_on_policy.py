@@ -206,7 +206,8 @@ def test_both_paths_report_the_same_metrics(runs):
 
 def test_the_spot_check_rescores_only_engines_the_trained_rows_do_not_measure():
     from kuberl.rollout.loop import Trajectory
-    from kuberl.trainer.grpo import Scored, engine_gaps, spot_rows, trained_engines
+    from kuberl.rollout.scored import Scored
+    from kuberl.trainer.grpo import engine_gaps, spot_rows, trained_engines
 
     def traj(engine: str, version: int, mask: int = 1) -> Trajectory:
         return Trajectory(

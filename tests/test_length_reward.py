@@ -13,8 +13,9 @@ from prometheus_client import REGISTRY
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, parse_resource
 from kuberl.rollout.loop import Trajectory
+from kuberl.rollout.scored import Scored
 from kuberl.trainer import length_reward as lr
-from kuberl.trainer.grpo import Scored, prepare_batch
+from kuberl.trainer.grpo import prepare_batch
 from kuberl.trainer.local import run_job
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox

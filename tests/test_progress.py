@@ -11,8 +11,8 @@ import yaml
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
+from kuberl.rollout.tool_stats import ToolTally, summarize
 from kuberl.trainer.progress import LogProgress, duration, eta_seconds, format_step, use_plain
-from kuberl.trainer.tool_stats import ToolTally, summarize
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox
 

@@ -20,7 +20,8 @@ import yaml
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
-from kuberl.trainer.grpo import Scored, prepare_batch
+from kuberl.rollout.scored import Scored
+from kuberl.trainer.grpo import prepare_batch
 from kuberl.trainer.local import run_file, run_job, summarize
 from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
@@ -178,7 +179,7 @@ def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
 def test_rollout_mirror_sets_gauges_and_advances_the_counter_by_deltas():
     from prometheus_client import REGISTRY
 
-    from kuberl.trainer.metrics import RolloutMirror
+    from kuberl.rollout.mirror import RolloutMirror
 
     def value(name: str) -> float:
         return REGISTRY.get_sample_value(name, {"engine": "mirrored-0"}) or 0.0

@@ -11,6 +11,6 @@ eval) and ``rl_step`` (one GRPO-RoC step, top to bottom); ``grpo`` (batch prepar
 update), ``weight_sync`` (new weights into the engines), ``spot_check`` and ``mismatch`` (the
 engines' log-probs against the trainer's), ``metrics`` (prometheus + jsonl), ``local``
 (``kuberl run``, Ray). The rollout side (worker, client, orchestrator) is ``kuberl.rollout``.
-Watching a run: ``progress`` (log lines), ``tool_stats`` (per-step tool figures), ``tracking``
-(W&B, MLflow, TensorBoard), ``report`` and ``svg`` (``kuberl report``).
+Watching a run: ``progress`` (log lines), ``tracking`` (W&B, MLflow, TensorBoard), ``report``
+and ``svg`` (``kuberl report``).
 """

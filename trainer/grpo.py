@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kuberl.rollout.loop import Trajectory
+from kuberl.rollout.scored import Scored
 from kuberl.trainer.advantage import filter_groups, group_advantages
 from kuberl.trainer.distributed import DistContext, split_evenly
 from kuberl.trainer.length_reward import length_penalty, length_stats, response_length
@@ -23,26 +24,17 @@ from kuberl.trainer.roc import RocCandidate, select
 from kuberl.trainer.sft import pad_batch
 
 
-@dataclass
-class Scored:
-    """A rollout with its binary task reward (truncated rollouts keep reward 0) and the thinking
-    budget its prompt asked for, if any (the length reward)."""
-
-    traj: Trajectory
-    reward: float
-    length_target: int | None = None
-
-    @property
-    def candidate(self) -> RocCandidate:
-        t = self.traj
-        return RocCandidate(
-            reward=self.reward,
-            tool_calls=t.tool_calls,
-            tool_errors=min(t.tool_errors, t.tool_calls),
-            answer_tags=t.answer_tags,  # the model's turns only, not tool output
-            turns=t.turns,
-            format_errors=t.format_errors,
-        )
+def roc_candidate(s: Scored) -> RocCandidate:
+    """What Resample-on-Correct reads of a scored rollout."""
+    t = s.traj
+    return RocCandidate(
+        reward=s.reward,
+        tool_calls=t.tool_calls,
+        tool_errors=min(t.tool_errors, t.tool_calls),
+        answer_tags=t.answer_tags,  # the model's turns only, not tool output
+        turns=t.turns,
+        format_errors=t.format_errors,
+    )
 
 
 @dataclass
@@ -104,10 +96,11 @@ def prepare_batch(
 
     Aborted rollouts (the engine failed or dropped them) are incomplete samples: they are
     dropped before selection and only counted (``rollouts_aborted``). With ``version`` (the
-    policy version being trained) and ``max_staleness`` (asyncLevel), a rollout any of whose
-    turns came from a policy more than ``max_staleness`` versions older, or from a version newer
-    than ``version`` (an engine serving weights it was never given), is dropped the same way and
-    counted in ``rollouts_stale``; ``staleness_<k>`` counts the rollouts k versions old.
+    policy version being trained) and ``max_staleness`` (the orchestrator's bound), a rollout
+    any of whose turns came from a policy more than ``max_staleness`` versions older, or from a
+    version newer than ``version`` (an engine serving weights it was never given), is dropped
+    the same way and counted in ``rollouts_stale``; ``staleness_<k>`` counts the rollouts k
+    versions old.
     """
     out = StepBatch()
     generated = sum(len(g) for g in groups)
@@ -131,7 +124,7 @@ def prepare_batch(
         return s.reward - length_penalty(_length(s.traj, count_tool_tokens), s.length_target, length_alpha)
 
     for gi, g in enumerate(groups):
-        idx = select([s.candidate for s in g], group_size, seed=seed * 100_003 + gi, roc=roc)  # on r_task
+        idx = select([roc_candidate(s) for s in g], group_size, seed=seed * 100_003 + gi, roc=roc)  # on r_task
         kg = [g[i] for i in idx]
         kept_groups.append(kg)
         advs.append(group_advantages([shaped(s) for s in kg]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -33,8 +34,9 @@ from kuberl.rollout.http_engine import EngineError
 from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
 from kuberl.rollout.worker import RolloutWorker
 from kuberl.trainer.checkpoint import CheckpointStore
+from kuberl.trainer.data import build_sft_traces
 from kuberl.trainer.distributed import DistContext, load_from_rank0, shard_policy
-from kuberl.trainer.hf import meta_hf_policy
+from kuberl.trainer.hf import meta_hf_policy, policy_from_config
 from kuberl.trainer.metrics import MetricsSink, NullSink
 from kuberl.trainer.policy import (
     BUILTIN_MODEL,
@@ -322,7 +324,9 @@ def _run_pipeline(
             sandbox_url = None
             if executor_factory is None:
                 sandbox_url = stack.enter_context(_sandbox(job))
-            wargs = (None if fleet else model.config.to_dict(), tok.to_str(), sandbox_url)
+            # the worker builds its own policy and tokenizer (in the Ray actor's process)
+            make_policy = None if fleet else functools.partial(policy_from_config, model.config.to_dict())
+            wargs = (make_policy, functools.partial(BPETokenizer.from_str, tok.to_str()), sandbox_url)
             wkw = {
                 "device": str(device),
                 "threads": spec.trainer.threads,
@@ -332,6 +336,7 @@ def _run_pipeline(
                 "engine_factory": engine_factory,
                 "fleet": fleet,
                 "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
+                "sft_builder": build_sft_traces,
             }
             use_gpu = device.type == "cuda" and not fleet
             client = (

@@ -9,7 +9,7 @@ pod through the containerPort the operator declares; ``KUBERL_METRICS_ADDR`` nar
 
 The rollout side's ``kuberl_rollout_*`` series are exported by this process too: in-process
 they are the Scheduler's and engine's own; a remote (Ray) rollout worker is mirrored by
-:class:`RolloutMirror`.
+:class:`kuberl.rollout.mirror.RolloutMirror`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge, start_http_server
 
-from kuberl.rollout.engine import ENGINE_FAULTS, GENERATED_TOKENS
-from kuberl.rollout.scheduler import KV_UTILIZATION, REQUESTS_INFLIGHT, REQUESTS_WAITING
+from kuberl.rollout.engine import ENGINE_FAULTS
 
 RUN_INFO = "run.json"
 KEPT_RUN_FILES = ("events.jsonl", "metrics.jsonl", RUN_INFO)
@@ -287,28 +286,3 @@ class NullSink:
     def close(self) -> None:
         pass
 
-
-class RolloutMirror:
-    """Copies a remote rollout worker's per-engine metrics into this process's registry.
-
-    ``apply`` takes ``RolloutWorker.rollout_metrics()``: gauges are set to the reported values,
-    the generated-tokens counter advances by what the engine generated since the last call
-    (an engine whose total went down was restarted: its whole new total counts).
-    """
-
-    def __init__(self) -> None:
-        self._seen: dict[str, int] = {}
-
-    def apply(self, snapshot: list[dict[str, Any]]) -> None:
-        for row in snapshot:
-            name = row["engine"]
-            KV_UTILIZATION.labels(engine=name).set(row["kv_cache_utilization"])
-            REQUESTS_INFLIGHT.labels(engine=name).set(row["requests_inflight"])
-            if "requests_waiting" in row:
-                REQUESTS_WAITING.set(row["requests_waiting"])
-            total = row.get("generated_tokens")
-            if total is None:
-                continue
-            last = self._seen.get(name, 0)
-            GENERATED_TOKENS.labels(engine=name).inc(total - last if total >= last else total)
-            self._seen[name] = total

@@ -3,7 +3,8 @@
 1. **push** this version's weights toward the engines (the orchestrator decides: in line, or on
    a thread beside the rest of the step when batches generate ahead);
 2. **acquire** the step's scored rollout batch (rank 0; with ``asyncLevel`` k > 0 it was
-   submitted k steps ago, and the next batches go out now);
+   submitted k steps ago, and the next batches go out now), and the bound on its rollouts' age
+   (``Orchestrator.max_staleness``: what the step drops and how it checks the engines);
 3. **advantages**: Resample-on-Correct down-sampling (2G -> G), group-normalised advantages,
    the zero-advantage filter, then each FSDP rank's share;
 4. **update**: pi_old, then the clipped loss's optimizer steps (forwards and backwards in
@@ -29,9 +30,9 @@ import torch
 
 from kuberl.api.job import AgenticRLJobSpec
 from kuberl.rollout.orchestrator import Orchestrator
+from kuberl.rollout.scored import Scored
 from kuberl.trainer.distributed import DistContext
 from kuberl.trainer.grpo import (
-    Scored,
     StepBatch,
     engine_gaps,
     prepare_batch,
@@ -110,11 +111,12 @@ def rl_step(
     """Train on one batch; ``version`` is the global step (the policy version the batch is
     checked against), ``steps_left`` the stage's steps from this one on."""
     clock = Clock()
+    max_staleness = orch.max_staleness  # how many versions old a rollout of this step may be
     with clock("sync"):
         push_wait = orch.push(model, version)
     with clock("rollout"):
         groups = orch.acquire(version, steps_left) if cfg.ctx.is_main else []
-        parts = advantages(groups, cfg, version, max_staleness=orch.ahead) if cfg.ctx.is_main else None
+        parts = advantages(groups, cfg, version, max_staleness=max_staleness) if cfg.ctx.is_main else None
     batch = cfg.ctx.scatter(parts)  # this rank's share (rank 0 did the rollouts and RoC)
     a = cfg.spec.algorithm
     mini_batches = min(a.mini_batches, max(1, len(batch.seqs)))
@@ -125,7 +127,9 @@ def rl_step(
         if not on_policy:
             logprob_gap = pi_old(model, batch, cfg)
     with clock("spot_check"), cfg.compute():
-        gaps, probe_target = check_engines_before_update(model, batch, groups, cfg, version, ahead=orch.ahead)
+        gaps, probe_target = check_engines_before_update(
+            model, batch, groups, cfg, version, max_staleness=max_staleness
+        )
     with clock("optimizer"), cfg.compute():
         upd = update(model, optimizer, batch, cfg, mini_batches=mini_batches, on_policy=on_policy)
     if on_policy:
@@ -209,20 +213,21 @@ def check_engines_before_update(
     cfg: StepSettings,
     version: int,
     *,
-    ahead: int,
+    max_staleness: int,
 ) -> tuple[dict[str, float], StepBatch | None]:
     """The spot check's part before the update changes the weights: (gaps measured now, rows
     the engines are to score after the update, or None).
 
-    Synchronous: the trained rows measure their engines once pi_old is known; rollouts of the
-    other engines are rescored here. Asynchronous: rows were sampled by older versions, so the
-    engines score rows against pi_old instead, after the update (they serve this version until
-    the next step pushes, and a push on its own thread has had the update's time to reach them).
+    Every rollout from this version (``max_staleness`` 0): the trained rows measure their
+    engines once pi_old is known; rollouts of the other engines are rescored here. Rollouts
+    that may be older: the engines score rows against pi_old instead, after the update (they
+    serve this version until the next step pushes, and a push on its own thread has had the
+    update's time to reach them).
     """
     count = cfg.spot_check
     if not count:
         return {}, None
-    if ahead > 0:  # batches generate ahead: sampled by older versions
+    if max_staleness > 0:  # rows may come from older versions
         if any(map(any, batch.masks)) or cfg.ctx.enabled:
             return {}, batch
         target = spot_rows(groups, None, count)  # nothing trained: any of the step's rollouts

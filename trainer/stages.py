@@ -39,11 +39,12 @@ from kuberl.rollout.client import RolloutClient
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.orchestrator import Orchestrator
 from kuberl.rollout.phases import PhaseAnnouncer, rollout_gpus
+from kuberl.rollout.scored import Scored
 from kuberl.trainer import data as data_mod
 from kuberl.trainer import length_reward
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.distributed import DistContext
-from kuberl.trainer.grpo import Scored, budget_rows
+from kuberl.trainer.grpo import budget_rows
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import KEPT_RUN_FILES, MetricsSink
 from kuberl.trainer.model import GPT
