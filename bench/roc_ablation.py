@@ -25,7 +25,7 @@ from pathlib import Path
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.local import run_job, summarize
-from kuberl.trainer.stages import RunResult
+from kuberl.trainer.stage_host import RunResult
 
 ARMS = ("grpo-roc", "grpo")
 

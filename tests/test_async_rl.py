@@ -134,7 +134,7 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
     every update (k batches in flight then), and none beyond the stage's last step."""
     from kuberl.rollout.worker import RolloutWorker
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     calls: list[str] = []
     tickets: dict[int, int] = {}
     submit, collect, whole = RolloutWorker.submit_rollouts, RolloutWorker.collect_rollouts, RolloutWorker.rollouts
@@ -175,7 +175,7 @@ def test_on_engines_that_pad_rows_a_batch_ahead_starts_when_the_one_before_ends(
     from kuberl.rollout.local_engine import LocalEngine
     from kuberl.rollout.worker import RolloutWorker
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.setattr(LocalEngine, "pads_rows", pads_rows)
     events: list[tuple[str, int]] = []
     lock = threading.Lock()
@@ -216,7 +216,7 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
     from kuberl.trainer import rl_step
     from kuberl.trainer.weight_sync import LocalWeights
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     events: list[str] = []
     lock = threading.Lock()
     steps = {"update": 0, "push": 0, "submit": 0}
@@ -285,7 +285,7 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     res = run_job(
         _job(tmp_path, level),
         tmp_path / f"out{level}",
@@ -348,7 +348,7 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
     rows with what they serve, every step, whatever version sampled them."""
     import json
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job = _job(tmp_path, level, steps=3)
     bad = run_job(
         job,

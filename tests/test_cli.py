@@ -126,7 +126,7 @@ def test_run_reraises_import_errors_that_are_bugs(monkeypatch):
 
 def test_run_says_why_it_stopped_early(monkeypatch, tmp_path, capsys):
     import kuberl.trainer.local as local
-    from kuberl.trainer.stages import RunResult
+    from kuberl.trainer.stage_host import RunResult
 
     seen = {}
 

@@ -422,7 +422,7 @@ def test_a_run_on_an_sglang_fleet_trains_an_hf_model_and_every_engine_follows(
     """SFT then GRPO-RoC on an HF policy; rollouts on two SGLang-protocol servers that load every
     new version from the shared folder. The trainer recomputes the rollouts' log-probs with its own
     weights: a ~0 gap proves the engines sampled from exactly the weights being trained."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     srv = servers(2)
     out = tmp_path / "run"
     result = run_job(
@@ -456,7 +456,7 @@ def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path
 
     from kuberl.rollout import template
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.delenv("KUBERL_ROLLOUT_URLS", raising=False)
     monkeypatch.delenv("KUBERL_ROLLOUT_FLEET", raising=False)
     sft = tmp_path / "sft.jsonl"

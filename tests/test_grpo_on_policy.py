@@ -155,7 +155,7 @@ def _counted_run(tmp_path, algo: dict) -> tuple[list[dict], list[dict]]:
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+        mp.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
         mp.setattr(stages, "recompute_old_logprobs", recompute)
         mp.setattr(stages, "rl_update", update)
         res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)

@@ -110,7 +110,7 @@ def test_tool_tally_counts_outcomes_and_latency_between_takes():
 
 def test_run_to_a_file_prints_progress_lines_while_it_runs(tmp_path, monkeypatch):
     """What a pod's log or `kuberl run > run.log` shows: lines per step, evals and events, no bars."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("KUBERL_PROGRESS_EVERY_STEPS", "2")
     monkeypatch.delenv("KUBERL_PROGRESS", raising=False)
     f = tmp_path / "job.yaml"

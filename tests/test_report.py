@@ -109,7 +109,7 @@ def test_report_of_a_real_run_renders_in_headless_chromium(tmp_path, monkeypatch
     pytest.importorskip("PIL")
     from PIL import Image
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     f = tmp_path / "job.yaml"
     f.write_text(yaml.safe_dump(TINY))
     from kuberl.api.job import AgenticRLJob

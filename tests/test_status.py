@@ -70,7 +70,7 @@ def test_local_status_of_a_real_run_folder(tmp_path, capsys, monkeypatch):
     from kuberl.trainer.local import run_job
     from tests.trainer_fakes import FakeSandbox
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     f = tmp_path / "job.yaml"
     f.write_text(json.dumps(TINY))
     run_job(find_one(load_manifests(str(f)), AgenticRLJob), tmp_path / "run", use_ray=False,

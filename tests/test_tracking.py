@@ -168,13 +168,13 @@ def test_a_run_cut_mid_rl_and_resumed_continues_the_same_tracked_runs(tmp_path, 
     from kuberl.trainer.local import run_job
     from kuberl.trainer.stages import Pipeline
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     job = _job(tmp_path, {"wandb": {"project": "kuberl-test"}, "mlflow": {}, "tensorboard": {}})
     run = tmp_path / "run"
     with monkeypatch.context() as m:
-        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)  # after RL step 1
+        m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)  # after RL step 1
         cut = run_job(job, run, use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert cut.stopped_early
     ids = json.loads((run / STATE_FILE).read_text())

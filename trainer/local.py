@@ -46,7 +46,8 @@ from kuberl.trainer.policy import (
     same_architecture,
 )
 from kuberl.trainer.progress import LogProgress, use_plain
-from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
+from kuberl.trainer.stage_host import RunResult
+from kuberl.trainer.stages import Pipeline, seed_everything
 from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.tracking import check_installed, open_trackers
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync

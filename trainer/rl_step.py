@@ -13,7 +13,7 @@
 
 Every input is an argument: the model and optimizer being trained, the
 :class:`~kuberl.rollout.orchestrator.Orchestrator` that owns the batches, and the step's
-:class:`StepSettings`. The stage loop around it is :meth:`kuberl.trainer.stages.Pipeline.run_rl`.
+:class:`StepSettings`. The stage loop around it is :meth:`kuberl.trainer.rl_stage.RlStage.run`.
 """
 
 from __future__ import annotations
