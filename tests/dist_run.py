@@ -39,7 +39,7 @@ def main() -> None:
         quiet=True,
     )
     if DistContext.from_env().is_main:
-        (out / "result.json").write_text(json.dumps({"history": result.history, "evals": result.evals}))
+        (out / "result.json").write_text(json.dumps({"history": [h.to_json() for h in result.history], "evals": result.evals}))
 
 
 if __name__ == "__main__":

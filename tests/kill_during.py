@@ -121,7 +121,7 @@ def kill_after_step(at: int) -> None:
 
     def recorded(self, rec):
         out = record(self, rec)
-        if rec.get("type") == "rl" and hit():
+        if rec.type == "rl" and hit():
             _die()
         return out
 

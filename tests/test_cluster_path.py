@@ -434,9 +434,9 @@ def test_a_run_on_an_sglang_fleet_trains_an_hf_model_and_every_engine_follows(
         weights_path=str(tmp_path / "weights"),
         quiet=True,
     )
-    rl = [h for h in result.history if h["type"] == "rl"]
-    assert len(rl) == 2 and all(h["rollouts"] == 2 * 4 for h in rl)
-    assert max(h["rollout_logprob_gap"] for h in rl) < 1e-3
+    rl = [h for h in result.history if h.type == "rl"]
+    assert len(rl) == 2 and all(h.rollouts == 2 * 4 for h in rl)
+    assert max(h.rollout_logprob_gap for h in rl) < 1e-3
     loads = asyncio.run(_loads(srv))
     shared = tmp_path / "weights" / "hf-fleet"
     # A version per weight change: after SFT (eval + first RL step), after each RL update.
@@ -472,9 +472,9 @@ def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path
     job = _hf_job(tiny_model)
     job.spec.stages[0].data = str(sft)
     result = run_job(job, tmp_path / "run", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
-    sft = [h for h in result.history if h["type"] == "sft"]
-    assert sft[-1]["loss"] < sft[0]["loss"]
-    assert [h["type"] for h in result.history].count("rl") == 2
+    sft = [h for h in result.history if h.type == "sft"]
+    assert sft[-1].loss < sft[0].loss
+    assert [h.type for h in result.history].count("rl") == 2
 
 
 def test_problems_from_an_s3_jsonl(s3):

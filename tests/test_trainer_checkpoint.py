@@ -19,6 +19,7 @@ from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.local import run_job
 from kuberl.trainer.model import GPT, GPTConfig
+from kuberl.trainer.step_record import StepRecord
 from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 
@@ -175,7 +176,7 @@ def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
     shutil.copy(full / "checkpoints" / names[0], resumed / "checkpoints" / names[0])
     shutil.copy(full / "tokenizer.json", resumed / "tokenizer.json")
     res = run_job(job, resumed, use_ray=False, executor_factory=FakeSandbox, quiet=True)
-    assert [h["step"] for h in res.history] == [1, 2, 3, 4, 5, 6]  # history restored, then 4..6 run
+    assert [h.step for h in res.history] == [1, 2, 3, 4, 5, 6]  # history restored, then 4..6 run
     # SFT step 4, then two RL steps (seeded rollouts; this barely trained model mostly gets all-zero
     # groups, which the online filter drops, so the bit-for-bit claim is mainly about SFT + state)
     a = CheckpointStore(str(full / "checkpoints")).load(names[-1])
@@ -226,9 +227,11 @@ def _lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _untimed(records: list[dict]) -> str:
-    """The records without wall-clock fields, as JSON (NaN == NaN there, unlike in dicts)."""
-    return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in records], sort_keys=True)
+def _untimed(records: list[StepRecord] | list[dict]) -> str:
+    """The records (a run's history, or metrics.jsonl lines) without wall-clock fields, as JSON
+    (NaN == NaN there, unlike in dicts)."""
+    flat = [r.to_json() if isinstance(r, StepRecord) else r for r in records]
+    return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in flat], sort_keys=True)
 
 
 def _evals(evals: dict) -> str:
@@ -277,8 +280,8 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
     job, full, ref = full_rl_run
     names = CheckpointStore(str(full / "checkpoints")).names()
     assert names == ["ckpt-00000060.pt", "ckpt-00000062.pt", "ckpt-00000064.pt"]
-    rl = [h for h in ref.history if h["type"] == "rl"]
-    assert all(h["rollouts_kept"] > 0 and h["opt_steps"] == 2 for h in rl), rl  # real 2-mini-batch updates
+    rl = [h for h in ref.history if h.type == "rl"]
+    assert all(h.rollouts_kept > 0 and h.opt_steps == 2 for h in rl), rl  # real 2-mini-batch updates
     mid = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000062.pt")
     end = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000064.pt")
     assert not torch.equal(mid["model"]["lm_head.weight"], end["model"]["lm_head.weight"])
@@ -361,7 +364,7 @@ def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)  # in mid-RL
         cut = run_job(job, tmp_path / "cut", use_ray=False, executor_factory=FakeSandbox, quiet=True)
-    assert cut.stopped_early and [h["step"] for h in cut.history] == [1, 2, 3, 4, 5]
+    assert cut.stopped_early and [h.step for h in cut.history] == [1, 2, 3, 4, 5]
     assert CheckpointStore(str(tmp_path / "cut" / "checkpoints")).names() == [
         "ckpt-00000004.pt",
         "ckpt-00000005.pt",

@@ -241,12 +241,12 @@ def test_two_mini_batches_clip_and_really_update(tmp_path, monkeypatch):
     ]
     job = find_one(load_manifests(_write(tmp_path, doc)), AgenticRLJob)
     res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
-    rl = [h for h in res.history if h["type"] == "rl"]
-    assert all(h["opt_steps"] == 2 for h in rl if h["rollouts_kept"] > 0) and any(
-        h["rollouts_kept"] for h in rl
+    rl = [h for h in res.history if h.type == "rl"]
+    assert all(h.opt_steps == 2 for h in rl if h.rollouts_kept > 0) and any(
+        h.rollouts_kept for h in rl
     )
-    assert sum(h["clip_low"] + h["clip_high"] for h in rl) > 0, rl
-    assert all(h["rollout_logprob_gap"] < 1e-4 for h in rl)  # engine and trainer hold the same weights
+    assert sum(h.clip_low + h.clip_high for h in rl) > 0, rl
+    assert all(h.rollout_logprob_gap < 1e-4 for h in rl)  # engine and trainer hold the same weights
 
 
 def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):

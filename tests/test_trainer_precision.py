@@ -116,7 +116,7 @@ def test_a_run_with_bf16_trains_sft_and_rl_under_autocast(tmp_path, monkeypatch)
         res = run_job(
             job, tmp_path / f"out-{precision}", use_ray=False, executor_factory=FakeSandbox, quiet=True
         )
-        rl = [h for h in res.history if h["type"] == "rl"]
-        assert len(rl) == 2 and all(h["loss"] == h["loss"] for h in rl)  # trained, no NaN
+        rl = [h for h in res.history if h.type == "rl"]
+        assert len(rl) == 2 and all(h.loss == h.loss for h in rl)  # trained, no NaN
         assert [k for k, _ in seen] == ["sft"] * 4 + ["rl"] * 2, seen
         assert all(on == want for _, on in seen), (precision, seen)

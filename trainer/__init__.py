@@ -11,7 +11,8 @@ Driver: ``stages`` (the ``Pipeline``: SFT -> RL stages, optimizer resets), its p
 ``checkpointing`` and ``problems`` (pools, rollout requests), sharing ``stage_host``, and
 ``rl_step`` (one GRPO-RoC step, top to bottom); ``grpo`` (batch preparation and the
 update), ``weight_sync`` (new weights into the engines), ``spot_check`` and ``mismatch`` (the
-engines' log-probs against the trainer's), ``metrics`` (prometheus + jsonl), ``local``
+engines' log-probs against the trainer's), ``step_record`` (the typed record of a step, one
+line of metrics.jsonl), ``metrics`` (prometheus + jsonl), ``local``
 (``kuberl run``, Ray). The rollout side (worker, client, orchestrator) is ``kuberl.rollout``.
 Watching a run: ``progress`` (log lines), ``tool_stats`` (per-step tool figures), ``tracking``
 (W&B, MLflow, TensorBoard), ``report`` and ``svg`` (``kuberl report``).

@@ -11,6 +11,7 @@ from kuberl.api.job import StageSpec
 from kuberl.trainer.checkpoint import apply_payload, make_payload
 from kuberl.trainer.metrics import KEPT_RUN_FILES
 from kuberl.trainer.stage_host import StageHost
+from kuberl.trainer.step_record import StepRecord
 
 log = logging.getLogger("kuberl.trainer")
 
@@ -22,7 +23,7 @@ class Checkpoints:
 
     def save(self, stage: StageSpec) -> str:
         pipe = self.pipe
-        pipe.state.extra["history"] = pipe.result.history
+        pipe.state.extra["history"] = [r.to_json() for r in pipe.result.history]
         pipe.state.extra["evals"] = pipe.result.evals
         payload = make_payload(
             pipe.model, pipe.optimizer, pipe.state, pipe.tok.to_str(), pipe.model.config.to_dict(), pipe.ctx
@@ -53,7 +54,7 @@ class Checkpoints:
         stage = pipe.spec.stages[min(index, len(pipe.spec.stages) - 1)]
         pipe.optimizer = pipe.new_optimizer(pipe.stage_lr(stage))
         pipe.state, restored = apply_payload(payload, pipe.model, pipe.optimizer, pipe.ctx)
-        pipe.result.history = list(pipe.state.extra.get("history", []))
+        pipe.result.history = [StepRecord.from_json(r) for r in pipe.state.extra.get("history", [])]
         pipe.result.evals = dict(pipe.state.extra.get("evals", {}))
         self.saved_step = pipe.state.global_step
         text = f"resumed at global step {pipe.state.global_step}"

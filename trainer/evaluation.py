@@ -11,6 +11,7 @@ from kuberl.trainer import data as data_mod
 from kuberl.trainer import length_reward
 from kuberl.trainer.grpo import Scored, budget_rows
 from kuberl.trainer.stage_host import StageHost
+from kuberl.trainer.step_record import StepRecord, figure_fields
 
 
 def evaluate(pipe: StageHost, stage: StageSpec, label: str) -> float:
@@ -42,15 +43,15 @@ def _evaluate_on(pipe: StageHost, probs: list[data_mod.Problem], stage: StageSpe
         {f"{label}:{k}": budgets[k] for k in ("length_gap_mean", "length_adherence") if k in budgets}
     )
     pipe.sink.step(
-        {
-            "type": "eval",
-            "stage": stage.name,
-            "step": pipe.state.global_step,
-            "label": label,
-            "accuracy": acc,
-            "tool_error_ratio_positive": terr,
-            **budgets,
-        }
+        StepRecord(
+            type="eval",
+            stage=stage.name,
+            step=pipe.state.global_step,
+            label=label,
+            accuracy=acc,
+            tool_error_ratio_positive=terr,
+            **figure_fields(budgets),
+        )
     )
 
 

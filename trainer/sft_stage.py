@@ -15,6 +15,7 @@ from kuberl.trainer import data as data_mod
 from kuberl.trainer.precision import compute_in
 from kuberl.trainer.sft import sft_loss
 from kuberl.trainer.stage_host import StageHost
+from kuberl.trainer.step_record import StepRecord
 
 SFT_ERROR_FRACTION = 0.3  # SFT traces that make a tool error and then fix it
 SFT_POOL_MAX = 2048  # distinct SFT traces (cycled); each one's tool outputs come from the sandbox
@@ -107,14 +108,15 @@ class SftStage:
             pipe.optimizer.step()
             pipe.state.cursor = (pipe.state.cursor + batch) % len(seqs)
             loss_value, acc = pipe.ctx.all_reduce([float(loss.detach()), acc])
-            rec = {
-                "type": "sft",
-                "loss": loss_value,
-                "token_acc": acc,
-                "lr": lr,
-                "grad_norm": float(gn),
-                "step_seconds": time.perf_counter() - t0,
-            }
+            rec = StepRecord(
+                type="sft",
+                step=pipe.state.global_step + 1,
+                loss=loss_value,
+                token_acc=acc,
+                lr=lr,
+                grad_norm=float(gn),
+                step_seconds=time.perf_counter() - t0,
+            )
             pipe.after_step(stage, rec)
         pipe.model.eval()
         if stage.name not in pipe.result.evals:  # a run resumed at the stage's end has it already

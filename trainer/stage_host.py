@@ -21,11 +21,12 @@ from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.model import GPT
 from kuberl.trainer.problems import Problems
+from kuberl.trainer.step_record import StepRecord
 
 
 @dataclass
 class RunResult:
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[StepRecord] = field(default_factory=list)
     evals: dict[str, float] = field(default_factory=dict)  # "<stage>": sampled accuracy after it
     stopped_early: bool = False
 
@@ -62,7 +63,7 @@ class StageHost(Protocol):
 
     def sync_weights(self) -> None: ...
 
-    def after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None: ...
+    def after_step(self, stage: StageSpec, rec: StepRecord) -> None: ...
 
     def evaluate(self, stage: StageSpec, label: str) -> float: ...
 

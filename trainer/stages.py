@@ -24,6 +24,7 @@ run.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from kuberl.trainer.problems import Problems
 from kuberl.trainer.rl_stage import RlStage
 from kuberl.trainer.sft_stage import SftStage
 from kuberl.trainer.stage_host import RunResult
+from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.weight_sync import LocalWeights
 
 
@@ -67,7 +69,7 @@ class Pipeline:
         algorithm: str,
         device: torch.device,
         deadline: float | None = None,
-        on_progress: Callable[[str, int, int, dict], None] | None = None,
+        on_progress: Callable[[str, int, int, StepRecord], None] | None = None,
         weights: Any = None,
         ctx: DistContext | None = None,
     ):
@@ -138,15 +140,12 @@ class Pipeline:
     def sync_weights(self) -> None:
         self.weights.sync(self.model, self.state.global_step)
 
-    def after_step(self, stage: StageSpec, rec: dict[str, Any]) -> None:
+    def after_step(self, stage: StageSpec, rec: StepRecord) -> None:
         self.state.stage_step += 1
         self.state.global_step += 1
-        rec = {
-            "stage": stage.name,
-            "step": self.state.global_step,
-            "stage_step": self.state.stage_step,
-            **rec,
-        }
+        rec = dataclasses.replace(
+            rec, stage=stage.name, step=self.state.global_step, stage_step=self.state.stage_step
+        )
         self.result.history.append(rec)
         self.sink.step(rec)
         self.on_progress(stage.name, self.state.stage_step, stage.steps, rec)
