@@ -40,11 +40,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kuberl.trainer.report import load_run
+from kuberl.trainer.step_record import StepRecord
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 KV_BYTES = 1 << 30  # the run's own server (local_vllm_config's 1 GiB KV cache) is found by it
-FAULTS = ("engine_reconnects", "engine_version_mismatches", "engine_repushes")
 
 
 def job_spec(model: str, steps: int, async_level: int) -> dict:
@@ -122,26 +124,28 @@ def one_run(model: str, steps: int, async_level: int, kill: str | None) -> dict:
         done.set()
         if t is not None:
             t.join(timeout=5)
-    rl = [h for h in result.history if h.get("type") == "rl"]
+    rl = [h for h in result.history if h.type == "rl"]
     return {
         "kill": kill or "none",
         "async_level": async_level,
         "killed": log,
         **accounted(rl),
-        "step_seconds": [round(h["step_seconds"], 1) for h in rl],
-        "rl_seconds": sum(h["step_seconds"] for h in rl),
+        "step_seconds": [round(h.step_seconds, 1) for h in rl],
+        "rl_seconds": sum(h.step_seconds for h in rl),
         "wall_seconds": wall,
     }
 
 
-def accounted(rl: list[dict]) -> dict:
+def accounted(rl: list[StepRecord]) -> dict:
     """What a run's RL step records say of its rollouts: steps, rollouts, aborted, stale, faults."""
     return {
-        "steps": [h["step"] for h in rl],
-        "rollouts": sum(h["rollouts"] for h in rl),
-        "aborted": sum(h.get("rollouts_aborted", 0) for h in rl),
-        "stale": sum(h.get("rollouts_stale", 0) for h in rl),
-        **{k: sum(h.get(k, 0) for h in rl) for k in FAULTS},
+        "steps": [h.step for h in rl],
+        "rollouts": sum(h.rollouts for h in rl),
+        "aborted": sum(h.rollouts_aborted or 0 for h in rl),
+        "stale": sum(h.rollouts_stale or 0 for h in rl),
+        "engine_reconnects": sum(h.engine_reconnects or 0 for h in rl),
+        "engine_version_mismatches": sum(h.engine_version_mismatches or 0 for h in rl),
+        "engine_repushes": sum(h.engine_repushes or 0 for h in rl),
     }
 
 
@@ -175,8 +179,7 @@ def trainer_run(model: str, steps: int, async_level: int, point: str | None) -> 
             codes.append(done.returncode)
             if done.returncode not in (0, -signal.SIGKILL):
                 raise SystemExit(f"trainer run {kill or 'resume'} failed ({done.returncode}): {done.stderr[-2000:]}")
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        rl = [r for r in records if r.get("type") == "rl"]
+        rl = [r for r in load_run(out)[0] if r.type == "rl"]
     return {
         "kill": f"trainer {point}" if point else "none",
         "async_level": async_level,

@@ -111,7 +111,7 @@ def trl_settings(job, model_dir: str, sandbox_url: str, threads: int) -> dict[st
         "sandbox_url": sandbox_url,
         "threads": threads,
         "data": stage.data or spec.data.train,
-        # kuberl's RL pool (TrainerRun._rl_pool): steps * batch problems, seed data.seed + 1000 (stage index + 1)
+        # kuberl's RL pool (filtering.rl_pool): steps * batch problems, seed data.seed + 1000 (stage index + 1)
         "pool_size": stage.steps * batch,
         "pool_seed": spec.data.seed + 1000 * (idx + 1),
         "learning_rate": stage.learning_rate or a.learning_rate,
@@ -324,7 +324,7 @@ def child_eval(manifest: Path, folder: Path, out: Path) -> int:
     from kuberl.trainer import data as data_mod
     from kuberl.trainer.local import local_vllm_config
     from kuberl.trainer.policy import build_tokenizer
-    from kuberl.trainer.stages import EVAL_SIZE
+    from kuberl.trainer.problems import EVAL_SIZE
     from kuberl.trainer.tokenizer import BPETokenizer
 
     job = find_one(load_manifests(str(manifest)), AgenticRLJob)
@@ -493,7 +493,7 @@ def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple
 def heldout_file(out: Path, n: int) -> Path:
     """The first ``n`` of kuberl's builtin held-out problems as a jsonl (a smaller eval, same stream)."""
     from kuberl.trainer import data as data_mod
-    from kuberl.trainer.stages import EVAL_SIZE
+    from kuberl.trainer.problems import EVAL_SIZE
 
     probs = data_mod.load_problems("builtin:arith", EVAL_SIZE, data_mod.EVAL_SEED_OFFSET)[:n]
     path = out / f"heldout-{n}.jsonl"

@@ -20,18 +20,20 @@ import math
 import shutil
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.local import run_job, summarize
-from kuberl.trainer.stages import RunResult
+from kuberl.trainer.stage_host import RunResult
+from kuberl.trainer.step_record import StepRecord
 
 ARMS = ("grpo-roc", "grpo")
 
 
-def _curve(history: list[dict], key: str) -> list[float]:
-    return [h.get(key) if h.get(key) is not None else math.nan for h in history if h.get("type") == "rl"]
+def _curve(history: list[StepRecord], figure: Callable[[StepRecord], float | None]) -> list[float]:
+    return [v if (v := figure(h)) is not None else math.nan for h in history if h.type == "rl"]
 
 
 def _smooth(xs: list[float], k: int = 5) -> list[float]:
@@ -110,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         job.spec.seed = base.spec.seed + k
         per_seed.append(run_seed(job, out / f"seed-{job.spec.seed}", use_ray=not args.no_ray))
 
-    curves = {a: [_curve(r[a].history, "tool_error_ratio_positive") for r in per_seed] for a in ARMS}
-    rewards = {a: [_curve(r[a].history, "reward_mean") for r in per_seed] for a in ARMS}
+    curves = {a: [_curve(r[a].history, lambda h: h.tool_error_ratio_positive) for r in per_seed] for a in ARMS}
+    rewards = {a: [_curve(r[a].history, lambda h: h.reward_mean) for r in per_seed] for a in ARMS}
     sm = {a: _smooth(mean_curve(curves[a])) for a in ARMS}
     rw = {a: mean_curve(rewards[a]) for a in ARMS}
     print(f"\nmean over {args.seeds} seed(s)")

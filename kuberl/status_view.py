@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kuberl.trainer.progress import duration, eta_seconds, tokens_per_second
+from kuberl.trainer.progress import duration, eta_seconds, step_figures, tokens_per_second
+from kuberl.trainer.step_record import StepRecord
 
 
 def _f(v: Any, fmt: str = ".3f") -> str:
@@ -32,7 +33,7 @@ def _mean(xs: list[Any]) -> float | None:
 # --- a local run folder ------------------------------------------------------------------------
 
 
-def read_run_folder(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
+def read_run_folder(run_dir: str | Path) -> tuple[list[StepRecord], list[dict], dict]:
     """metrics.jsonl, events.jsonl and run.json of a run folder (ValueError naming what to pass)."""
     from kuberl.trainer.report import ReportError, load_run
 
@@ -47,16 +48,16 @@ def read_run_folder(run_dir: str | Path) -> tuple[list[dict], list[dict], dict]:
 
 
 def local_lines(
-    run_dir: str, records: list[dict], events: list[dict], info: dict, now: float | None = None
+    run_dir: str, records: list[StepRecord], events: list[dict], info: dict, now: float | None = None
 ) -> list[str]:
     """The one-screen view of a run folder."""
     now = time.time() if now is None else now
-    steps = [r for r in records if r.get("type") in ("sft", "rl")]
-    job = info.get("job") or next((r.get("job") for r in records if r.get("job")), "?")
+    steps = [r for r in records if r.type in ("sft", "rl")]
+    job = info.get("job") or next((r.job for r in records if r.job), "?")
     stages = [(s["name"], s["type"], int(s["steps"])) for s in info.get("stages", [])]
     totals = {name: n for name, _, n in stages}
     last_event = events[-1] if events else {}
-    last_time = max([r.get("time") or 0 for r in records] + [e.get("time") or 0 for e in events])
+    last_time = max([r.time or 0 for r in records] + [e.get("time") or 0 for e in events])
     if last_event.get("kind") == "done":
         state = str(last_event.get("text", "finished"))
     else:
@@ -65,38 +66,30 @@ def local_lines(
     if not steps:
         return [*lines, "no step finished yet"]
     last = steps[-1]
-    stage = last.get("stage")
+    stage = last.stage
     stage_total = totals.get(stage)
     of = f"/{stage_total}" if stage_total else ""
     run_total = f"/{sum(totals.values())}" if totals else ""
-    lines.append(
-        f"stage {stage} ({last.get('type')}) step {last.get('stage_step')}{of}, run step {last.get('step')}{run_total}"
-    )
-    rl = [r for r in steps if r.get("type") == "rl"]
+    lines.append(f"stage {stage} ({last.type}) step {last.stage_step}{of}, run step {last.step}{run_total}")
+    rl = [r for r in steps if r.type == "rl"]
     if rl:
-        r = rl[-1]
-        recent = _mean([x.get("reward_mean") for x in rl[-5:]])
+        recent = _mean([x.reward_mean for x in rl[-5:]])
         lines.append(
-            f"reward {_f(r.get('reward_mean'))} (last {min(5, len(rl))} steps {_f(recent)})  "
-            f"tool-err+ {_f(r.get('tool_error_ratio_positive'))}  "
-            f"clip {_f(r.get('clip_low'))}/{_f(r.get('clip_high'))}  trunc {_f(r.get('response_clip_ratio'), '.2f')}  "
-            f"len {_f(r.get('response_length'), '.0f')}"
+            f"{step_figures(rl[-1])}  (mean reward of the last {min(5, len(rl))} steps {_f(recent)})"
         )
-    elif last.get("type") == "sft":
-        lines.append(f"sft loss {_f(last.get('loss'))}  token-acc {_f(last.get('token_acc'), '.2f')}")
-    evals = [r for r in records if r.get("type") == "eval"]
+    elif last.type == "sft":
+        lines.append(f"sft {step_figures(last)}")
+    evals = [r for r in records if r.type == "eval"]
     if evals:
-        lines.append(
-            "held-out accuracy: " + ", ".join(f"{e.get('label')} {_f(e.get('accuracy'))}" for e in evals)
-        )
+        lines.append("held-out accuracy: " + ", ".join(f"{e.label} {_f(e.accuracy)}" for e in evals))
     by_kind: dict[str, float] = {}
     for kind in ("sft", "rl"):
-        m = _mean([x.get("step_seconds") for x in steps if x.get("type") == kind][-20:])
+        m = _mean([x.step_seconds for x in steps if x.type == kind][-20:])
         if m is not None:
             by_kind[kind] = m
-    eta = eta_seconds(stages, stage, int(last.get("stage_step") or 0), by_kind) if stages else None
+    eta = eta_seconds(stages, stage, last.stage_step or 0, by_kind) if stages else None
     tps = tokens_per_second(rl[-1]) if rl else None
-    timing = f"step time {_f(last.get('step_seconds'), '.1f')} s"
+    timing = f"step time {_f(last.step_seconds, '.1f')} s"
     if tps is not None:
         timing += f"  {tps:.0f} tok/s"
     if "done" != last_event.get("kind"):

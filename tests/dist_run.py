@@ -24,9 +24,9 @@ from tests.trainer_fakes import FakeSandbox, ScriptedArithEngine  # noqa: E402
 
 
 def main() -> None:
-    import kuberl.trainer.stages as stages
+    import kuberl.trainer.problems as problems
 
-    stages.EVAL_SIZE = 4
+    problems.EVAL_SIZE = 4
     torch.set_num_threads(1)
     job = find_one(load_manifests(sys.argv[1]), AgenticRLJob)
     out = Path(sys.argv[2])
@@ -39,7 +39,7 @@ def main() -> None:
         quiet=True,
     )
     if DistContext.from_env().is_main:
-        (out / "result.json").write_text(json.dumps({"history": result.history, "evals": result.evals}))
+        (out / "result.json").write_text(json.dumps({"history": [h.to_json() for h in result.history], "evals": result.evals}))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import kuberl.trainer.checkpoint as checkpoint  # noqa: E402
-import kuberl.trainer.stages as stages  # noqa: E402
+import kuberl.trainer.problems as problems  # noqa: E402
 from kuberl.api.job import AgenticRLJob  # noqa: E402
 from kuberl.api.loader import find_one, load_manifests  # noqa: E402
 from kuberl.trainer.local import run_job  # noqa: E402
@@ -121,7 +121,7 @@ def kill_after_step(at: int) -> None:
 
     def recorded(self, rec):
         out = record(self, rec)
-        if rec.get("type") == "rl" and hit():
+        if rec.type == "rl" and hit():
             _die()
         return out
 
@@ -149,7 +149,7 @@ def main() -> int:
     point, at, job_file, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
     if at:
         POINTS[point](at)
-    stages.EVAL_SIZE = 4
+    problems.EVAL_SIZE = 4
     job = find_one(load_manifests(job_file), AgenticRLJob)
     sandbox = None if job.spec.rollout.engine == "vllm" else CoinVerifySandbox
     run_job(job, out, use_ray=False, executor_factory=sandbox, quiet=True)

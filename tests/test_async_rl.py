@@ -4,6 +4,7 @@ truncated importance-sampling correction."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -135,7 +136,7 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
     every update (k batches in flight then), and none beyond the stage's last step."""
     from kuberl.rollout.worker import RolloutWorker
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     calls: list[str] = []
     tickets: dict[int, int] = {}
     submit, collect, whole = RolloutWorker.submit_rollouts, RolloutWorker.collect_rollouts, RolloutWorker.rollouts
@@ -176,7 +177,7 @@ def test_on_engines_that_pad_rows_a_batch_ahead_starts_when_the_one_before_ends(
     from kuberl.rollout.local_engine import LocalEngine
     from kuberl.rollout.worker import RolloutWorker
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.setattr(LocalEngine, "pads_rows", pads_rows)
     events: list[tuple[str, int]] = []
     lock = threading.Lock()
@@ -217,7 +218,7 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
     from kuberl.trainer import rl_step
     from kuberl.trainer.weight_sync import LocalWeights
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     events: list[str] = []
     lock = threading.Lock()
     steps = {"update": 0, "push": 0, "submit": 0}
@@ -274,19 +275,19 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
         # every submission either before the push began or after it ended: none during it
         assert len(later) + len(before) == steps["submit"], events
         assert "score" not in events[start:end], events  # the spot check waits for the version
-    rl = [h for h in res.history if h.get("type") == "rl"]
-    ages = [h["staleness_max"] for h in rl]
+    rl = [h for h in res.history if h.type == "rl"]
+    ages = [h.staleness_max for h in rl]
     assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
-    assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 8 for h in rl), rl
-    assert all(h["push_wait_seconds"] >= 0 for h in rl)
+    assert all(h.rollouts_stale == 0 and h.rollouts == 8 for h in rl), rl
+    assert all(h.push_wait_seconds >= 0 for h in rl)
     assert events.count("score") >= 3, events  # the spot check ran on the pushed steps
-    gaps = [g for h in rl for g in (h.get("engine_logprob_gap") or {}).values()]
+    gaps = [g for h in rl for g in h.engine_logprob_gap.values()]
     assert gaps and max(gaps) < 1e-3, rl  # the engines were asked once they had the version
 
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     res = run_job(
         _job(tmp_path, level),
         tmp_path / f"out{level}",
@@ -294,17 +295,17 @@ def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path,
         executor_factory=FakeSandbox,
         quiet=True,
     )
-    rl = [h for h in res.history if h.get("type") == "rl"]
+    rl = [h for h in res.history if h.type == "rl"]
     assert len(rl) == 4
     # step i (0-based) trains on rollouts submitted while version (first RL step) + max(0, i - k)
     # was served: at most min(i, k) old (a batch whose first turns start after a later push is
     # younger). Step 1's batch was submitted once step 0 had its batch, before the next push: 1 old.
-    ages = [h["staleness_max"] for h in rl]
+    ages = [h.staleness_max for h in rl]
     assert all(age <= min(i, level) for i, age in enumerate(ages)), ages
     assert ages[0] == 0 and ages[1] == 1, ages
-    assert all(h["rollouts_stale"] == 0 for h in rl)
-    assert all("tis_mean" in h for h in rl if h.get("tokens", 0) > 0)
-    assert all(h["rollouts"] == 8 for h in rl)
+    assert all(h.rollouts_stale == 0 for h in rl)
+    assert all(h.tis_mean is not None for h in rl if (h.tokens or 0) > 0)
+    assert all(h.rollouts == 8 for h in rl)
 
 
 def test_async_level_is_bounded_and_named_in_errors():
@@ -349,7 +350,7 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
     rows with what they serve, every step, whatever version sampled them."""
     import json
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job = _job(tmp_path, level, steps=3)
     bad = run_job(
         job,
@@ -359,9 +360,9 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
         engine_factory=_WrongWeightsEngine,
         quiet=True,
     )
-    steps = [h for h in bad.history if h.get("type") == "rl"]
-    rl = [h for h in steps if h.get("engine_logprob_gap")]
-    assert rl and all(h["engine_logprob_gap"]["wrong-0"] > 0.15 for h in rl), rl
+    steps = [h for h in bad.history if h.type == "rl"]
+    rl = [h for h in steps if h.engine_logprob_gap]
+    assert rl and all(h.engine_logprob_gap["wrong-0"] > 0.15 for h in rl), rl
     if level:
         assert len(rl) == len(steps)  # every step checked, though none of its rollouts is fresh
     events = [json.loads(x) for x in (tmp_path / "bad" / "events.jsonl").read_text().splitlines()]
@@ -372,8 +373,8 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
     good = run_job(
         _job(tmp_path, 1, steps=3), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
     )
-    steps = [h for h in good.history if h.get("type") == "rl"]
-    gaps = [g for h in steps for g in (h.get("engine_logprob_gap") or {}).values()]
+    steps = [h for h in good.history if h.type == "rl"]
+    gaps = [g for h in steps for g in h.engine_logprob_gap.values()]
     assert len(gaps) == len(steps) and max(gaps) < 1e-3  # the same float32 weights on both sides
     events = (tmp_path / "good" / "events.jsonl").read_text()
     assert '"kind": "engine"' not in events
@@ -445,15 +446,16 @@ def test_an_asynchronous_step_exports_which_side_of_the_pipeline_waited(tmp_path
     from prometheus_client import REGISTRY
 
     from kuberl.trainer.metrics import MetricsSink
+    from kuberl.trainer.step_record import StepRecord
 
-    base = {"type": "rl", "stage": "rl", "step": 3, "step_seconds": 10.0, "rollout_seconds": 2.5,
-            "engine_busy_seconds": 6.0, "engines_in_service": 3.0}  # fmt: skip
+    base = StepRecord(type="rl", stage="rl", step=3, step_seconds=10.0, rollout_seconds=2.5,
+                      engine_busy_seconds=6.0, engines_in_service=3.0)  # fmt: skip
     monkeypatch.setenv("KUBERL_ROLLOUT_FLEET", "gen")  # the operator's env: the fleet it rolls out on
-    MetricsSink("pipe-async", tmp_path / "a").step({**base, "async_level": 1})
+    MetricsSink("pipe-async", tmp_path / "a").step(dataclasses.replace(base, async_level=1))
     on = {"job": "pipe-async", "fleet": "gen"}
     assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", on) == 0.25
     assert REGISTRY.get_sample_value("kuberl_train_engine_idle_ratio", on) == pytest.approx(0.4)
     assert REGISTRY.get_sample_value("kuberl_train_engines_in_service", on) == 3  # the ratios' denominator
-    MetricsSink("pipe-sync", tmp_path / "s").step({**base, "async_level": 0})
+    MetricsSink("pipe-sync", tmp_path / "s").step(dataclasses.replace(base, async_level=0))
     assert REGISTRY.get_sample_value("kuberl_train_rollout_wait_ratio", {"job": "pipe-sync", "fleet": "gen"}) is None
     assert REGISTRY.get_sample_value("kuberl_train_engines_in_service", {"job": "pipe-sync", "fleet": "gen"}) is None

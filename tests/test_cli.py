@@ -126,13 +126,14 @@ def test_run_reraises_import_errors_that_are_bugs(monkeypatch):
 
 def test_run_says_why_it_stopped_early(monkeypatch, tmp_path, capsys):
     import kuberl.trainer.local as local
-    from kuberl.trainer.stages import RunResult
+    from kuberl.trainer.stage_host import RunResult
+    from kuberl.trainer.step_record import StepRecord
 
     seen = {}
 
     def stopped(job, out, *, algorithm=None, max_minutes=None, **kwargs):
         seen.update(out=out, max_minutes=max_minutes)
-        return RunResult(history=[{"stage": "sft", "step": 7, "type": "sft"}], stopped_early=True)
+        return RunResult(history=[StepRecord(type="sft", stage="sft", step=7)], stopped_early=True)
 
     monkeypatch.setattr(local, "run_job", stopped)
     rc = main(

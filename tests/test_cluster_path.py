@@ -422,7 +422,7 @@ def test_a_run_on_an_sglang_fleet_trains_an_hf_model_and_every_engine_follows(
     """SFT then GRPO-RoC on an HF policy; rollouts on two SGLang-protocol servers that load every
     new version from the shared folder. The trainer recomputes the rollouts' log-probs with its own
     weights: a ~0 gap proves the engines sampled from exactly the weights being trained."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     srv = servers(2)
     out = tmp_path / "run"
     result = run_job(
@@ -434,9 +434,9 @@ def test_a_run_on_an_sglang_fleet_trains_an_hf_model_and_every_engine_follows(
         weights_path=str(tmp_path / "weights"),
         quiet=True,
     )
-    rl = [h for h in result.history if h["type"] == "rl"]
-    assert len(rl) == 2 and all(h["rollouts"] == 2 * 4 for h in rl)
-    assert max(h["rollout_logprob_gap"] for h in rl) < 1e-3
+    rl = [h for h in result.history if h.type == "rl"]
+    assert len(rl) == 2 and all(h.rollouts == 2 * 4 for h in rl)
+    assert max(h.rollout_logprob_gap for h in rl) < 1e-3
     loads = asyncio.run(_loads(srv))
     shared = tmp_path / "weights" / "hf-fleet"
     # A version per weight change: after SFT (eval + first RL step), after each RL update.
@@ -456,7 +456,7 @@ def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path
 
     from kuberl.rollout import template
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.delenv("KUBERL_ROLLOUT_URLS", raising=False)
     monkeypatch.delenv("KUBERL_ROLLOUT_FLEET", raising=False)
     sft = tmp_path / "sft.jsonl"
@@ -472,9 +472,9 @@ def test_a_local_run_trains_an_hf_model_on_the_local_engine(tiny_model, tmp_path
     job = _hf_job(tiny_model)
     job.spec.stages[0].data = str(sft)
     result = run_job(job, tmp_path / "run", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
-    sft = [h for h in result.history if h["type"] == "sft"]
-    assert sft[-1]["loss"] < sft[0]["loss"]
-    assert [h["type"] for h in result.history].count("rl") == 2
+    sft = [h for h in result.history if h.type == "sft"]
+    assert sft[-1].loss < sft[0].loss
+    assert [h.type for h in result.history].count("rl") == 2
 
 
 def test_problems_from_an_s3_jsonl(s3):

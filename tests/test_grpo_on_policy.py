@@ -155,11 +155,11 @@ def _counted_run(tmp_path, algo: dict) -> tuple[list[dict], list[dict]]:
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+        mp.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
         mp.setattr(stages, "recompute_old_logprobs", recompute)
         mp.setattr(stages, "rl_update", update)
         res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
-    return steps, [h for h in res.history if h.get("type") == "rl"]
+    return steps, [h.to_json() for h in res.history if h.type == "rl"]
 
 
 @pytest.fixture(scope="module")

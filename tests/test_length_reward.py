@@ -176,7 +176,7 @@ def test_a_good_length_reward_takes_its_defaults():
 def test_a_run_with_budgets_asks_for_them_and_reports_how_they_were_kept(tmp_path, monkeypatch):
     from kuberl.rollout.worker import RolloutWorker
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.setenv("KUBERL_METRICS_PORT", "0")
     doc = _doc(targets=[8, 16], alpha=0.01, instruction="Use {target} tokens.")
     doc["spec"]["checkpoint"]["uri"] = str(tmp_path / "ck")

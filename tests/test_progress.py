@@ -13,6 +13,7 @@ from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.rollout.tool_stats import ToolTally, summarize
 from kuberl.trainer.progress import LogProgress, duration, eta_seconds, format_step, use_plain
+from kuberl.trainer.step_record import StepRecord
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox
 
@@ -27,8 +28,8 @@ class Clock:
         return self.t
 
 
-def _rl(stage_step: int, step: int, **kw) -> dict:
-    return {"type": "rl", "stage": "rl", "stage_step": stage_step, "step": step, "step_seconds": 2.0, **kw}
+def _rl(stage_step: int, step: int, **kw) -> StepRecord:
+    return StepRecord(type="rl", stage="rl", stage_step=stage_step, step=step, step_seconds=2.0, **kw)
 
 
 def test_eta_uses_each_stage_types_mean_step_time():
@@ -67,10 +68,10 @@ def test_lines_every_n_steps_or_s_seconds_and_at_stage_edges():
     p.every_steps = 0
     for i in range(1, 9):
         clock.t += 20  # a line at most every 30 s: steps 1 (edge), 3, 5, 7 (40 s after the last)
-        p.step({**_rl(i, i), "stage": "rl"})
+        p.step(_rl(i, i))
     assert [line.split()[2] for line in out.getvalue().splitlines()] == ["1/10", "3/10", "5/10", "7/10"]
     out.truncate(0), out.seek(0)
-    p.step({"type": "eval", "label": "sft", "step": 4, "accuracy": 0.25, "tool_error_ratio_positive": 0.5})
+    p.step(StepRecord(type="eval", label="sft", step=4, accuracy=0.25, tool_error_ratio_positive=0.5))
     p.event({"kind": "checkpoint", "text": "checkpoint ck/ckpt-4.pt", "stage": "sft", "step": 4})
     assert out.getvalue().splitlines() == [
         "[kuberl] eval after sft (step 4): held-out accuracy 0.250 tool-err+ 0.50",
@@ -110,7 +111,7 @@ def test_tool_tally_counts_outcomes_and_latency_between_takes():
 
 def test_run_to_a_file_prints_progress_lines_while_it_runs(tmp_path, monkeypatch):
     """What a pod's log or `kuberl run > run.log` shows: lines per step, evals and events, no bars."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("KUBERL_PROGRESS_EVERY_STEPS", "2")
     monkeypatch.delenv("KUBERL_PROGRESS", raising=False)
     f = tmp_path / "job.yaml"
@@ -199,7 +200,7 @@ def test_a_failing_listener_costs_its_records_not_the_run(tmp_path, capsys):
 
     class Fine:
         def step(self, rec):
-            seen.append(rec["step"])
+            seen.append(rec.step)
 
         def event(self, rec):
             pass
@@ -209,7 +210,7 @@ def test_a_failing_listener_costs_its_records_not_the_run(tmp_path, capsys):
 
     sink = MetricsSink("j", tmp_path, [Broken(), Fine()])
     for i in range(1, 13):
-        sink.step({"type": "sft", "stage": "sft", "step": i, "loss": 1.0})
+        sink.step(StepRecord(type="sft", stage="sft", step=i, loss=1.0))
     assert seen == list(range(1, 13))  # the next listener still got every record
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
     sink.close()

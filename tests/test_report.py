@@ -13,6 +13,7 @@ import yaml
 
 from kuberl.cli import main
 from kuberl.trainer.report import ReportError, build_charts, load_run, render_html, write_report
+from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.svg import Chart, Series, nice_ticks, render, segments
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox
@@ -35,7 +36,7 @@ def test_a_missing_value_breaks_the_line_and_no_data_says_so():
     assert dots.count("<circle") == 2
 
 
-def _records() -> tuple[list[dict], list[dict]]:
+def _records() -> tuple[list[StepRecord], list[dict]]:
     recs = [{"job": "j", "type": "sft", "stage": "sft", "step": i, "stage_step": i, "loss": 1 / i, "token_acc": 0.5,
              "step_seconds": 1.0, "time": 100.0 + i} for i in range(1, 5)]  # fmt: skip
     recs.append({"type": "eval", "stage": "sft", "step": 4, "label": "sft", "accuracy": 0.25})
@@ -52,7 +53,7 @@ def _records() -> tuple[list[dict], list[dict]]:
         {"kind": "stage", "text": "stage rl (rl) starts", "stage": "rl", "step": 4},
         {"kind": "done", "text": "run finished", "stage": None, "step": 7},
     ]
-    return recs, events
+    return [StepRecord.from_json(r) for r in recs], events
 
 
 def test_panels_follow_the_training_dashboard_and_mark_stage_starts():
@@ -85,7 +86,10 @@ def test_bad_run_folders_get_errors_that_say_what_to_pass(tmp_path):
     with pytest.raises(ReportError, match=r"metrics.jsonl:2 is not JSON"):
         load_run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"type": "sft", "step": 1}\n{"type": "s')  # a run mid-write
-    assert load_run(tmp_path)[0] == [{"type": "sft", "step": 1}]
+    assert load_run(tmp_path)[0] == [StepRecord(type="sft", step=1)]
+    (tmp_path / "metrics.jsonl").write_text('{"type": "sft", "stage": "sft"}\n')
+    with pytest.raises(ReportError, match=r"metrics.jsonl: record 1: step record without 'step'"):
+        load_run(tmp_path)
     assert main(["report", str(tmp_path / "nope")]) == 2
 
 
@@ -109,7 +113,7 @@ def test_report_of_a_real_run_renders_in_headless_chromium(tmp_path, monkeypatch
     pytest.importorskip("PIL")
     from PIL import Image
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     f = tmp_path / "job.yaml"
     f.write_text(yaml.safe_dump(TINY))
     from kuberl.api.job import AgenticRLJob
@@ -157,7 +161,7 @@ def test_report_of_a_real_run_renders_in_headless_chromium(tmp_path, monkeypatch
 
 def test_metrics_lines_match_what_the_report_reads(tmp_path):
     recs, events = _records()
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r.to_json()) + "\n" for r in recs))
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     path = write_report(tmp_path)
     assert path == tmp_path / "report.html" and "kuberl run: j" in path.read_text()

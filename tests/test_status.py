@@ -14,6 +14,7 @@ from kube_emulator import ClusterEmulator, write_kubeconfig
 
 from kuberl.cli import main
 from kuberl.status_view import cluster_lines, local_lines
+from kuberl.trainer.step_record import StepRecord
 from tests.test_trainer_pipeline import TINY
 
 STAGES = {
@@ -22,7 +23,7 @@ STAGES = {
 }
 
 
-def _records(rl_steps: int) -> list[dict]:
+def _records(rl_steps: int) -> list[StepRecord]:
     recs = [{"job": "tiny", "type": "sft", "stage": "sft", "step": i, "stage_step": i, "loss": 0.5, "token_acc": 0.9,
              "step_seconds": 1.0, "time": 1000.0 + i} for i in range(1, 5)]  # fmt: skip
     recs.append({"type": "eval", "stage": "sft", "step": 4, "label": "sft", "accuracy": 0.25, "time": 1005.0})
@@ -32,7 +33,7 @@ def _records(rl_steps: int) -> list[dict]:
              "tool_error_ratio_positive": 0.05, "clip_low": 0.001, "clip_high": 0.002, "response_clip_ratio": 0.1,
              "response_length": 90.0, "response_tokens": 600.0, "step_seconds": 3.0, "time": 1010.0 + 3 * i}
         )  # fmt: skip
-    return recs
+    return [StepRecord.from_json(r) for r in recs]
 
 
 EVENTS = [
@@ -53,7 +54,7 @@ def test_local_view_of_a_running_and_a_finished_run():
     assert lines == [
         "run runs/tiny (job tiny): running, or interrupted (last record 1m02s ago)",
         "stage rl (rl) step 6/10, run step 10/14",
-        "reward 0.600 (last 5 steps 0.400)  tool-err+ 0.050  clip 0.001/0.002  trunc 0.10  len 90",
+        "reward 0.60 tool-err+ 0.05 clip 0.001/0.002 trunc 0.10 len 90  (mean reward of the last 5 steps 0.400)",
         "held-out accuracy: sft 0.250",
         "step time 3.0 s  200 tok/s  ETA 12s",  # 4 RL steps left at 3 s
         "last checkpoint: step 4 (checkpoint ck/ckpt-00000004.pt)",
@@ -70,7 +71,7 @@ def test_local_status_of_a_real_run_folder(tmp_path, capsys, monkeypatch):
     from kuberl.trainer.local import run_job
     from tests.trainer_fakes import FakeSandbox
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     f = tmp_path / "job.yaml"
     f.write_text(json.dumps(TINY))
     run_job(find_one(load_manifests(str(f)), AgenticRLJob), tmp_path / "run", use_ray=False,

@@ -18,6 +18,7 @@ import yaml
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
 from kuberl.operator.builders import build_for
+from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.tracking import STATE_FILE, open_trackers, tracker_metrics
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox
@@ -38,7 +39,7 @@ def test_records_are_logged_under_the_prometheus_series_names():
           "response_clip_ratio": 0.1, "tool_error_ratio_positive": None, "staleness_0": 6.0, "staleness_max": 1.0,
           "tool_calls_error": 2.0, "tool_calls_mean": 1.5, "tool_latency_p95": 0.3, "grad_norm": 1.2,
           "engine_logprob_gap": {"http://10.0.0.1:30000": 0.03}, "kv_cache_utilization": 0.4}  # fmt: skip
-    assert tracker_metrics(rl) == {
+    assert tracker_metrics(StepRecord.from_json(rl)) == {
         "kuberl_train_reward_mean": 0.5,
         "kuberl_train_clip_ratio/low": 0.01,
         "kuberl_train_clip_ratio/high": 0.02,
@@ -53,7 +54,7 @@ def test_records_are_logged_under_the_prometheus_series_names():
         "kuberl_rollout_kv_cache_utilization": 0.4,
     }
     sft = {"type": "sft", "step": 1, "loss": 2.0, "token_acc": 0.5, "step_seconds": 1.0}
-    assert tracker_metrics(sft) == {
+    assert tracker_metrics(StepRecord.from_json(sft)) == {
         "kuberl_sft_loss": 2.0,
         "kuberl_sft_token_acc": 0.5,
         "kuberl_train_step_seconds": 1.0,
@@ -65,7 +66,7 @@ def test_records_are_logged_under_the_prometheus_series_names():
         "accuracy": 0.25,
         "tool_error_ratio_positive": float("nan"),
     }
-    assert tracker_metrics(ev) == {"kuberl_eval_accuracy": 0.25}
+    assert tracker_metrics(StepRecord.from_json(ev)) == {"kuberl_eval_accuracy": 0.25}
 
 
 def test_tracking_spec_validates_and_the_wandb_key_comes_from_a_secret(tmp_path):
@@ -168,13 +169,13 @@ def test_a_run_cut_mid_rl_and_resumed_continues_the_same_tracked_runs(tmp_path, 
     from kuberl.trainer.local import run_job
     from kuberl.trainer.stages import Pipeline
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     job = _job(tmp_path, {"wandb": {"project": "kuberl-test"}, "mlflow": {}, "tensorboard": {}})
     run = tmp_path / "run"
     with monkeypatch.context() as m:
-        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)  # after RL step 1
+        m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)  # after RL step 1
         cut = run_job(job, run, use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert cut.stopped_early
     ids = json.loads((run / STATE_FILE).read_text())
@@ -264,12 +265,12 @@ def test_a_restarted_trainer_pod_continues_the_tracked_runs_from_the_checkpoint_
         (tmp_path / pod).mkdir()
     ml, tb = open_trackers(job, tmp_path / "pod-1", store, resume=False)
     for t in (ml, tb):
-        t.step({"type": "rl", "step": 1, "reward_mean": 0.25})
+        t.step(StepRecord(type="rl", step=1, reward_mean=0.25))
         t.close()
     ml2, tb2 = open_trackers(job, tmp_path / "pod-2", store, resume=True)  # a new pod's empty run folder
     assert ml2.run_id == ml.run_id
     for t in (ml2, tb2):
-        t.step({"type": "rl", "step": 2, "reward_mean": 0.5})
+        t.step(StepRecord(type="rl", step=2, reward_mean=0.5))
         t.close()
     client = MlflowClient(tracking_uri=(kept / "tracking" / "mlruns").resolve().as_uri())
     hist = client.get_metric_history(ml.run_id, "kuberl_train_reward_mean")

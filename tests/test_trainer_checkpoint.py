@@ -19,6 +19,7 @@ from kuberl.api.loader import find_one, load_manifests
 from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload, make_payload
 from kuberl.trainer.local import run_job
 from kuberl.trainer.model import GPT, GPTConfig
+from kuberl.trainer.step_record import StepRecord
 from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 
@@ -164,7 +165,7 @@ def _job(tmp_path) -> AgenticRLJob:
 
 
 def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job = _job(tmp_path)
     full = tmp_path / "full"
     run_job(job, full, use_ray=False, executor_factory=FakeSandbox, quiet=True)
@@ -175,7 +176,7 @@ def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
     shutil.copy(full / "checkpoints" / names[0], resumed / "checkpoints" / names[0])
     shutil.copy(full / "tokenizer.json", resumed / "tokenizer.json")
     res = run_job(job, resumed, use_ray=False, executor_factory=FakeSandbox, quiet=True)
-    assert [h["step"] for h in res.history] == [1, 2, 3, 4, 5, 6]  # history restored, then 4..6 run
+    assert [h.step for h in res.history] == [1, 2, 3, 4, 5, 6]  # history restored, then 4..6 run
     # SFT step 4, then two RL steps (seeded rollouts; this barely trained model mostly gets all-zero
     # groups, which the online filter drops, so the bit-for-bit claim is mainly about SFT + state)
     a = CheckpointStore(str(full / "checkpoints")).load(names[-1])
@@ -226,9 +227,11 @@ def _lines(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def _untimed(records: list[dict]) -> str:
-    """The records without wall-clock fields, as JSON (NaN == NaN there, unlike in dicts)."""
-    return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in records], sort_keys=True)
+def _untimed(records: list[StepRecord] | list[dict]) -> str:
+    """The records (a run's history, or metrics.jsonl lines) without wall-clock fields, as JSON
+    (NaN == NaN there, unlike in dicts)."""
+    flat = [r.to_json() if isinstance(r, StepRecord) else r for r in records]
+    return json.dumps([{k: v for k, v in r.items() if k not in TIMING} for r in flat], sort_keys=True)
 
 
 def _evals(evals: dict) -> str:
@@ -256,10 +259,10 @@ def _assert_same_training_state(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def full_rl_run(tmp_path_factory):
     """The uninterrupted run: (job, out dir, result)."""
-    import kuberl.trainer.stages as stages
+    import kuberl.trainer.problems as problems
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(stages, "EVAL_SIZE", 4)
+    mp.setattr(problems, "EVAL_SIZE", 4)
     try:
         tmp = tmp_path_factory.mktemp("rl-full")
         job = _learning_job(tmp)
@@ -273,12 +276,12 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
     """Resume after 2 of 4 updating RL steps, from s3://, with a stale tokenizer.json lying around."""
     from kuberl.trainer.tokenizer import train_bpe
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job, full, ref = full_rl_run
     names = CheckpointStore(str(full / "checkpoints")).names()
     assert names == ["ckpt-00000060.pt", "ckpt-00000062.pt", "ckpt-00000064.pt"]
-    rl = [h for h in ref.history if h["type"] == "rl"]
-    assert all(h["rollouts_kept"] > 0 and h["opt_steps"] == 2 for h in rl), rl  # real 2-mini-batch updates
+    rl = [h for h in ref.history if h.type == "rl"]
+    assert all(h.rollouts_kept > 0 and h.opt_steps == 2 for h in rl), rl  # real 2-mini-batch updates
     mid = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000062.pt")
     end = CheckpointStore(str(full / "checkpoints")).load("ckpt-00000064.pt")
     assert not torch.equal(mid["model"]["lm_head.weight"], end["model"]["lm_head.weight"])
@@ -317,7 +320,7 @@ def test_rl_resume_through_s3_matches_the_uninterrupted_run(full_rl_run, tmp_pat
 
 def test_resuming_a_finished_run_repeats_nothing(full_rl_run, monkeypatch):
     """The stage-end checkpoint is written after the stage's eval: nothing is trained or evaluated."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job, full, ref = full_rl_run
     before = len(_lines(full / "metrics.jsonl"))
     res = run_job(job, full, use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
@@ -332,7 +335,7 @@ def test_a_run_killed_after_its_last_checkpoint_trains_each_lost_step_once_more_
     """Killed after step 64 was recorded but before its checkpoint (and mid-way through writing
     a record): the resumed run goes back to step 62's checkpoint, trains 63 and 64 again, and
     metrics.jsonl holds each step once, the same records as the uninterrupted run's."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job, full, ref = full_rl_run
     out = tmp_path / "killed"
     shutil.copytree(full, out)
@@ -354,14 +357,14 @@ def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
     """--max-minutes stops between steps with a checkpoint; the resumed run ends where a full one does."""
     from kuberl.trainer.stages import Pipeline
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job = _job(tmp_path)
     job.spec.checkpoint.every_steps = 100  # only stage ends and the deadline write checkpoints
     full = run_job(job, tmp_path / "full", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     with monkeypatch.context() as m:
-        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)  # in mid-RL
+        m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)  # in mid-RL
         cut = run_job(job, tmp_path / "cut", use_ray=False, executor_factory=FakeSandbox, quiet=True)
-    assert cut.stopped_early and [h["step"] for h in cut.history] == [1, 2, 3, 4, 5]
+    assert cut.stopped_early and [h.step for h in cut.history] == [1, 2, 3, 4, 5]
     assert CheckpointStore(str(tmp_path / "cut" / "checkpoints")).names() == [
         "ckpt-00000004.pt",
         "ckpt-00000005.pt",
@@ -381,12 +384,12 @@ def test_a_new_pod_continues_the_run_record_and_the_report_outlives_it(tmp_path,
     from kuberl.trainer.report import write_report
     from kuberl.trainer.stages import Pipeline
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job = _job(tmp_path)
     kept = tmp_path / "pvc"
     job.spec.checkpoint.uri = str(kept)
     with monkeypatch.context() as m:
-        m.setattr(Pipeline, "_out_of_time", lambda self: self.state.global_step >= 5)
+        m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)
         run_job(job, tmp_path / "pod-1", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert [r["step"] for r in _lines(kept / "metrics.jsonl") if r["type"] != "eval"] == [1, 2, 3, 4, 5]
     pod2 = tmp_path / "pod-2"
@@ -426,7 +429,7 @@ def test_a_trainer_killed_mid_update_or_mid_checkpoint_resumes_as_if_never_kille
     resumed run starts from the last whole checkpoint (62, or 60 for the torn one, which is
     never loaded and is replaced), and its records, evals and final weights are the
     uninterrupted run's, bit for bit."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     job, full, ref = full_rl_run
     job_file = tmp_path / "job.yaml"
     job_file.write_text(LEARNING)

@@ -60,7 +60,7 @@ def _lines(path):
 
 
 def test_pipeline_in_process_metrics_and_events(tmp_path, monkeypatch):
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("KUBERL_METRICS_PORT", "0")
     job = find_one(load_manifests(_write(tmp_path, TINY)), AgenticRLJob)
     res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
@@ -154,7 +154,7 @@ def test_run_file_real_sandbox_and_ray(tmp_path, monkeypatch):
 
     from kuberl.trainer import metrics
 
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 8)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.delenv("KUBERL_NO_RAY", raising=False)
     monkeypatch.delenv("KUBERL_SANDBOX_URL", raising=False)
     monkeypatch.setenv("KUBERL_METRICS_PORT", "0")
@@ -230,7 +230,7 @@ def test_metrics_exporter_listens_on_all_interfaces_unless_told(tmp_path, env, b
 
 def test_two_mini_batches_clip_and_really_update(tmp_path, monkeypatch):
     """The second mini-batch is off-policy, so the clip-higher machinery is exercised in a real run."""
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     doc = json.loads(json.dumps(TINY))
     spec = doc["spec"]
     spec["model"]["config"] = {"nLayer": 1, "nEmbd": 64, "nHead": 2}
@@ -242,12 +242,12 @@ def test_two_mini_batches_clip_and_really_update(tmp_path, monkeypatch):
     ]
     job = find_one(load_manifests(_write(tmp_path, doc)), AgenticRLJob)
     res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=CoinVerifySandbox, quiet=True)
-    rl = [h for h in res.history if h["type"] == "rl"]
-    assert all(h["opt_steps"] == 2 for h in rl if h["rollouts_kept"] > 0) and any(
-        h["rollouts_kept"] for h in rl
+    rl = [h for h in res.history if h.type == "rl"]
+    assert all(h.opt_steps == 2 for h in rl if h.rollouts_kept > 0) and any(
+        h.rollouts_kept for h in rl
     )
-    assert sum(h["clip_low"] + h["clip_high"] for h in rl) > 0, rl
-    assert all(h["rollout_logprob_gap"] < 1e-4 for h in rl)  # engine and trainer hold the same weights
+    assert sum(h.clip_low + h.clip_high for h in rl) > 0, rl
+    assert all(h.rollout_logprob_gap < 1e-4 for h in rl)  # engine and trainer hold the same weights
 
 
 def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
@@ -306,7 +306,7 @@ def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
         algorithm="grpo-roc",
         device="cpu",
     )
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     opt_before = None
 
     def spy(stage, rec):
@@ -315,8 +315,8 @@ def test_stage3_difficulty_filter_and_optimizer_reset(tmp_path, monkeypatch):
             opt_before = pipe.optimizer
         return orig(stage, rec)
 
-    orig = pipe._after_step
-    pipe._after_step = spy
+    orig = pipe.after_step
+    pipe.after_step = spy
     pipe.run()
     kept = pipe.state.extra["filter:stage-3"]
     pool_size = 2 * 4  # steps x batchSize

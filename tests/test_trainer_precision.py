@@ -86,10 +86,10 @@ def test_a_run_with_bf16_trains_sft_and_rl_under_autocast(tmp_path, monkeypatch)
     """Every training forward and backward of a run (SFT steps, the RL update) runs under bf16
     autocast when the manifest asks for it, and none does by default."""
     import kuberl.trainer.rl_step as rl_step_mod
-    import kuberl.trainer.stages as stages_mod
+    import kuberl.trainer.sft_stage as sft_stage_mod
 
     seen: list[tuple[str, bool]] = []
-    real_sft, real_update = stages_mod.sft_loss, rl_step_mod.rl_update
+    real_sft, real_update = sft_stage_mod.sft_loss, rl_step_mod.rl_update
 
     def sft_loss(*args, **kwargs):
         seen.append(
@@ -103,9 +103,9 @@ def test_a_run_with_bf16_trains_sft_and_rl_under_autocast(tmp_path, monkeypatch)
         )
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr(stages_mod, "sft_loss", sft_loss)
+    monkeypatch.setattr(sft_stage_mod, "sft_loss", sft_loss)
     monkeypatch.setattr(rl_step_mod, "rl_update", rl_update)
-    monkeypatch.setattr("kuberl.trainer.stages.EVAL_SIZE", 4)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     monkeypatch.setenv("KUBERL_METRICS_PORT", "0")
     for precision, want in (("bf16", True), (None, False)):
         doc = json.loads(json.dumps(TINY))
@@ -116,7 +116,7 @@ def test_a_run_with_bf16_trains_sft_and_rl_under_autocast(tmp_path, monkeypatch)
         res = run_job(
             job, tmp_path / f"out-{precision}", use_ray=False, executor_factory=FakeSandbox, quiet=True
         )
-        rl = [h for h in res.history if h["type"] == "rl"]
-        assert len(rl) == 2 and all(h["loss"] == h["loss"] for h in rl)  # trained, no NaN
+        rl = [h for h in res.history if h.type == "rl"]
+        assert len(rl) == 2 and all(h.loss == h.loss for h in rl)  # trained, no NaN
         assert [k for k, _ in seen] == ["sft"] * 4 + ["rl"] * 2, seen
         assert all(on == want for _, on in seen), (precision, seen)

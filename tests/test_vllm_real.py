@@ -406,8 +406,8 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
         }
     )
     result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)  # kuberl run's default path
-    rl = [h for h in result.history if h.get("type") == "rl"]
-    assert len(rl) == 1 and rl[0]["rollouts"] == 8 and rl[0]["rollouts_aborted"] == 0
+    rl = [h for h in result.history if h.type == "rl"]
+    assert len(rl) == 1 and rl[0].rollouts == 8 and rl[0].rollouts_aborted == 0
     assert set(result.evals) >= {"sft", "rl"}
     pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real").iterdir())
     assert pushed and pushed[-1].startswith("v")
@@ -443,17 +443,17 @@ def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_di
     vllm_available()
     job = _three_rl_steps(smollm2_dir, tmp_path, "real-async", async_level=1)
     result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)
-    rl = [h for h in result.history if h.get("type") == "rl"]
+    rl = [h for h in result.history if h.type == "rl"]
     assert len(rl) == 3, rl
-    assert all(h["rollouts_stale"] == 0 and h["rollouts"] == 4 for h in rl), rl
-    assert all(h["staleness_max"] <= min(i, 1) for i, h in enumerate(rl)), rl
+    assert all(h.rollouts_stale == 0 and h.rollouts == 4 for h in rl), rl
+    assert all(h.staleness_max <= min(i, 1) for i, h in enumerate(rl)), rl
     # the versions are the server's own labels: every rollout came from a version pushed to it
-    assert not any(h.get("engine_version_mismatches") for h in rl), rl
+    assert not any(h.engine_version_mismatches for h in rl), rl
     # the push ran beside the update: the trainer waited for it less than the push took
-    assert all(h["push_wait_seconds"] >= 0.0 for h in rl) and rl[0]["push_wait_seconds"] < 60.0, rl
+    assert all(h.push_wait_seconds >= 0.0 for h in rl) and rl[0].push_wait_seconds < 60.0, rl
     # what the spot check looked at and found: every step the one engine scored the trained rows
     # with the weights it serves, within the bf16-vs-float32 tolerance (wrong weights are > 0.5)
-    gaps = [h.get("engine_logprob_gap") or {} for h in rl]
+    gaps = [h.engine_logprob_gap for h in rl]
     assert all(len(g) == 1 and 0.0 <= next(iter(g.values())) < MEAN_ABS_TOLERANCE for g in gaps), gaps
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["kind"] == "engine"], events  # nothing flagged for those gaps
@@ -504,10 +504,14 @@ def test_a_run_survives_its_vllm_server_being_killed_mid_run(smollm2_dir, tmp_pa
     result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)
     killer.join(timeout=5)
     assert killed, "the server was never found to kill"
-    rl = [h for h in result.history if h.get("type") == "rl"]
-    assert [h["step"] for h in rl] == [1, 2, 3], rl  # no step skipped or trained twice
-    assert all(h["rollouts"] == 4 and h["rollouts_aborted"] == 0 and h["rollouts_stale"] == 0 for h in rl), rl
-    faults = {k: sum(h.get(k, 0) for h in rl) for k in ("engine_reconnects", "engine_version_mismatches", "engine_repushes")}
+    rl = [h for h in result.history if h.type == "rl"]
+    assert [h.step for h in rl] == [1, 2, 3], rl  # no step skipped or trained twice
+    assert all(h.rollouts == 4 and h.rollouts_aborted == 0 and h.rollouts_stale == 0 for h in rl), rl
+    faults = {
+        "engine_reconnects": sum(h.engine_reconnects or 0 for h in rl),
+        "engine_version_mismatches": sum(h.engine_version_mismatches or 0 for h in rl),
+        "engine_repushes": sum(h.engine_repushes or 0 for h in rl),
+    }
     # the outage was waited out, and the restarted server served this run's weights again: either
     # the next push reached it first, or its first answers were caught and it was re-pushed
     assert faults["engine_reconnects"] >= 1, faults

@@ -6,10 +6,13 @@ Data and model side: ``tokenizer`` (builtin:arith-bpe), ``data`` (builtin:arith,
 traces in rollout layout), ``model`` (tiny GPT), ``sft``, ``checkpoint`` (local/s3).
 Policy side: ``policy`` (the builtin GPT or an HF causal LM, and its tokenizer), ``hf`` (HF
 models), ``pretrained`` (``kuberl models prepare``), ``distributed`` (torchrun ranks, FSDP2).
-Driver: ``stages`` (the ``Pipeline``: SFT -> RL stages, difficulty filter, optimizer resets,
-eval) and ``rl_step`` (one GRPO-RoC step, top to bottom); ``grpo`` (batch preparation and the
+Driver: ``stages`` (the ``Pipeline``: SFT -> RL stages, optimizer resets), its parts
+``sft_stage``, ``rl_stage``, ``evaluation``, ``filtering`` (the difficulty filter),
+``checkpointing`` and ``problems`` (pools, rollout requests), sharing ``stage_host``, and
+``rl_step`` (one GRPO-RoC step, top to bottom); ``grpo`` (batch preparation and the
 update), ``weight_sync`` (new weights into the engines), ``spot_check`` and ``mismatch`` (the
-engines' log-probs against the trainer's), ``metrics`` (prometheus + jsonl), ``local``
+engines' log-probs against the trainer's), ``step_record`` (the typed record of a step, one
+line of metrics.jsonl), ``metrics`` (prometheus + jsonl), ``local``
 (``kuberl run``, Ray). The rollout side (worker, client, orchestrator) is ``kuberl.rollout``.
 Watching a run: ``progress`` (log lines), ``tracking`` (W&B, MLflow, TensorBoard), ``report``
 and ``svg`` (``kuberl report``).

@@ -47,8 +47,10 @@ from kuberl.trainer.policy import (
     model_dir,
     same_architecture,
 )
-from kuberl.trainer.progress import LogProgress, use_plain
-from kuberl.trainer.stages import Pipeline, RunResult, seed_everything
+from kuberl.trainer.progress import LogProgress, step_figures, use_plain
+from kuberl.trainer.stage_host import RunResult
+from kuberl.trainer.stages import Pipeline, seed_everything
+from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.tokenizer import BPETokenizer
 from kuberl.trainer.tracking import check_installed, open_trackers
 from kuberl.trainer.weight_sync import DiskWeights, DiskWeightSync
@@ -310,7 +312,7 @@ def _run_pipeline(
     sink.describe_run([{"name": s.name, "type": s.type, "steps": s.steps} for s in spec.stages])
     tasks: dict[str, Any] = {}
 
-    def on_progress(stage: str, step: int, total: int, rec: dict) -> None:
+    def on_progress(stage: str, step: int, total: int, rec: StepRecord) -> None:
         if progress is None:
             return
         if stage not in tasks:
@@ -422,39 +424,33 @@ def _ui(quiet: bool):
     return console, progress
 
 
-def _brief(rec: dict) -> str:
-    if rec.get("type") == "sft":
-        return f"loss {rec['loss']:.3f} acc {rec['token_acc']:.2f}"
-    terr = rec.get("tool_error_ratio_positive")
-    terr_s = "-" if terr is None or (isinstance(terr, float) and math.isnan(terr)) else f"{terr:.2f}"
-    return (
-        f"reward {rec.get('reward_mean', 0):.2f} tool-err+ {terr_s} len {rec.get('response_length', 0):.0f} "
-        f"clip {rec.get('clip_low', 0):.3f}/{rec.get('clip_high', 0):.3f} {rec.get('step_seconds', 0):.1f}s"
-    )
+def _brief(rec: StepRecord) -> str:
+    secs = f" {rec.step_seconds:.1f}s" if rec.step_seconds is not None else ""
+    return step_figures(rec) + secs
 
 
-def _mean(xs: list[float]) -> float:
+def _mean(xs: list[float | None]) -> float:
     xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
     return sum(xs) / len(xs) if xs else math.nan
 
 
 def summarize(result: RunResult) -> dict[str, float]:
     """Headline numbers: SFT vs final sampled accuracy, tool-error ratio in positives, reward, lengths."""
-    rl = [h for h in result.history if h.get("type") == "rl"]
-    sft_stages = [h["stage"] for h in result.history if h.get("type") == "sft"]
-    rl_stages = [h["stage"] for h in rl]
+    rl = [h for h in result.history if h.type == "rl"]
+    sft_stages = [h.stage for h in result.history if h.type == "sft"]
+    rl_stages = [h.stage for h in rl]
     k = max(1, min(5, len(rl) // 4 or 1))
     return {
         "sft_accuracy": result.evals.get(sft_stages[-1], math.nan) if sft_stages else math.nan,
         "final_accuracy": result.evals.get(rl_stages[-1], math.nan) if rl_stages else math.nan,
-        "tool_error_ratio_positive_first": _mean([h.get("tool_error_ratio_positive") for h in rl[:k]]),
-        "tool_error_ratio_positive_last": _mean([h.get("tool_error_ratio_positive") for h in rl[-k:]]),
-        "reward_first": _mean([h.get("reward_mean") for h in rl[:k]]),
-        "reward_last": _mean([h.get("reward_mean") for h in rl[-k:]]),
-        "response_length_first": _mean([h.get("response_length") for h in rl[:k]]),
-        "response_length_last": _mean([h.get("response_length") for h in rl[-k:]]),
+        "tool_error_ratio_positive_first": _mean([h.tool_error_ratio_positive for h in rl[:k]]),
+        "tool_error_ratio_positive_last": _mean([h.tool_error_ratio_positive for h in rl[-k:]]),
+        "reward_first": _mean([h.reward_mean for h in rl[:k]]),
+        "reward_last": _mean([h.reward_mean for h in rl[-k:]]),
+        "response_length_first": _mean([h.response_length for h in rl[:k]]),
+        "response_length_last": _mean([h.response_length for h in rl[-k:]]),
         "rl_steps": float(len(rl)),
-        "rl_step_seconds": _mean([h.get("step_seconds") for h in rl]),
+        "rl_step_seconds": _mean([h.step_seconds for h in rl]),
         "wall_seconds": result.evals.get("wall_seconds", math.nan),
     }
 
@@ -521,7 +517,7 @@ def run_file(
 def stop_reason(result: RunResult, max_minutes: float | None) -> str:
     """Why a run ended before its last stage, and how to go on (``--max-minutes`` stops SFT too)."""
     last = result.history[-1] if result.history else None
-    where = f"in stage {last['stage']} after global step {last['step']}" if last else "before the first step"
+    where = f"in stage {last.stage} after global step {last.step}" if last else "before the first step"
     limit = f" ({max_minutes:g} min)" if max_minutes else ""
     return (
         f"stopped {where}: the --max-minutes limit{limit} was reached; run the same command again to "

@@ -14,6 +14,7 @@ they are the Scheduler's and engine's own; a remote (Ray) rollout worker is mirr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 from prometheus_client import Counter, Gauge, start_http_server
 
 from kuberl.rollout.engine import ENGINE_FAULTS
+from kuberl.trainer.step_record import StepRecord
 
 RUN_INFO = "run.json"
 KEPT_RUN_FILES = ("events.jsonl", "metrics.jsonl", RUN_INFO)
@@ -120,7 +122,7 @@ def _clean(v: Any) -> Any:
 class SinkListener(Protocol):
     """Sees every record the sink writes: log progress lines, experiment trackers."""
 
-    def step(self, record: dict[str, Any]) -> None: ...
+    def step(self, record: StepRecord) -> None: ...
 
     def event(self, record: dict[str, Any]) -> None: ...
 
@@ -163,56 +165,58 @@ class MetricsSink:
         tmp.replace(path)
         return len(lines) - len(kept)
 
-    def step(self, record: dict[str, Any]) -> None:
+    def step(self, record: StepRecord) -> None:
         """Append one step record and update the gauges it has values for."""
-        rec = {"time": time.time(), "job": self.job, **{k: _clean(v) for k, v in record.items()}}
+        rec = dataclasses.replace(record, time=time.time(), job=self.job)
+        line = {k: _clean(v) for k, v in rec.to_json().items()}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(line) + "\n")
         self._notify("step", rec)
         g = _gauges()
-        if "stage" in record and "step" in record:
-            g["step"].labels(self.job, record["stage"]).set(record["step"])
-        if record.get("step_seconds") is not None:
-            g["step_s"].labels(self.job).set(record["step_seconds"])
-        if record.get("type") != "rl":
+        if rec.stage is not None:
+            g["step"].labels(self.job, rec.stage).set(rec.step)
+        if rec.step_seconds is not None:
+            g["step_s"].labels(self.job).set(rec.step_seconds)
+        if rec.type != "rl":
             return
         setters = [
-            ("reward", "reward_mean", ()),
-            ("resp_clip", "response_clip_ratio", ()),
-            ("tool_err", "tool_error_ratio_positive", ()),
-            ("length", "response_length", ()),
-            ("clip", "clip_low", ("low",)),
-            ("clip", "clip_high", ("high",)),
+            ("reward", rec.reward_mean, ()),
+            ("resp_clip", rec.response_clip_ratio, ()),
+            ("tool_err", rec.tool_error_ratio_positive, ()),
+            ("length", rec.response_length, ()),
+            ("clip", rec.clip_low, ("low",)),
+            ("clip", rec.clip_high, ("high",)),
         ]
-        for gauge, key, extra in setters:
-            v = record.get(key)
+        for gauge, v, extra in setters:
             if v is not None and math.isfinite(v):
                 g[gauge].labels(self.job, *extra).set(v)
-        step_s = record.get("step_seconds") or 0.0
-        if record.get("async_level") and step_s > 0:  # the pipeline's sides, for the fleet autoscaler
+        step_s = rec.step_seconds or 0.0
+        if rec.async_level and step_s > 0:  # the pipeline's sides, for the fleet autoscaler
             fleet = os.environ.get("KUBERL_ROLLOUT_FLEET", "")  # set by the operator on a cluster
-            g["rollout_wait"].labels(self.job, fleet).set(min(1.0, record.get("rollout_seconds", 0.0) / step_s))
-            if record.get("engine_busy_seconds") is not None:
-                g["engine_idle"].labels(self.job, fleet).set(max(0.0, 1.0 - record["engine_busy_seconds"] / step_s))
-            if record.get("engines_in_service"):
-                g["engines_served"].labels(self.job, fleet).set(record["engines_in_service"])
-        for engine, gap in (record.get("engine_logprob_gap") or {}).items():
+            g["rollout_wait"].labels(self.job, fleet).set(min(1.0, (rec.rollout_seconds or 0.0) / step_s))
+            if rec.engine_busy_seconds is not None:
+                g["engine_idle"].labels(self.job, fleet).set(max(0.0, 1.0 - rec.engine_busy_seconds / step_s))
+            if rec.engines_in_service:
+                g["engines_served"].labels(self.job, fleet).set(rec.engines_in_service)
+        for engine, gap in rec.engine_logprob_gap.items():
             g["engine_gap"].labels(self.job, engine).set(gap)
-        if record.get("length_penalty_mean") is not None:
-            g["length_penalty"].labels(self.job).set(record["length_penalty_mean"])
-            for stat, overall in (("length_gap", "length_gap_mean"), ("length_adherence", "length_adherence")):
-                if record.get(overall) is not None:
-                    g[stat].labels(self.job, "all").set(record[overall])
-                for key, value in record.items():  # length_gap_t64: target 64
-                    if key.startswith(f"{stat}_t") and value is not None:
-                        g[stat].labels(self.job, key.removeprefix(f"{stat}_t")).set(value)
+        if rec.length_penalty_mean is not None:
+            g["length_penalty"].labels(self.job).set(rec.length_penalty_mean)
+            for stat, overall, by_target in (
+                ("length_gap", rec.length_gap_mean, rec.length_gap_by_target),
+                ("length_adherence", rec.length_adherence, rec.length_adherence_by_target),
+            ):
+                if overall is not None:
+                    g[stat].labels(self.job, "all").set(overall)
+                for target, value in by_target.items():
+                    g[stat].labels(self.job, str(target)).set(value)
         for _, key, kind in ENGINE_FAULTS:
-            if record.get(key):
-                g["engine_faults"].labels(self.job, kind).inc(record[key])
-        if "staleness_max" in record:
-            for age in range(int(record["staleness_max"]) + 1):
-                g["staleness"].labels(self.job, str(age)).set(record.get(f"staleness_{age}", 0.0))
-            g["stale"].labels(self.job).inc(record.get("rollouts_stale", 0.0))
+            if count := getattr(rec, key):
+                g["engine_faults"].labels(self.job, kind).inc(count)
+        if rec.staleness_max is not None:
+            for age in range(int(rec.staleness_max) + 1):
+                g["staleness"].labels(self.job, str(age)).set(rec.staleness.get(age, 0.0))
+            g["stale"].labels(self.job).inc(rec.rollouts_stale or 0.0)
 
     @property
     def events_path(self) -> Path:
@@ -230,7 +234,7 @@ class MetricsSink:
             f.write(json.dumps(rec) + "\n")
         self._notify("event", rec)
 
-    def _notify(self, method: str, rec: dict[str, Any]) -> None:
+    def _notify(self, method: str, rec: StepRecord | dict[str, Any]) -> None:
         """Hand ``rec`` to every listener. A failing one (a tracking server gone) costs its own
         records, never the run's: it is reported on stderr at its 1st, 10th, 100th... failure."""
         for listener in self.listeners:
@@ -274,7 +278,7 @@ class NullSink:
     def describe_run(self, stages: list[dict[str, Any]]) -> None:
         pass
 
-    def step(self, record: dict[str, Any]) -> None:
+    def step(self, record: StepRecord) -> None:
         pass
 
     def forget_after(self, step: int) -> int:

@@ -8,7 +8,8 @@ listener) and writes lines a log reader can follow::
     [kuberl] rl 12/50 (run 312/350) reward 0.41 tool-err+ 0.08 clip 0.012/0.004 trunc 0.06 step 3.2s 1450 tok/s ETA 2m05s
 
 Formatting is pure (:func:`format_step`, :func:`eta_seconds`); the class only decides when to
-write. Every eval and event is written at once (they are rare and are what a reader looks for).
+write. :func:`step_figures` is the one place a step's figures become text: the log line, the
+live progress bar of ``kuberl run`` and ``kuberl status`` all show it. Every eval and event is written at once (they are rare and are what a reader looks for).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kuberl.envvars import env_number
+from kuberl.trainer.step_record import StepRecord
 
 PROGRESS_EVERY_STEPS_ENV = "KUBERL_PROGRESS_EVERY_STEPS"
 PROGRESS_EVERY_SECONDS_ENV = "KUBERL_PROGRESS_EVERY_SECONDS"
@@ -50,9 +52,9 @@ def duration(seconds: float | None) -> str:
     return f"{s}s"
 
 
-def tokens_per_second(rec: dict[str, Any]) -> float | None:
+def tokens_per_second(rec: StepRecord) -> float | None:
     """Rollout tokens generated per second of the step's wall time (RL steps that count them)."""
-    tokens, secs = _num(rec.get("response_tokens")), _num(rec.get("step_seconds"))
+    tokens, secs = _num(rec.response_tokens), _num(rec.step_seconds)
     if tokens is None or not secs:
         return None
     return tokens / secs
@@ -79,30 +81,32 @@ def eta_seconds(
     return left
 
 
-def format_step(
-    rec: dict[str, Any], stage_total: int, run_step: int, run_total: int, eta: float | None
-) -> str:
-    """One line for a step record of metrics.jsonl (SFT or RL)."""
-    head = f"[kuberl] {rec.get('stage')} {rec.get('stage_step')}/{stage_total} (run {run_step}/{run_total})"
-    secs = f"step {_f(rec.get('step_seconds'), '.1f')}s"
-    if rec.get("type") == "sft":
-        body = f"loss {_f(rec.get('loss'), '.3f')} token-acc {_f(rec.get('token_acc'), '.2f')}"
-        return f"{head} {body} {secs} ETA {duration(eta)}"
-    tps = tokens_per_second(rec)
-    body = (
-        f"reward {_f(rec.get('reward_mean'), '.2f')} "
-        f"tool-err+ {_f(rec.get('tool_error_ratio_positive'), '.2f')} "
-        f"clip {_f(rec.get('clip_low'), '.3f')}/{_f(rec.get('clip_high'), '.3f')} "
-        f"trunc {_f(rec.get('response_clip_ratio'), '.2f')} len {_f(rec.get('response_length'), '.0f')}"
-    )
-    rate = f" {tps:.0f} tok/s" if tps is not None else ""
-    return f"{head} {body} {secs}{rate} ETA {duration(eta)}"
-
-
-def format_eval(rec: dict[str, Any]) -> str:
+def step_figures(rec: StepRecord) -> str:
+    """A step's headline figures: SFT loss and token accuracy, or RL reward, tool errors in correct
+    rollouts, clip fractions, truncation and response length."""
+    if rec.type == "sft":
+        return f"loss {_f(rec.loss, '.3f')} token-acc {_f(rec.token_acc, '.2f')}"
     return (
-        f"[kuberl] eval after {rec.get('label')} (step {rec.get('step')}): held-out accuracy "
-        f"{_f(rec.get('accuracy'), '.3f')} tool-err+ {_f(rec.get('tool_error_ratio_positive'), '.2f')}"
+        f"reward {_f(rec.reward_mean, '.2f')} "
+        f"tool-err+ {_f(rec.tool_error_ratio_positive, '.2f')} "
+        f"clip {_f(rec.clip_low, '.3f')}/{_f(rec.clip_high, '.3f')} "
+        f"trunc {_f(rec.response_clip_ratio, '.2f')} len {_f(rec.response_length, '.0f')}"
+    )
+
+
+def format_step(rec: StepRecord, stage_total: int, run_step: int, run_total: int, eta: float | None) -> str:
+    """One line for a step record of metrics.jsonl (SFT or RL)."""
+    head = f"[kuberl] {rec.stage} {rec.stage_step}/{stage_total} (run {run_step}/{run_total})"
+    secs = f"step {_f(rec.step_seconds, '.1f')}s"
+    tps = tokens_per_second(rec) if rec.type == "rl" else None
+    rate = f" {tps:.0f} tok/s" if tps is not None else ""
+    return f"{head} {step_figures(rec)} {secs}{rate} ETA {duration(eta)}"
+
+
+def format_eval(rec: StepRecord) -> str:
+    return (
+        f"[kuberl] eval after {rec.label} (step {rec.step}): held-out accuracy "
+        f"{_f(rec.accuracy, '.3f')} tool-err+ {_f(rec.tool_error_ratio_positive, '.2f')}"
     )
 
 
@@ -170,25 +174,23 @@ class LogProgress:
             return True
         return bool(self.every_seconds) and self.clock() - self._last_line >= self.every_seconds
 
-    def step(self, rec: dict[str, Any]) -> None:
-        kind = rec.get("type")
+    def step(self, rec: StepRecord) -> None:
+        kind = rec.type
         if kind == "eval":
             self._write(format_eval(rec))
             return
-        if kind not in ("sft", "rl"):
-            return
-        secs = _num(rec.get("step_seconds"))
+        secs = _num(rec.step_seconds)
         if secs is not None:
             window = self._seconds.setdefault(kind, [])
             window.append(secs)
             del window[:-20]  # recent steps: step time drifts as responses grow
-        stage, stage_step = rec.get("stage"), int(rec.get("stage_step") or 0)
+        stage, stage_step = rec.stage, rec.stage_step or 0
         total = self.totals.get(stage, stage_step)
         if not self._due(stage_step, total):
             return
         means = {k: sum(v) / len(v) for k, v in self._seconds.items() if v}
         eta = eta_seconds(self.stages, stage, stage_step, means)
-        self._write(format_step(rec, total, int(rec.get("step") or 0), self.run_total, eta))
+        self._write(format_step(rec, total, rec.step, self.run_total, eta))
 
     def event(self, rec: dict[str, Any]) -> None:
         self._write(format_event(rec))

@@ -15,20 +15,22 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from kuberl.sandbox.types import OUTCOMES
 from kuberl.trainer.progress import duration, tokens_per_second
+from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.svg import Chart, Mark, Series, has_data, legend, render
 
 REPORT_NAME = "report.html"
 
 
 class ReportError(ValueError):
-    """The folder is not a run folder (no metrics.jsonl), or a line of it is not JSON."""
+    """The folder is not a run folder (no metrics.jsonl), or a line of it is not JSON or not a
+    step record."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -48,7 +50,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def load_run(run_dir: str | Path) -> tuple[list[StepRecord], list[dict[str, Any]]]:
     """The step records and events of a run folder (what ``kuberl run --out`` wrote)."""
     d = Path(run_dir)
     if not d.is_dir():
@@ -58,15 +60,20 @@ def load_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
         raise ReportError(
             f"{d} has no metrics.jsonl: it is not a run folder, or the run has not finished a step yet"
         )
-    return read_jsonl(metrics), read_jsonl(d / "events.jsonl")
+    records = []
+    for n, obj in enumerate(read_jsonl(metrics), 1):
+        try:
+            records.append(StepRecord.from_json(obj))
+        except (TypeError, ValueError) as err:
+            raise ReportError(f"{metrics}: record {n}: {err}") from None
+    return records, read_jsonl(d / "events.jsonl")
 
 
-def _pts(recs: Sequence[dict[str, Any]], key: str) -> tuple[tuple[float, float | None], ...]:
-    return tuple((float(r["step"]), r.get(key)) for r in recs if "step" in r)
+Figure = Callable[[StepRecord], float | None]
 
 
-def _derived(recs: Sequence[dict[str, Any]], fn) -> tuple[tuple[float, float | None], ...]:
-    return tuple((float(r["step"]), fn(r)) for r in recs if "step" in r)
+def _pts(recs: Sequence[StepRecord], fig: Figure) -> tuple[tuple[float, float | None], ...]:
+    return tuple((float(r.step), fig(r)) for r in recs)
 
 
 def stage_marks(events: Sequence[dict[str, Any]]) -> list[Mark]:
@@ -83,13 +90,13 @@ def stage_marks(events: Sequence[dict[str, Any]]) -> list[Mark]:
     return marks
 
 
-def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]]) -> list[Chart]:
+def build_charts(records: Sequence[StepRecord], events: Sequence[dict[str, Any]]) -> list[Chart]:
     """The report's panels, in the training dashboard's order, over global step."""
-    rl = [r for r in records if r.get("type") == "rl"]
-    sft = [r for r in records if r.get("type") == "sft"]
-    evals = [r for r in records if r.get("type") == "eval"]
+    rl = [r for r in records if r.type == "rl"]
+    sft = [r for r in records if r.type == "sft"]
+    evals = [r for r in records if r.type == "eval"]
     marks = stage_marks(events)
-    xs = [float(r["step"]) for r in records if isinstance(r.get("step"), (int, float))] + [m.x for m in marks]
+    xs = [float(r.step) for r in records] + [m.x for m in marks]
     x_range = (min(xs), max(xs)) if xs and max(xs) > min(xs) else None
 
     def chart(title: str, series: list[Series], **kw) -> Chart:
@@ -99,8 +106,8 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
         chart(
             "Reward (mean)",
             [
-                Series("all rollouts", _pts(rl, "reward_mean")),
-                Series("kept (after RoC)", _pts(rl, "reward_kept_mean")),
+                Series("all rollouts", _pts(rl, lambda r: r.reward_mean)),
+                Series("kept (after RoC)", _pts(rl, lambda r: r.reward_kept_mean)),
             ],
             y_min=0,
             y_max=1,
@@ -109,8 +116,8 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
             "Held-out accuracy (sampled, T=rollout temperature)",
             [
                 Series(
-                    "eval after " + "/".join(sorted({str(e.get("label")) for e in evals})),
-                    _pts(evals, "accuracy"),
+                    "eval after " + "/".join(sorted({str(e.label) for e in evals})),
+                    _pts(evals, lambda r: r.accuracy),
                     True,
                 )
             ]
@@ -123,8 +130,8 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
         chart(
             "Tool-error ratio in positive rollouts",
             [
-                Series("train rollouts", _pts(rl, "tool_error_ratio_positive")),
-                Series("held-out eval", _pts(evals, "tool_error_ratio_positive"), True),
+                Series("train rollouts", _pts(rl, lambda r: r.tool_error_ratio_positive)),
+                Series("held-out eval", _pts(evals, lambda r: r.tool_error_ratio_positive), True),
             ],
             y_min=0,
             note="Tool errors per tool call inside correct rollouts (rStar2-Agent fig. 4); GRPO-RoC should push it down.",
@@ -132,38 +139,38 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
         chart(
             "PG clip fraction (low / high)",
             [
-                Series("low (1-eps_low)", _pts(rl, "clip_low")),
-                Series("high (1+eps_high)", _pts(rl, "clip_high")),
+                Series("low (1-eps_low)", _pts(rl, lambda r: r.clip_low)),
+                Series("high (1+eps_high)", _pts(rl, lambda r: r.clip_high)),
             ],
             y_min=0,
         ),
-        chart("Response length (tokens)", [Series("mean", _pts(rl, "response_length"))], y_min=0),
+        chart("Response length (tokens)", [Series("mean", _pts(rl, lambda r: r.response_length))], y_min=0),
         chart(
             "Response truncation",
-            [Series("truncated at maxResponseTokens", _pts(rl, "response_clip_ratio"))],
+            [Series("truncated at maxResponseTokens", _pts(rl, lambda r: r.response_clip_ratio))],
             y_min=0,
             note="Rising values mean the stage's response budget is too small.",
         ),
         chart(
             "Tool-call latency",
-            [Series(q, _pts(rl, f"tool_latency_{q}")) for q in ("p50", "p95", "max")],
+            [Series(q, _pts(rl, lambda r, q=q: r.tool_latency.get(q))) for q in ("p50", "p95", "max")],
             unit="s",
             y_min=0,
             note="Submission to result, as the rollouts saw it.",
         ),
         chart(
             "Tool-call outcomes per step",
-            [Series(o, _pts(rl, f"tool_calls_{o}")) for o in OUTCOMES],
+            [Series(o, _pts(rl, lambda r, o=o: r.tool_calls.get(o))) for o in OUTCOMES],
             y_min=0,
         ),
         chart(
             "Rollout tokens/s",
-            [Series("response tokens / step wall time", _derived(rl, tokens_per_second))],
+            [Series("response tokens / step wall time", _pts(rl, tokens_per_second))],
             y_min=0,
         ),
         chart(
             "KV-cache use",
-            [Series("peak", _pts(rl, "kv_cache_utilization"))],
+            [Series("peak", _pts(rl, lambda r: r.kv_cache_utilization))],
             y_min=0,
             y_max=1,
             note="Highest reserved KV-cache tokens / capacity of any engine during the step (the scheduler's book-keeping).",
@@ -171,29 +178,29 @@ def build_charts(records: Sequence[dict[str, Any]], events: Sequence[dict[str, A
         chart(
             "Step time",
             [
-                Series("step", _pts(sft + rl, "step_seconds")),
-                Series("waiting for rollouts", _pts(rl, "rollout_seconds")),
-                Series("update", _pts(rl, "update_seconds")),
+                Series("step", _pts(sft + rl, lambda r: r.step_seconds)),
+                Series("waiting for rollouts", _pts(rl, lambda r: r.rollout_seconds)),
+                Series("update", _pts(rl, lambda r: r.update_seconds)),
             ],
             unit="s",
             y_min=0,
         ),
         chart(
             "SFT loss and token accuracy",
-            [Series("loss", _pts(sft, "loss")), Series("token accuracy", _pts(sft, "token_acc"))],
+            [Series("loss", _pts(sft, lambda r: r.loss)), Series("token accuracy", _pts(sft, lambda r: r.token_acc))],
             y_min=0,
         ),
     ]
-    targets = sorted({int(k.removeprefix("length_gap_t")) for r in rl for k in r if k.startswith("length_gap_t")})
+    targets = sorted({t for r in rl for t in r.length_gap_by_target})
     if targets:  # a run with spec.algorithm.lengthReward
         for title, overall, per_target, y_max, note in (
-            ("|l_target - l_y| (tokens)", "length_gap_mean", "length_gap_t", None,
+            ("|l_target - l_y| (tokens)", lambda r: r.length_gap_mean, lambda r: r.length_gap_by_target, None,
              "Mean distance of the response length from the target its prompt named (INTELLECT-2 section 3.1.2)."),
-            ("adherence", "length_adherence", "length_adherence_t", 1,
+            ("adherence", lambda r: r.length_adherence, lambda r: r.length_adherence_by_target, 1,
              "Fraction of rollouts within 10 % of their target length."),
         ):  # fmt: skip
             series = [Series("all", _pts(rl, overall))]
-            series += [Series(f"target {t}", _pts(rl, f"{per_target}{t}")) for t in targets]
+            series += [Series(f"target {t}", _pts(rl, lambda r, t=t, f=per_target: f(r).get(t))) for t in targets]
             series.append(Series("held-out eval", _pts(evals, overall), True))
             charts.append(chart(f"Thinking budgets: {title}", series, y_min=0, y_max=y_max, note=note))
     return charts
@@ -203,26 +210,22 @@ def _num(v: Any, fmt: str = ".3f") -> str:
     return format(v, fmt) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
 
 
-def summary_rows(
-    records: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]]
-) -> list[tuple[str, str]]:
+def summary_rows(records: Sequence[StepRecord], events: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     """Headline figures of the page (job, last step, evals, how the run ended)."""
-    steps = [r for r in records if r.get("type") in ("sft", "rl")]
-    evals = [r for r in records if r.get("type") == "eval"]
-    rows = [("job", str(next((r.get("job") for r in records if r.get("job")), "-")))]
+    steps = [r for r in records if r.type in ("sft", "rl")]
+    evals = [r for r in records if r.type == "eval"]
+    rows = [("job", str(next((r.job for r in records if r.job), "-")))]
     if steps:
         last = steps[-1]
-        rows.append(
-            ("last step", f"{last.get('step')} (stage {last.get('stage')}, step {last.get('stage_step')})")
-        )
-        t0, t1 = records[0].get("time"), records[-1].get("time")
-        if isinstance(t0, (int, float)) and isinstance(t1, (int, float)):
-            rows.append(("time covered", duration(t1 - t0 + (steps[0].get("step_seconds") or 0))))
-    rl = [r for r in records if r.get("type") == "rl"]
+        rows.append(("last step", f"{last.step} (stage {last.stage}, step {last.stage_step})"))
+        t0, t1 = records[0].time, records[-1].time
+        if t0 is not None and t1 is not None:
+            rows.append(("time covered", duration(t1 - t0 + (steps[0].step_seconds or 0))))
+    rl = [r for r in records if r.type == "rl"]
     if rl:
-        rows.append(("reward (last RL step)", _num(rl[-1].get("reward_mean"))))
+        rows.append(("reward (last RL step)", _num(rl[-1].reward_mean)))
     for e in evals:
-        rows.append((f"held-out accuracy after {e.get('label')}", _num(e.get("accuracy"))))
+        rows.append((f"held-out accuracy after {e.label}", _num(e.accuracy)))
     done = [e for e in events if e.get("kind") == "done"]
     rows.append(
         ("state", done[-1].get("text", "finished") if done else "running (or stopped without a final event)")
@@ -261,7 +264,7 @@ SCRIPT = """
 """
 
 
-def render_html(records: Sequence[dict[str, Any]], events: Sequence[dict[str, Any]], title: str) -> str:
+def render_html(records: Sequence[StepRecord], events: Sequence[dict[str, Any]], title: str) -> str:
     charts = build_charts(records, events)
     panels = []
     for c in charts:
@@ -296,7 +299,7 @@ def render_html(records: Sequence[dict[str, Any]], events: Sequence[dict[str, An
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of ``run_dir`` (default ``RUN_DIR/report.html``) and return its path."""
     records, events = load_run(run_dir)
-    job = next((r.get("job") for r in records if r.get("job")), Path(run_dir).name)
+    job = next((r.job for r in records if r.job), Path(run_dir).name)
     path = Path(out) if out is not None else Path(run_dir) / REPORT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

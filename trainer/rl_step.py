@@ -14,7 +14,7 @@
 
 Every input is an argument: the model and optimizer being trained, the
 :class:`~kuberl.rollout.orchestrator.Orchestrator` that owns the batches, and the step's
-:class:`StepSettings`. The stage loop around it is :meth:`kuberl.trainer.stages.Pipeline.run_rl`.
+:class:`StepSettings`. The stage loop around it is :meth:`kuberl.trainer.rl_stage.RlStage.run`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from kuberl.trainer.grpo import (
 from kuberl.trainer.loss import LossConfig
 from kuberl.trainer.precision import compute_in
 from kuberl.trainer.spot_check import ProbeResult, probe_engines
+from kuberl.trainer.step_record import StepRecord, figure_fields
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class StepSettings:
 
 @dataclass
 class StepResult:
-    record: dict[str, Any]
+    record: StepRecord
     gaps: dict[str, float]  # per engine: |engine - trainer| nats/token (the spot check)
     probe: ProbeResult | None  # what the engines said when asked to score (asyncLevel > 0)
 
@@ -142,11 +143,10 @@ def rl_step(
     if cfg.spot_check:  # FSDP: rank 0's trained share alone (a forward of other rows would be collective)
         gaps = {**engine_gaps(batch), **gaps}
     model.eval()
-    rec = record(batch, upd, clock, cfg, lr=lr, logprob_gap=logprob_gap, push_wait=push_wait)
-    if gaps:
-        rec["engine_logprob_gap"] = gaps
-    rec.update(orch.figures())
-    rec["step_seconds"] = clock.total()
+    rec = record(
+        batch, upd, clock, cfg, version=version, lr=lr, logprob_gap=logprob_gap, push_wait=push_wait,
+        gaps=gaps, rollout_figures=orch.figures,
+    )  # fmt: skip
     return StepResult(rec, gaps, probe)
 
 
@@ -249,30 +249,37 @@ def record(
     clock: Clock,
     cfg: StepSettings,
     *,
+    version: int,
     lr: float,
     logprob_gap: float,
     push_wait: float,
-) -> dict[str, Any]:
-    """The step's record: batch statistics, the update's figures and where the time went."""
+    gaps: dict[str, float],
+    rollout_figures: Callable[[], dict[str, float]],
+) -> StepRecord:
+    """The step's record: batch statistics, the update's figures, the engines' log-prob gaps, the
+    rollout side's figures since the last step (``rollout_figures``) and where the time went."""
     spent = clock.spent
-    return {
-        "type": "rl",
-        "algorithm": cfg.algorithm,
-        "async_level": cfg.spec.algorithm.async_level,
-        "lr": lr,
-        **batch.stats,
-        **upd,
-        "rollout_logprob_gap": logprob_gap,
-        "rollout_seconds": spent[
-            "rollout"
-        ],  # waiting for this step's rollouts (all of their time when k = 0)
-        "update_seconds": clock.total() - spent["sync"] - spent["rollout"],  # pi_old + spot check + update
-        "pi_old_seconds": spent["pi_old"],
+    # pi_old + spot check + update
+    update_seconds = clock.total() - spent["sync"] - spent["rollout"]
+    figures = {**batch.stats, **upd, **rollout_figures()}
+    return StepRecord(
+        type="rl",
+        step=version + 1,
+        algorithm=cfg.algorithm,
+        async_level=cfg.spec.algorithm.async_level,
+        lr=lr,
+        **figure_fields(figures),
+        rollout_logprob_gap=logprob_gap,
+        rollout_seconds=spent["rollout"],  # waiting for this step's rollouts (all of their time when k = 0)
+        update_seconds=update_seconds,
+        pi_old_seconds=spent["pi_old"],
         # the engines scoring when k > 0 is a request the busy engines answer
-        "spot_check_seconds": spent["spot_check"],
-        "optimizer_seconds": spent["optimizer"],
+        spot_check_seconds=spent["spot_check"],
+        optimizer_seconds=spent["optimizer"],
         # the weight push on the trainer's critical path (with k > 0 the engines go on generating
         # meanwhile; a folder push: the weights' copy and any wait for the push before)
-        "sync_seconds": spent["sync"],
-        "push_wait_seconds": push_wait,
-    }
+        sync_seconds=spent["sync"],
+        push_wait_seconds=push_wait,
+        engine_logprob_gap=gaps,
+        step_seconds=clock.total(),
+    )

@@ -35,13 +35,14 @@ from typing import Any
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError
 from kuberl.api.tracking import MlflowSpec, TensorBoardSpec, WandbSpec
+from kuberl.trainer.step_record import StepRecord
 
 STATE_FILE = "tracking.json"
 DIR_ENV = "KUBERL_TRACKING_DIR"
 """Where the trackers' local stores go instead of the run folder (set by the operator)."""
 EXTRA = "pip install 'kuberl[tracking]'"
 
-# record key -> the Prometheus series it is exported as (trainer/metrics.py, DESIGN.md)
+# step record figure -> the Prometheus series it is exported as (trainer/metrics.py, DESIGN.md)
 SERIES = {
     "reward_mean": "kuberl_train_reward_mean",
     "response_clip_ratio": "kuberl_train_response_clip_ratio",
@@ -62,17 +63,17 @@ def _name(key: str) -> str:
     return _UNSAFE.sub("_", key)
 
 
-def tracker_metrics(rec: dict[str, Any]) -> dict[str, float]:
-    """The numbers of one metrics.jsonl record under the names the trackers log them as.
+def tracker_metrics(rec: StepRecord) -> dict[str, float]:
+    """The numbers of one step record (its metrics.jsonl form) under the names the trackers log them as.
 
     RL records use the Prometheus series names (labels become a ``/suffix``: clip side, staleness
     age, engine); tool-call figures ``kuberl_tool_calls/<outcome>`` and
     ``kuberl_tool_call_latency_seconds/<quantile>``; any other RL figure ``kuberl_train_<key>``;
     SFT ``kuberl_sft_<key>``; evals ``kuberl_eval_<key>``. Unknown values (None, NaN) are left out.
     """
-    kind = rec.get("type")
+    kind = rec.type
     out: dict[str, float] = {}
-    for key, value in rec.items():
+    for key, value in rec.to_json().items():
         if key in SKIP:
             continue
         if isinstance(value, dict) and key == "engine_logprob_gap":
@@ -136,10 +137,10 @@ class TrackingState:
 class _Tracker:
     """Base: ``log(metrics, step)`` and ``note(text, step)`` per tracker; records are converted once."""
 
-    def step(self, rec: dict[str, Any]) -> None:
+    def step(self, rec: StepRecord) -> None:
         metrics = tracker_metrics(rec)
-        if metrics and isinstance(rec.get("step"), int):
-            self.log(metrics, rec["step"])
+        if metrics:
+            self.log(metrics, rec.step)
 
     def event(self, rec: dict[str, Any]) -> None:
         if rec.get("kind") == "done":
