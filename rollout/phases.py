@@ -3,7 +3,7 @@
 A synchronous RL step's tool calls come in one burst: tens of thousands within a rollout phase
 of a few minutes, none during the update. A pool that scales on its own queue meets the burst
 with the pods it had (new ones start after it began, and the calls already queued stay where
-they are: bench/README.md, paper scale simulated). The trainer knows what is coming, so it says
+they are). The trainer knows what is coming, so it says
 so before each phase: ``kuberl_rollout_phase_workers{job}``, the sandbox workers the phase asks
 for, set when the weight push before the phase starts (the push takes longer than a pod's
 start-up) and back to 0 once the phase's rollouts are in. The operator keeps the pool at least
@@ -34,8 +34,8 @@ from prometheus_client import Gauge
 from kuberl.envvars import env_number
 
 PHASE_BURST_FACTOR = 5.0
-"""Workers over a phase's average demand. In the 64-GPU simulation the smallest fixed pools
-that met mean <= 0.3 s and p99 <= 1 s held 3.2x (long calls) and 5.2x (short calls) of it."""
+"""Workers over a phase's average demand: calls come in bursts, and the pool must hold a mean
+call latency of 0.3 s and a p99 of 1 s through them (bench/cluster_sim.py sizes it)."""
 FIRST_PHASE_CORES_PER_GPU = 2.1
 """docs/cluster.md's sizing rule for heavy numeric tool code (light code needs ~1.1)."""
 

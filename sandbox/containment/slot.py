@@ -157,7 +157,7 @@ class Slot:
         """Also refuse signals to ``pids`` (host pids: meaningless inside a PID namespace).
 
         Bumps the generation when the set changes (worker restarts); the filter is recompiled
-        (~10 ms) where children are forked, before the next fork (:meth:`ready_for_fork`)."""
+        where children are forked, before the next fork (:meth:`ready_for_fork`)."""
         if self.cfg.in_namespace or self.seccomp is None:
             return
         wanted = self.own_pids | {p for p in pids if isinstance(p, int) and 0 < p < 2**31}
