@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kuberl import API_VERSION
+from kuberl.api.group import API_VERSION
 
 AcceleratorProfile = Literal["mi300x", "h100", "cpu"]
 ACCELERATOR_PROFILES: tuple[str, ...] = ("mi300x", "h100", "cpu")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kuberl import GROUP, VERSION
 from kuberl.api.common import RESOURCE_NAME_PATTERN, Resource
+from kuberl.api.group import GROUP, VERSION
 from kuberl.api.job import RolloutSpec
 from kuberl.api.loader import KINDS, dump_yaml
 

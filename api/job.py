@@ -348,7 +348,7 @@ class TrainerSpec(KubeModel):
     image: str | None = None
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
-        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/render/sizing.py).",
     )
     model_cache_size: Quantity = Field(
         "100Gi",

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from kuberl import API_VERSION
 from kuberl.api.common import PATTERN_RULES, FieldError, Resource
+from kuberl.api.group import API_VERSION
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.rollout_fleet import RolloutFleet
 from kuberl.api.sandbox_pool import SandboxPool

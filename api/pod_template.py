@@ -5,7 +5,7 @@ tolerations/nodeSelector/affinity, priorityClassName, schedulerName (gang schedu
 securityContext and supplementalGroups (video/render for /dev/kfd), capabilities (IPC_LOCK for
 RDMA), annotations (Multus) and sidecars: as KubeRay, LeaderWorkerSet and Kubeflow do, each
 component embeds a PodTemplateSpec that is merged over what the operator renders
-(``kuberl.operator.podtemplate.merge`` says how).
+(``kuberl.operator.render.podtemplate.merge`` says how).
 
 The pod spec is free-form in the CRD (``x-kubernetes-preserve-unknown-fields``: the core/v1
 PodSpec schema would triple the CRDs' size), so the checks that matter are made here: field

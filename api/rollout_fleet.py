@@ -120,7 +120,7 @@ class RolloutFleetSpec(KubeModel):
     accelerator: AcceleratorSpec = Field(default_factory=lambda: AcceleratorSpec(profile="mi300x", count=1))
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,
-        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/sizing.py).",
+        description="Defaults: 8 CPUs and 32Gi + /dev/shm of memory per accelerator (see operator/render/sizing.py).",
     )
     model_cache_size: Quantity = Field(
         "100Gi",

@@ -9,7 +9,7 @@ The 64-GPU run takes ~6.5 min of CPU (17 min wall on the shared, loaded 2-core m
 
 A seeded discrete-event simulation (virtual clock; bench/clustersim) runs the real KV-aware
 Scheduler, SandboxClient (retries), SandboxService (queue limit, 429 backpressure, batching,
-503 while a pod stops) and the operator's autoscaling decisions (kuberl.operator.autoscale)
+503 while a pod stops) and the operator's autoscaling decisions (kuberl.operator.decide.autoscale)
 against modelled engines, tool-call durations, pod start-up, update and weight sync.
 
 1. Closed loop: every rollout generates on a simulated engine and sends its tool calls to a

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the km
 
 from kube_emulator import ClusterEmulator  # noqa: E402
 
-from kuberl.operator import context
-from kuberl.operator.context import OperatorConfig
-from kuberl.operator.main import operate
+from kuberl.operator.runtime import context
+from kuberl.operator.runtime.context import OperatorConfig
+from kuberl.operator.runtime.main import operate
 
 NS = "bench"
 API = f"/apis/kuberl.io/v1alpha1/namespaces/{NS}"

@@ -19,7 +19,7 @@ trainer's update is the FLOPs model of the phase's trained tokens, its push goes
 
 Then the whole run is played step by step (clustersim.phaserun): on every fixed fleet size
 (engines held from start to end, SFT included), and on a fleet the operator's own autoscaler
-sizes (kuberl.operator.autoscale, from one engine; engines serve 120 s after they are created):
+sizes (kuberl.operator.decide.autoscale, from one engine; engines serve 120 s after they are created):
 once with the asynchronous trainer's pipeline ratios deciding, once without them (KV usage and
 the trainer's backlog only, how the operator decided before); and the floor no autoscaler can go
 under (each phase's smallest fleet within 1 % of its fastest, from the phase's first step).

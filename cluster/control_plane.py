@@ -36,7 +36,7 @@ from kuberl.cluster.build import ensure_binaries, kwok_stages
 from kuberl.cluster.errors import ClusterError
 from kuberl.cluster.nodes import KWOK_NODE_ANNOTATION, NodePool, default_pools, node_manifests
 from kuberl.cluster.pki import ADMIN, CONTROLLER_MANAGER, KWOK, SCHEDULER, ClientIdentity, Pki, make_pki
-from kuberl.ports import free_port
+from kuberl.util.ports import free_port
 
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"

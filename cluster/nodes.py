@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from kuberl.operator.render_common import (
+from kuberl.operator.render.render_common import (
     AMD_DEVICE_ID_LABEL,
     AMD_GPU_RESOURCE,
     AMD_PRODUCT_LABEL,

@@ -1,6 +1,3 @@
 """kuberl: Kubernetes-native agentic reinforcement learning for LLMs (rStar2-Agent style)."""
 
 __version__ = "0.1.0"
-GROUP = "kuberl.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kuberl import __version__
-from kuberl.lifetime import exit_on_signals
+from kuberl.util.lifetime import exit_on_signals
 
 if TYPE_CHECKING:
     from kuberl.api.sandbox_pool import SandboxLimits
@@ -45,7 +45,7 @@ def is_source_checkout(root: Path) -> bool:
 
 def _cmd_validate(args: argparse.Namespace) -> int:
     from kuberl.api.loader import ManifestError, load_manifests
-    from kuberl.operator.checks import check_file
+    from kuberl.operator.validate.checks import check_file
 
     failed = 0
     for path in args.files:
@@ -73,7 +73,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _validate_on_server(files: list[str], namespace: str) -> int:
     """``--server``: each file's objects and their children as the API server judges them (dry run)."""
     from kuberl.api.loader import ManifestError, load_documents
-    from kuberl.operator.server_dry_run import ServerUnavailable, dynamic_client, server_problems
+    from kuberl.operator.validate.server_dry_run import ServerUnavailable, dynamic_client, server_problems
 
     try:
         client = dynamic_client()
@@ -168,7 +168,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
     from kuberl.api import AgenticRLJob, RolloutFleet
     from kuberl.api.loader import dump_yaml_all, load_manifests
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     resources = load_manifests(args.file)
     # A job's referenced fleet, when the same file declares it, shapes its trainer pods.
@@ -235,7 +235,7 @@ def _cmd_sandbox_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_operator(args: argparse.Namespace) -> int:
-    from kuberl.operator.main import run_operator
+    from kuberl.operator.runtime.main import run_operator
 
     return run_operator(
         namespaces=args.namespace,

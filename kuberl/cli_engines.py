@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from kuberl.lifetime import exit_on_signals
+from kuberl.util.lifetime import exit_on_signals
 
 
 def _cmd_models_list(args: argparse.Namespace) -> int:

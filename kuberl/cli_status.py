@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kuberl import GROUP, VERSION
+from kuberl.api.group import GROUP, VERSION
 from kuberl.status_view import (
     LIST_HEADER,
     child_refs,

@@ -202,7 +202,7 @@ def cluster_lines(
 def child_refs(obj: dict[str, Any]) -> list[tuple[str, str]]:
     """(kind, name) of the objects a job's readiness depends on: its trainer Job, its fleet (inline,
     named ``<job>-rollout``, or spec.rollout.fleetRef) and its pool (``<job>-sandbox`` or poolRef)."""
-    from kuberl.operator.job_builder import inline_fleet_name, inline_pool_name, trainer_name
+    from kuberl.operator.render.job_builder import inline_fleet_name, inline_pool_name, trainer_name
 
     name = (obj.get("metadata") or {}).get("name", "")
     spec = obj.get("spec") or {}

@@ -16,11 +16,11 @@ from typing import Any, Protocol
 
 import torch
 
-from kuberl.lifetime import descendants, reap_on_exit
 from kuberl.rollout.loop import BatchRequest
 from kuberl.rollout.mirror import RolloutMirror
 from kuberl.rollout.scored import Scored
 from kuberl.rollout.worker import RolloutWorker
+from kuberl.util.lifetime import descendants, reap_on_exit
 
 
 class RolloutClient(Protocol):

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kuberl.envvars import env_number
 from kuberl.rollout.discovery import discover_fleet_urls, parse_url_list, sync_engines
 from kuberl.rollout.engines import make_engine
 from kuberl.rollout.http_engine import ENGINE_KINDS, EngineUnreachable, HTTPEngine
 from kuberl.rollout.scheduler import Scheduler
+from kuberl.util.envvars import env_number
 
 log = logging.getLogger("kuberl.rollout.fleet")
 

@@ -7,7 +7,7 @@ they are). The trainer knows what is coming, so it says
 so before each phase: ``kuberl_rollout_phase_workers{job}``, the sandbox workers the phase asks
 for, set when the weight push before the phase starts (the push takes longer than a pod's
 start-up) and back to 0 once the phase's rollouts are in. The operator keeps the pool at least
-that large meanwhile (``operator.autoscale``), and lets it shrink for the update.
+that large meanwhile (``operator.decide.autoscale``), and lets it shrink for the update.
 
 How many workers (pure functions, shared with bench/cluster_sim.py):
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Gauge
 
-from kuberl.envvars import env_number
+from kuberl.util.envvars import env_number
 
 PHASE_BURST_FACTOR = 5.0
 """Workers over a phase's average demand: calls come in bursts, and the pool must hold a mean

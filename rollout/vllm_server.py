@@ -35,9 +35,9 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
-from kuberl.envvars import env_number
-from kuberl.lifetime import reap_on_exit, tied_to_this_process
-from kuberl.ports import free_port
+from kuberl.util.envvars import env_number
+from kuberl.util.lifetime import reap_on_exit, tied_to_this_process
+from kuberl.util.ports import free_port
 
 log = logging.getLogger("kuberl.rollout.vllm_server")
 

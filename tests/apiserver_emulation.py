@@ -219,7 +219,7 @@ def strict_admission(crds: list[dict[str, Any]]) -> Any:
     (``kubernetes_validate``, strict), as a real API server with ``--validate=strict`` clients."""
     from kube_schemas import validate_manifest
 
-    from kuberl import GROUP
+    from kuberl.api.group import GROUP
 
     def admit(doc: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
         api_version = str(doc.get("apiVersion", ""))

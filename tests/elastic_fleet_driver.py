@@ -37,16 +37,16 @@ from process_kubelet import ProcessKubelet  # noqa: E402
 from kuberl.api.rollout_fleet import RolloutFleet  # noqa: E402
 from kuberl.cluster.control_plane import down, up  # noqa: E402
 from kuberl.cluster.nodes import default_pools  # noqa: E402
-from kuberl.lifetime import exit_on_signals, reap_on_exit  # noqa: E402
-from kuberl.operator.builders import engine_selector  # noqa: E402
+from kuberl.operator.render.builders import engine_selector  # noqa: E402
 from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig  # noqa: E402
+from kuberl.util.lifetime import exit_on_signals, reap_on_exit  # noqa: E402
 
 POD_RANGE = "198.18.0.0/16"  # RFC 2544's benchmarking range: never routed anywhere else
 FLEET = "engines"
 STEPS = 200  # a bound only: the driver stops the run once the scenario is done
 STEPS_AFTER_SCALE_DOWN = 1
 SCALE_UP_AFTER_STEP = 1
-SIGTERM_EXIT = 128 + 15  # kuberl run stopped by SIGTERM (kuberl.lifetime.exit_on_signals)
+SIGTERM_EXIT = 128 + 15  # kuberl run stopped by SIGTERM (kuberl.util.lifetime.exit_on_signals)
 
 
 def route_pod_range() -> None:

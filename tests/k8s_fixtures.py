@@ -25,7 +25,7 @@ import yaml
 from chart_render import render
 
 from kuberl.cluster.control_plane import ClusterState, kubeconfig_text, running
-from kuberl.ports import free_port
+from kuberl.util.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATOR_NAMESPACE = "kuberl-system"

@@ -52,9 +52,9 @@ import kmock
 import rbac_emulation
 from kmock._internal import enums, rendering
 
-from kuberl import GROUP, VERSION
-from kuberl.operator.apirules import object_problems, restricted_problems
-from kuberl.operator.canonical import parse_quantity, server_form
+from kuberl.api.group import GROUP, VERSION
+from kuberl.operator.validate.apirules import object_problems, restricted_problems
+from kuberl.operator.validate.canonical import parse_quantity, server_form
 
 CORE_RESOURCES: dict[str, tuple[str, bool, tuple[str, ...]]] = {
     # "group/version/plural": (kind, namespaced, subresources)

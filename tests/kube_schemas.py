@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from kuberl import GROUP
+from kuberl.api.group import GROUP
 
 CRD_DIR = Path(__file__).resolve().parent.parent / "crds"  # the checkout's generated CRDs
 K8S_VERSION = "1.33"

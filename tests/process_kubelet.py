@@ -116,7 +116,7 @@ class ProcessKubelet:
 
     def _run(self, proc: PodProcess) -> None:
         """The pod's whole life on one thread, which outlives its process: processes started
-        with a parent-death signal (``kuberl.lifetime``) get it when the thread that started
+        with a parent-death signal (``kuberl.util.lifetime``) get it when the thread that started
         them ends, not only the process."""
         (container,) = proc.pod["spec"]["containers"]
         port = next(p["containerPort"] for p in container["ports"] if p.get("name") == "http")

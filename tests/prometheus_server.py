@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from kuberl.ports import free_port
+from kuberl.util.ports import free_port
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:

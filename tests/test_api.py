@@ -37,7 +37,7 @@ def test_wheel_installs_only_the_kuberl_package(installed_wheel):
         "kuberl",
         f"kuberl-{kuberl.__version__}.dist-info",
     ]
-    for component in ("api", "operator", "sandbox", "rollout", "trainer", "dashboards"):
+    for component in ("api", "operator", "sandbox", "rollout", "trainer", "dashboards", "util"):
         assert (installed_wheel / "kuberl" / component / "__init__.py").is_file(), component
 
 

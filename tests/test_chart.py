@@ -26,8 +26,8 @@ from chart_render import MONITORING_API, render
 
 from kuberl.dashboards.cli import rendered as rendered_dashboards
 from kuberl.dashboards.metrics_catalog import check_expression
-from kuberl.operator.main import ServiceWebhookServer, webhook_server_from_env
-from kuberl.operator.rbac import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
+from kuberl.operator.render.rbac import operator_cluster_rules, operator_namespaced_rules, operator_rbac_rules
+from kuberl.operator.runtime.main import ServiceWebhookServer, webhook_server_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "kuberl"
@@ -724,7 +724,7 @@ def test_pod_monitors_select_only_pods_that_serve_metrics(objects):
     """Only trainer rank 0 serves /metrics (the other ranks would be TargetDown), and only the
     leader of an engine spanning nodes serves HTTP (LeaderWorkerSet workers serve nothing)."""
     from kuberl.api import parse_resource
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     mons = {o["metadata"]["name"].rsplit("-", 1)[-1]: o["spec"] for o in objects if o["kind"] == "PodMonitor"}
     job = parse_resource(
@@ -767,8 +767,8 @@ def test_chart_owns_the_webhook_configurations():
     """helm uninstall / admission.enabled=false removes them (kopf-written ones stayed behind and
     blocked every write of kuberl objects). They point at exactly the operator's handlers, trust
     the generated CA, fail closed only for validation, and bound the wait."""
-    from kuberl.operator.context import OperatorConfig
-    from kuberl.operator.registry import build_registry
+    from kuberl.operator.runtime.context import OperatorConfig
+    from kuberl.operator.runtime.registry import build_registry
 
     objs = render({"admission": {"enabled": True}})
     for obj in objs:
@@ -818,13 +818,13 @@ def test_operator_pod_probes_and_leader_election(objects):
     """Ready = kopf's liveness endpoint (leader only: webhook traffic reaches the leader);
     alive = /livez in every replica; the operator serves both where the chart says, and with
     leader election its environment names a Lease it may read and write (a Role, no more)."""
-    from kuberl.operator.main import (
+    from kuberl.operator.render.rbac import leader_election_rules
+    from kuberl.operator.runtime.main import (
         DEFAULT_HEALTH_PORT,
         DEFAULT_LIVENESS_PORT,
         election_from_env,
         liveness_endpoint,
     )
-    from kuberl.operator.rbac import leader_election_rules
 
     dep = next(o for o in objects if o["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]

@@ -19,7 +19,7 @@ from kuberl.cli import (
     main,
     sandbox_limits,
 )
-from kuberl.operator.builders import build_sandbox_pool
+from kuberl.operator.render.builders import build_sandbox_pool
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from kuberl.api.job import AgenticRLJob
-from kuberl.ports import free_port
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.fleet import FleetSource, FleetWatcher
 from kuberl.rollout.local_engine import LocalEngine
@@ -25,6 +24,7 @@ from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.hf import HFPolicy, load_hf_policy, policy_from_config, resolve_model_dir, write_hf_folder
 from kuberl.trainer.local import run_job
 from kuberl.trainer.weight_sync import DiskWeightSync, stale_versions, versions
+from kuberl.util.ports import free_port
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

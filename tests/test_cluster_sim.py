@@ -32,7 +32,7 @@ from clustersim.workload import (  # noqa: E402
 from rollout_sim import run_virtual  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits  # noqa: E402
-from kuberl.operator.autoscale import phase_floor  # noqa: E402
+from kuberl.operator.decide.autoscale import phase_floor  # noqa: E402
 from kuberl.rollout.phases import PHASE_BURST_FACTOR, Phase, workers_for_first_phase, workers_for_phase  # noqa: E402
 from kuberl.sandbox.config import ServiceConfig  # noqa: E402
 from kuberl.sandbox.service.client import SandboxClient  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 from kuberl.api import SandboxPool
 from kuberl.api.crdgen import all_crds, render
 from kuberl.cli import main
-from kuberl.operator.status import scaled_status
+from kuberl.operator.decide.status import scaled_status
 from tests.apiserver_emulation import admission_errors
 from tests.test_operator_e2e import API, NS, cluster_and_operator, eventually
 
@@ -87,7 +87,7 @@ def test_ready_waits_for_the_workload_to_observe_its_generation() -> None:
 
 def test_engines_and_sandboxes_have_disruption_budgets_and_spread_over_nodes() -> None:
     from kuberl.api import parse_resource
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     fleet = parse_resource(
         {
@@ -113,7 +113,7 @@ def test_engines_using_part_of_a_gpu_node_are_packed_whole_node_ones_spread() ->
     """Eight 1-GPU engines spread one per node would leave no node with the 8 GPUs a trainer rank
     asks for (seen on the real scheduler: tests/test_k8s_operator.py, rstar2-mi300x)."""
     from kuberl.api import parse_resource
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     def pod(count: int, profile: str = "mi300x") -> dict:
         fleet = parse_resource({"apiVersion": "kuberl.io/v1alpha1", "kind": "RolloutFleet", "metadata": {"name": "f"},

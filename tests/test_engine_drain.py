@@ -1,4 +1,4 @@
-"""The engine pods' drain hook (operator/engines.py DRAIN_SCRIPT), run as the kubelet runs a
+"""The engine pods' drain hook (operator/render/engines.py DRAIN_SCRIPT), run as the kubelet runs a
 preStop exec hook, against a stand-in server's /metrics in both engines' formats."""
 
 import subprocess
@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kuberl.api.rollout_fleet import RolloutFleet
-from kuberl.operator.builders import build_rollout_fleet
-from kuberl.operator.engines import BUSY_METRICS, DRAIN_GRACE_S, DRAIN_QUIET_S, DRAIN_SCRIPT
+from kuberl.operator.render.builders import build_rollout_fleet
+from kuberl.operator.render.engines import BUSY_METRICS, DRAIN_GRACE_S, DRAIN_QUIET_S, DRAIN_SCRIPT
 
 VLLM_TEXT = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

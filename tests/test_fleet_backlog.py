@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
-from kuberl.operator.autoscale import FleetLoad, decide, fleet_load, recommend_fleet
+from kuberl.operator.decide.autoscale import FleetLoad, decide, fleet_load, recommend_fleet
 from kuberl.rollout.scheduler import Scheduler
 from tests.test_operator_e2e import API, NS, Cluster, cluster_and_operator, eventually, metrics_server
 from tests.test_operator_hardening import fleet

@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from kuberl.api.job import DEFAULT_TRAINER_IMAGES
 from kuberl.api.sandbox_pool import DEFAULT_SANDBOX_IMAGE
-from kuberl.operator.builders import OPERATOR_IMAGE
+from kuberl.operator.render.builders import OPERATOR_IMAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "images"

@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kuberl.api import RolloutFleet, SandboxPool
-from kuberl.operator.autoscale import phase_floor, recommend_by_pipeline
-from kuberl.operator.keda import build_keda_scaled_object
+from kuberl.operator.decide.autoscale import phase_floor, recommend_by_pipeline
+from kuberl.operator.render.keda import build_keda_scaled_object
 from tests.prometheus_server import query, running_prometheus
 
 pytestmark = pytest.mark.skipif(

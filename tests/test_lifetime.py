@@ -1,4 +1,4 @@
-"""kuberl.lifetime: what a process starts ends with it, even a server that ignores its SIGTERM."""
+"""kuberl.util.lifetime: what a process starts ends with it, even a server that ignores its SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 import textwrap
 import time
 
-from kuberl.lifetime import start_time
+from kuberl.util.lifetime import start_time
 
 # A parent that starts a server ignoring SIGTERM (in its own session, with a child of its own),
 # tied to itself and watched with a grace period, prints their pids, then waits to be killed.
 PARENT = textwrap.dedent(
     """
     import subprocess, sys, time
-    from kuberl.lifetime import reap_on_exit, tied_to_this_process
+    from kuberl.util.lifetime import reap_on_exit, tied_to_this_process
     stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(c.pid, flush=True); time.sleep(600)"
     server = subprocess.Popen(tied_to_this_process([sys.executable, "-c", stubborn]), stdout=subprocess.PIPE,

@@ -21,7 +21,7 @@ COMPONENT_MODULES = {
     "rollout": ["kuberl.rollout.scheduler", "kuberl.rollout.phases"],
     "trainer": ["kuberl.trainer.metrics"],
     "sandbox": ["kuberl.sandbox.service.server"],
-    "operator": ["kuberl.operator.metrics"],
+    "operator": ["kuberl.operator.runtime.metrics"],
 }
 KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
 

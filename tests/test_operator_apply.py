@@ -14,8 +14,7 @@ import kopf
 import pytest
 from kube_emulator import ClusterEmulator, merge_patch
 
-from kuberl.operator.canonical import canonical_quantity, parse_quantity, server_form
-from kuberl.operator.kube import (
+from kuberl.operator.runtime.kube import (
     LAST_APPLIED,
     KubeClient,
     kind_of,
@@ -24,6 +23,7 @@ from kuberl.operator.kube import (
     three_way_patch,
     with_last_applied,
 )
+from kuberl.operator.validate.canonical import canonical_quantity, parse_quantity, server_form
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
-from kuberl.operator.autoscale import (
+from kuberl.operator.decide.autoscale import (
     FleetLoad,
     PoolLoad,
     Recommendation,

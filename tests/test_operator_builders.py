@@ -9,11 +9,11 @@ import yaml
 from kube_schemas import validate_manifest
 
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
-from kuberl.operator.builders import build_for, engine_selector
-from kuberl.operator.job_builder import resolved_job_document
-from kuberl.operator.keda import build_keda_scaled_object
-from kuberl.operator.render_common import ANNOTATION_AUTOSCALER, CHILD_KINDS, selector_string
-from kuberl.operator.trainer_runs import NEVER_PRUNED
+from kuberl.operator.render.builders import build_for, engine_selector
+from kuberl.operator.render.job_builder import resolved_job_document
+from kuberl.operator.render.keda import build_keda_scaled_object
+from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, CHILD_KINDS, selector_string
+from kuberl.operator.render.trainer_runs import NEVER_PRUNED
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -437,7 +437,7 @@ def test_cli_render_prints_every_manifest(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_operator_deployment_and_rbac() -> None:
-    from kuberl.operator.builders import build_operator
+    from kuberl.operator.render.builders import build_operator
 
     objs = _by_kind(build_operator("kuberl-system"))
     for obj in objs.values():

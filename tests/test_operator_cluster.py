@@ -15,11 +15,11 @@ import kopf
 import pytest
 from kube_emulator import ClusterEmulator
 
-from kuberl.operator import admission
-from kuberl.operator.context import OperatorConfig, OperatorContext
-from kuberl.operator.loops import stale_loops
-from kuberl.operator.main import operate
-from kuberl.ports import free_port
+from kuberl.operator.runtime.context import OperatorConfig, OperatorContext
+from kuberl.operator.runtime.loops import stale_loops
+from kuberl.operator.runtime.main import operate
+from kuberl.operator.validate import admission
+from kuberl.util.ports import free_port
 from tests.test_operator_e2e import NS, emulated_cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -191,7 +191,7 @@ async def test_resync_reads_do_not_grow_with_the_number_of_objects() -> None:
 def test_lease_rules() -> None:
     import datetime
 
-    from kuberl.operator.leader import decide, micro_time
+    from kuberl.operator.runtime.leader import decide, micro_time
 
     now = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 
@@ -218,8 +218,8 @@ async def test_only_the_lease_holder_runs_and_a_standby_takes_over() -> None:
     waiting for the 30 s lease to expire."""
     import threading
 
-    from kuberl.operator.leader import ElectionConfig
-    from kuberl.operator.main import operate_elected
+    from kuberl.operator.runtime.leader import ElectionConfig
+    from kuberl.operator.runtime.main import operate_elected
     from tests.test_operator_e2e import API, eventually, pool
 
     async with emulated_cluster() as k:
@@ -284,8 +284,8 @@ async def test_only_the_lease_holder_runs_and_a_standby_takes_over() -> None:
 async def test_a_leader_that_loses_its_lease_stops() -> None:
     """Someone else took the Lease (this leader could not renew in time, e.g. a partition):
     it must stop leading rather than run beside the new leader."""
-    from kuberl.operator.kube import KubeClient
-    from kuberl.operator.leader import LEASE, ElectionConfig, LeaderElector
+    from kuberl.operator.runtime.kube import KubeClient
+    from kuberl.operator.runtime.leader import LEASE, ElectionConfig, LeaderElector
 
     async with emulated_cluster() as k:
         client = KubeClient(kopf.ConnectionInfo(server=k.url))

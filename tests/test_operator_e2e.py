@@ -1,6 +1,6 @@
 """End-to-end: the real kopf runtime against an in-memory Kubernetes API over HTTP (kmock).
 
-Each test starts the kuberl operator (``kuberl.operator.main.operate`` = ``kopf.operator``
+Each test starts the kuberl operator (``kuberl.operator.runtime.main.operate`` = ``kopf.operator``
 with kuberl's registry) against ``ClusterEmulator`` and drives it only through the API, the
 way kubectl would: create, patch, scale via the scale subresource, delete.
 """
@@ -20,9 +20,9 @@ import pytest
 from kube_emulator import ClusterEmulator, write_kubeconfig
 
 from kuberl.api.crdgen import all_crds
-from kuberl.operator.context import OperatorConfig
-from kuberl.operator.main import operate
-from kuberl.ports import free_port
+from kuberl.operator.runtime.context import OperatorConfig
+from kuberl.operator.runtime.main import operate
+from kuberl.util.ports import free_port
 from tests.apiserver_emulation import strict_admission
 
 STRICT = strict_admission(list(all_crds().values()))

@@ -17,9 +17,9 @@ import yaml
 
 from kuberl.api import AgenticRLJob, parse_resource
 from kuberl.cli import main
-from kuberl.operator.apirules import children_problems, object_problems
-from kuberl.operator.builders import build_for
-from kuberl.operator.checks import rendered_problems
+from kuberl.operator.render.builders import build_for
+from kuberl.operator.validate.apirules import children_problems, object_problems
+from kuberl.operator.validate.checks import rendered_problems
 from tests.test_operator_e2e import (
     API,
     NS,
@@ -268,7 +268,7 @@ async def test_trainer_pods_refused_by_a_gpu_quota_land_in_status() -> None:
 async def test_owner_reference_permission_refusal_is_reported() -> None:
     """Where OwnerReferencesPermissionEnforcement runs (OpenShift), children with
     blockOwnerDeletion need update on <owner>/finalizers; without it every child is refused."""
-    from kuberl.operator.rbac import operator_rbac_rules
+    from kuberl.operator.render.rbac import operator_rbac_rules
 
     without = [
         {**r, "resources": [x for x in r["resources"] if not x.endswith("/finalizers")]}

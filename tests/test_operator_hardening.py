@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.operator import metrics
-from kuberl.ports import free_port
+from kuberl.operator.runtime import metrics
+from kuberl.util.ports import free_port
 from tests.test_operator_e2e import (
     API,
     NS,
@@ -406,7 +406,7 @@ async def test_admission_in_cluster_is_reached_through_a_service_over_tls(tmp_pa
     webhook configuration of its own."""
     import ssl
 
-    from kuberl.operator.main import webhook_server_from_env
+    from kuberl.operator.runtime.main import webhook_server_from_env
 
     port = free_port()
     tls = _tls_files(tmp_path, f"kuberl-webhook.{NS}.svc")

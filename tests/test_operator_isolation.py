@@ -82,7 +82,7 @@ def test_network_policies_admit_only_the_jobs_trainers_and_monitoring() -> None:
     """The sandbox admitted port 8080 from every namespace and fleets had no policy at all: any
     pod could run code or push weights. Now: the owning job's trainer pods (a standalone pool or
     fleet: the namespace's kuberl trainers), the monitoring namespace, and a fleet's own pods."""
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     job = _resource(
         "AgenticRLJob",
@@ -138,7 +138,7 @@ def test_network_policies_admit_only_the_jobs_trainers_and_monitoring() -> None:
 
 
 def test_pool_pods_and_trainers_share_the_pools_token_secret() -> None:
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     job = _resource(
         "AgenticRLJob",
@@ -177,7 +177,7 @@ async def test_operator_generates_the_token_once_and_keeps_it() -> None:
         assert again["data"] == secret["data"]
         assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
         # deleted by hand: a fresh one (env from a Secret is read at pod start: restart the
-        # pool and trainer pods to rotate, see operator/isolation.py)
+        # pool and trainer pods to rotate, see operator/render/isolation.py)
         await k.delete(path)
         fresh = await eventually(
             lambda: _with_other_token(k, path, secret["data"]["token"]), what="a new token Secret"
@@ -201,7 +201,7 @@ def test_sglang_probes_outlast_a_health_check_as_slow_as_sglangs(tmp_path: Any) 
     import time
 
     from kuberl.api import parse_resource
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
     from tests.hf_fixtures import make_tiny_hf_model
     from tests.test_cluster_path import Servers
 

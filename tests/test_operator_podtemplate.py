@@ -9,9 +9,9 @@ from kube_schemas import validate_manifest
 
 from kuberl.api import ManifestError, parse_resource
 from kuberl.cli import main
-from kuberl.operator.builders import build_for
-from kuberl.operator.checks import rendered_problems
-from kuberl.operator.podtemplate import merge
+from kuberl.operator.render.builders import build_for
+from kuberl.operator.render.podtemplate import merge
+from kuberl.operator.validate.checks import rendered_problems
 from tests.test_operator_e2e import (
     API,
     NS,

@@ -15,7 +15,7 @@ from kube_emulator import SGLANG_HEALTH_SECONDS, ClusterEmulator, endpoint_secon
 from test_operator_e2e import NS, emulated_cluster
 
 from kuberl.api import RolloutFleet
-from kuberl.operator.builders import build_for
+from kuberl.operator.render.builders import build_for
 
 
 def _fleet_deployment(engine: str = "sglang") -> dict:

@@ -68,7 +68,7 @@ async def test_operator_needs_exactly_the_charts_rbac() -> None:
     import kmock
     from kube_emulator import RbacEmulator
 
-    from kuberl.operator.rbac import operator_rbac_rules
+    from kuberl.operator.render.rbac import operator_rbac_rules
     from tests.test_operator_e2e import (
         API,
         Cluster,

@@ -10,8 +10,8 @@ import pytest
 
 from kuberl.api import AgenticRLJob
 from kuberl.api.crdgen import all_crds
-from kuberl.operator.job_builder import build_job
-from kuberl.operator.trainer_runs import CHECKPOINT_DIR, restart_decision
+from kuberl.operator.render.job_builder import build_job
+from kuberl.operator.render.trainer_runs import CHECKPOINT_DIR, restart_decision
 from tests.apiserver_emulation import admission_errors
 from tests.test_operator_e2e import API, NS, _status, cluster_and_operator, eventually, job
 
@@ -156,7 +156,7 @@ def test_model_and_checkpoint_uri_cannot_change_under_a_running_job() -> None:
 async def test_an_engine_the_spot_check_flags_shows_in_the_jobs_status_and_events() -> None:
     """Issue 20 item 4: the trainer's spot check (kuberl_train_engine_logprob_gap) reaches the
     job: EnginesInStep=False naming the engine, one Warning event, True again once it recovers."""
-    from kuberl.operator.render_common import selector_labels
+    from kuberl.operator.render.render_common import selector_labels
     from tests.test_operator_e2e import metrics_server
 
     gaps = {"rf-0": 0.02, "rf-1": 0.9}

@@ -9,8 +9,8 @@ import pytest
 
 from kuberl.api import parse_resource
 from kuberl.api.common import quantity_value
-from kuberl.operator.apirules import children_problems
-from kuberl.operator.builders import build_for
+from kuberl.operator.render.builders import build_for
+from kuberl.operator.validate.apirules import children_problems
 from tests.test_operator_e2e import API, NS, _status, emulated_cluster, eventually, job, running_operator
 
 

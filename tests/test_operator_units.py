@@ -8,11 +8,13 @@ import kopf
 import pytest
 from kube_emulator import ClusterEmulator, matches_selector, merge_patch
 
-from kuberl.operator import admission, children, main, status
-from kuberl.operator.context import OperatorConfig
-from kuberl.operator.kube import KubeClient, is_subset, kind_of
-from kuberl.operator.pods import train_progress
-from kuberl.operator.registry import build_registry
+from kuberl.operator.decide import children, status
+from kuberl.operator.runtime import main
+from kuberl.operator.runtime.context import OperatorConfig
+from kuberl.operator.runtime.kube import KubeClient, is_subset, kind_of
+from kuberl.operator.runtime.pods import train_progress
+from kuberl.operator.runtime.registry import build_registry
+from kuberl.operator.validate import admission
 
 
 def test_is_subset_ignores_server_defaults_but_not_changes() -> None:
@@ -398,7 +400,7 @@ def test_service_client_config_keeps_the_ca_bundle() -> None:
 
 
 def test_an_unschedulable_pod_says_why_in_the_ready_condition() -> None:
-    from kuberl.operator import status
+    from kuberl.operator.decide import status
 
     def pod(name: str, scheduled: dict | None) -> dict:
         conds = [{"type": "PodScheduled", **scheduled}] if scheduled else []

@@ -12,8 +12,8 @@ import yaml
 
 from kuberl.api import parse_resource
 from kuberl.cli import main
-from kuberl.operator.apirules import children_problems, object_problems
-from kuberl.operator.builders import build_for
+from kuberl.operator.render.builders import build_for
+from kuberl.operator.validate.apirules import children_problems, object_problems
 
 
 def _pod(pod: dict[str, Any] | None = None, meta: dict[str, Any] | None = None, **container: Any) -> dict[str, Any]:

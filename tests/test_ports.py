@@ -1,4 +1,4 @@
-"""kuberl.ports: a port handed to a server that binds it later is one no outgoing connection takes."""
+"""kuberl.util.ports: a port handed to a server that binds it later is one no outgoing connection takes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kuberl import ports
+from kuberl.util import ports
 
 
 def test_the_port_is_free_and_outside_the_kernels_ephemeral_range() -> None:

@@ -37,7 +37,7 @@ import yaml
 
 from kuberl.dashboards.definitions import all_expressions
 from kuberl.dashboards.metrics_catalog import CATALOG, metric_for_series
-from kuberl.ports import free_port
+from kuberl.util.ports import free_port
 from tests.prometheus_server import http_get, query, running_prometheus
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -271,9 +271,9 @@ async def test_a_rollout_that_loses_every_engine_ends_as_abort_naming_why():
 
 
 async def test_an_unreachable_server_raises_its_engines_unreachable_error():
-    from kuberl.ports import free_port
     from kuberl.rollout.sglang_engine import SGLangEngine, SGLangUnreachable
     from kuberl.rollout.vllm_engine import VLLMEngine, VLLMError, VLLMUnreachable
+    from kuberl.util.ports import free_port
 
     port = free_port()  # nothing listens there
     for cls, unreachable, own in ((SGLangEngine, SGLangUnreachable, SGLangError), (VLLMEngine, VLLMUnreachable, VLLMError)):

@@ -263,7 +263,7 @@ async def test_a_request_waits_for_a_server_that_is_restarted_and_one_without_re
     the server gone waits for /health and is sent again, neither an attempt nor time spent."""
     import asyncio
 
-    from kuberl.ports import free_port
+    from kuberl.util.ports import free_port
 
     port = free_port()
 

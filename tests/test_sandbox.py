@@ -1292,7 +1292,7 @@ def test_sandbox_pod_tmp_holds_every_workers_disk_quota():
     """The pod's /tmp emptyDir (where the slots live) must outgrow what all workers' calls may
     write, or one busy pod is evicted for its emptyDir instead of a call being killed."""
     from kuberl.api import SandboxPool
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     pool = SandboxPool.model_validate(
         {"metadata": {"name": "tools"}, "spec": {"workersPerPod": 16, "limits": {"diskMB": 512}}}
@@ -1310,7 +1310,7 @@ def test_sandbox_pool_runtime_class_reaches_the_pods_and_bad_names_are_refused()
     from pydantic import ValidationError
 
     from kuberl.api import SandboxPool
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     def pod_spec(spec: dict) -> dict:
         pool = SandboxPool.model_validate({"metadata": {"name": "tools"}, "spec": spec})

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kuberl.lifetime import descendants
+from kuberl.util.lifetime import descendants
 from tests.test_trainer_pipeline import TINY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -202,7 +202,7 @@ def test_no_cluster_or_an_unreachable_one_is_one_clear_line(tmp_path, monkeypatc
 
 
 def test_operator_summary_line_counts_phases_and_names_running_jobs():
-    from kuberl.operator.summary import summary_line
+    from kuberl.operator.runtime.summary import summary_line
 
     job = {"kind": "AgenticRLJob", "metadata": {"namespace": "ml", "name": "a"},
            "status": {"phase": "Running", "stage": "rl", "step": 312, "summary": {"rewardMean": 0.4125}}}  # fmt: skip

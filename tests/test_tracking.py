@@ -17,7 +17,7 @@ import yaml
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests
-from kuberl.operator.builders import build_for
+from kuberl.operator.render.builders import build_for
 from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.tracking import STATE_FILE, open_trackers, tracker_metrics
 from tests.test_trainer_pipeline import TINY
@@ -249,7 +249,7 @@ def test_a_restarted_trainer_pod_continues_the_tracked_runs_from_the_checkpoint_
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from kuberl.operator.trainer_runs import CHECKPOINT_DIR
+    from kuberl.operator.render.trainer_runs import CHECKPOINT_DIR
     from kuberl.trainer.checkpoint import CheckpointStore
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")

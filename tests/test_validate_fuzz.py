@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kuberl.api import ManifestError, parse_resource
-from kuberl.operator.checks import check_file
+from kuberl.operator.validate.checks import check_file
 
 pytestmark = pytest.mark.timeout(300)
 VALUES: tuple[Any, ...] = ("x", 7, None, [], {}, [1])

@@ -212,8 +212,8 @@ async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_
     the pushed weights sampled before the restart."""
     from vllm_fixtures import vllm_available
 
-    from kuberl.ports import free_port
     from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+    from kuberl.util.ports import free_port
 
     vllm_available()
     tok = _tok(smollm2_dir)

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from kuberl.envvars import env_number
 from kuberl.trainer.step_record import StepRecord
+from kuberl.util.envvars import env_number
 
 PROGRESS_EVERY_STEPS_ENV = "KUBERL_PROGRESS_EVERY_STEPS"
 PROGRESS_EVERY_SECONDS_ENV = "KUBERL_PROGRESS_EVERY_SECONDS"

@@ -4,7 +4,7 @@ The simulation runs kuberl's own decision code on a virtual-time asyncio loop
 (``rollout_sim.VirtualTimeLoop``): the KV-aware ``Scheduler``, the ``SandboxClient``'s
 retries, the ``SandboxService``'s queue, batching and backpressure (through its real HTTP
 handlers, without sockets), and the operator's autoscaling decisions
-(``kuberl.operator.autoscale``). Only the things that cost GPU or CPU time are models:
+(``kuberl.operator.decide.autoscale``). Only the things that cost GPU or CPU time are models:
 engines (``rollout_sim.SimEngine``), the execution of a tool call (a sleep of its
 modelled duration), pod start-up, the update and the weight sync.
 

@@ -4,7 +4,7 @@ Synchronous, colocated (rStar2-Agent, asyncLevel 0): every GPU generates, then e
 trains, then the weights are synced; nothing overlaps, so a step is the sum of the three.
 
 Asynchronous (asyncLevel k >= 1): the trainer pods hold T GPUs (``trainer.replicas`` x the
-accelerator count, operator/job_builder.py) and the RolloutFleet F = G - T engines (one GPU an
+accelerator count, operator/render/job_builder.py) and the RolloutFleet F = G - T engines (one GPU an
 engine for a 14B model), separate hardware. The trainer's loop per step (trainer/rl_step.py
 ``rl_step``): push the weights (blocks the trainer: write, engines read and reload), wait for
 the due batch, submit the next k batches, update. The fleet generates meanwhile; each push

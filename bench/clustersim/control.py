@@ -1,7 +1,7 @@
 """The operator's autoscaling loop and the Deployment controller's pod life cycle, in virtual time.
 
 Every ``interval_s`` (the operator's ``autoscale_interval``, 15 s by default) the loop does
-what ``kuberl.operator.loops.autoscale_once`` does: scrape the ready pods' gauges
+what ``kuberl.operator.runtime.loops.autoscale_once`` does: scrape the ready pods' gauges
 (Prometheus text), aggregate them with ``autoscale.pool_load`` / ``autoscale.fleet_load``,
 recommend with ``recommend_pool`` / ``recommend_fleet`` and decide with ``decide``, keeping the
 stabilization history between decisions as the object's status would. The replica count it
@@ -19,8 +19,9 @@ from rollout_sim import EngineSpec, SimEngine
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
-from kuberl.operator import autoscale
-from kuberl.operator.engines import ENGINE_METRICS
+from kuberl.operator.decide import autoscale
+from kuberl.operator.render import signals
+from kuberl.operator.render.engines import ENGINE_METRICS
 from kuberl.rollout.scheduler import Scheduler
 from kuberl.sandbox.config import ServiceConfig
 
@@ -232,7 +233,7 @@ class FleetController:
             texts.append(f"{usage_name} {load.kv_cache_utilization}\n{queue_name} {load.queued}\n")
         # the trainer's /metrics as the operator scrapes it: its scheduler's backlog and in-flight
         inflight = sum(st.inflight for st in self.scheduler.stats)
-        trainer = f"{autoscale.TRAINER_WAITING} {self.scheduler.waiting}\n{autoscale.TRAINER_INFLIGHT} {inflight}\n"
+        trainer = f"{signals.TRAINER_WAITING} {self.scheduler.waiting}\n{signals.TRAINER_INFLIGHT} {inflight}\n"
         fload = autoscale.fleet_load(texts, [trainer])
         decision = self._decide(fload, self.history, now)
         self.history = decision.history

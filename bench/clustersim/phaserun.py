@@ -10,7 +10,7 @@ generation per batch on F engines at the phase's asyncLevel, the trainer's updat
 ``asyncmodel.timeline_step`` of them.
 
 The fleet is either fixed (F engines from start to end, SFT included) or autoscaled by the
-operator's own decisions (``kuberl.operator.autoscale``: ``recommend_fleet``, then ``decide``
+operator's own decisions (``kuberl.operator.decide.autoscale``: ``recommend_fleet``, then ``decide``
 with the fleet's bounds and stabilization window), read once a step from what the trainer
 exports (its rollout wait and engine idle ratios) and, before the first RL step reports, from
 its backlog. An engine it adds serves ``startup_s`` later (pod start and weight load) but holds
@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
-from kuberl.operator import autoscale
+from kuberl.operator.decide import autoscale
 
 from .asyncmodel import timeline_step
 

@@ -27,7 +27,7 @@ from rollout_sim import EngineSpec, SimEngine, run_virtual
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling, SandboxLimits
-from kuberl.operator import autoscale
+from kuberl.operator.decide import autoscale
 from kuberl.rollout import phases
 from kuberl.rollout.engine import GenerateRequest
 from kuberl.rollout.scheduler import Scheduler

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import IO
 
 from kuberl.api.sandbox_pool import SandboxLimits
-from kuberl.lifetime import tied_to_this_process
+from kuberl.util.lifetime import tied_to_this_process
 
 
 @contextlib.contextmanager

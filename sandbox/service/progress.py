@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import os
 
-from kuberl.envvars import env_number
+from kuberl.util.envvars import env_number
 
 EVERY_SECONDS_ENV = "KUBERL_PROGRESS_EVERY_SECONDS"
 DEFAULT_EVERY_SECONDS = 60.0

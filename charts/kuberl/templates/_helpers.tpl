@@ -30,7 +30,7 @@ release: {{ .Values.monitoring.release | quote }}
 {{- end -}}
 
 {{/*
-RBAC rules: kept equal to kuberl.operator.rbac.operator_namespaced_rules() and
+RBAC rules: kept equal to kuberl.operator.render.rbac.operator_namespaced_rules() and
 operator_cluster_rules() by tests/test_chart.py.
 */}}
 {{- define "kuberl.namespacedRules" -}}
@@ -91,7 +91,7 @@ operator_cluster_rules() by tests/test_chart.py.
   verbs: [list, watch]
 {{- end -}}
 
-{{/* Kept equal to kuberl.operator.rbac.leader_election_rules() by tests/test_chart.py. */}}
+{{/* Kept equal to kuberl.operator.render.rbac.leader_election_rules() by tests/test_chart.py. */}}
 {{- define "kuberl.leaderRules" -}}
 - apiGroups: [coordination.k8s.io]
   resources: [leases]

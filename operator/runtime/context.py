@@ -16,9 +16,9 @@ from typing import Any
 import kopf
 
 from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
-from kuberl.operator import metrics
-from kuberl.operator.kube import KubeClient, operator_cache
-from kuberl.operator.pods import http_scrape
+from kuberl.operator.runtime import metrics
+from kuberl.operator.runtime.kube import KubeClient, operator_cache
+from kuberl.operator.runtime.pods import http_scrape
 
 Scraper = Callable[[str], Awaitable[str]]
 KINDS: dict[str, type[Resource]] = {

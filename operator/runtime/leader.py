@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kuberl.operator.kube import ApiError, KubeClient, kind_of
+from kuberl.operator.runtime.kube import ApiError, KubeClient, kind_of
 
-log = logging.getLogger("kuberl.operator.leader")
+log = logging.getLogger("kuberl.operator.runtime.leader")
 LEASE = kind_of("coordination.k8s.io/v1", "Lease")
 Action = Literal["create", "take", "renew", "wait"]
 

@@ -71,7 +71,7 @@ def server_problems(client: Any, docs: list[dict[str, Any]], namespace: str) -> 
     """The server's refusals of ``docs``, of the kuberl objects it would store (read again by the
     models, with its defaults) and of the children the operator renders from them."""
     from kuberl.api.loader import ManifestError, parse_resource
-    from kuberl.operator.builders import build_for
+    from kuberl.operator.render.builders import build_for
 
     problems: list[str] = []
     todo = [(doc, "") for doc in docs]

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
-from kuberl.operator.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
+from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 
 # (kind, namespace, name) -> the live object, or None if it does not exist
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]

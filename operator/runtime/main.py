@@ -41,12 +41,12 @@ from typing import Any
 
 import kopf
 
-from kuberl.operator import metrics
-from kuberl.operator.context import OperatorConfig
-from kuberl.operator.kube import KubeClient
-from kuberl.operator.leader import ElectionConfig, LeaderElector
-from kuberl.operator.liveness import serve_livez
-from kuberl.operator.registry import build_registry, configure_settings
+from kuberl.operator.runtime import metrics
+from kuberl.operator.runtime.context import OperatorConfig
+from kuberl.operator.runtime.kube import KubeClient
+from kuberl.operator.runtime.leader import ElectionConfig, LeaderElector
+from kuberl.operator.runtime.liveness import serve_livez
+from kuberl.operator.runtime.registry import build_registry, configure_settings
 
 DEFAULT_METRICS_PORT = 8080
 DEFAULT_HEALTH_PORT = 8081
@@ -213,7 +213,7 @@ async def operate_elected(
     """``operate`` once this candidate holds the Lease; 1 when it lost it (the pod restarts as
     a standby), 0 on a clean stop (the Lease is released for the next one)."""
     # kopf's login handlers take its settings and a logger (kopf passes them; so must we)
-    info = config.login(settings=kopf.OperatorSettings(), logger=logging.getLogger("kuberl.operator.leader"))
+    info = config.login(settings=kopf.OperatorSettings(), logger=logging.getLogger("kuberl.operator.runtime.leader"))
     if info is None:
         raise SystemExit("leader election needs Kubernetes credentials (service account or kubeconfig)")
     client = KubeClient(info)

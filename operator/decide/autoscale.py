@@ -52,21 +52,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kuberl.api.rollout_fleet import FleetAutoscaling
 from kuberl.api.sandbox_pool import SandboxAutoscaling
-from kuberl.operator.engines import ENGINE_METRICS
+from kuberl.operator.render.engines import ENGINE_METRICS
+from kuberl.operator.render.signals import (
+    PIPELINE_IDLE_TARGET,
+    PIPELINE_WAIT_TARGET,
+    SANDBOX_BUSY,
+    SANDBOX_QUEUE,
+    TRAINER_ENGINE_IDLE,
+    TRAINER_ENGINES_SERVED,
+    TRAINER_INFLIGHT,
+    TRAINER_PHASE_WORKERS,
+    TRAINER_ROLLOUT_WAIT,
+    TRAINER_WAITING,
+)
 
 TOLERANCE = 0.1
 
-SANDBOX_QUEUE = "kuberl_sandbox_queue_depth"
-SANDBOX_BUSY = "kuberl_sandbox_workers_busy"
 SGLANG_TOKEN_USAGE, SGLANG_QUEUE = ENGINE_METRICS["sglang"]
-TRAINER_WAITING = "kuberl_rollout_requests_waiting"
-TRAINER_INFLIGHT = "kuberl_rollout_requests_inflight"
-TRAINER_PHASE_WORKERS = "kuberl_rollout_phase_workers"
-TRAINER_ROLLOUT_WAIT = "kuberl_train_rollout_wait_ratio"
-TRAINER_ENGINE_IDLE = "kuberl_train_engine_idle_ratio"
-TRAINER_ENGINES_SERVED = "kuberl_train_engines_in_service"
-PIPELINE_WAIT_TARGET = 0.15  # a trainer may wait this much of its step for rollouts
-PIPELINE_IDLE_TARGET = 0.3  # engines may idle this much of a step, waiting for weights
 # A scrape is read with whichever (KV usage, queue) pair it carries, so one fleet's autoscaler
 # works for both engines (spec.engine.type).
 ENGINE_GAUGES = ENGINE_METRICS

@@ -75,7 +75,7 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
         {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": CHILD_VERBS},
         {"apiGroups": ["leaderworkerset.x-k8s.io"], "resources": ["leaderworkersets"], "verbs": CHILD_VERBS},
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
-        # a job's checkpoint volume (operator/trainer_runs.py): created, never deleted by the operator
+        # a job's checkpoint volume (operator/render/trainer_runs.py): created, never deleted by the operator
         {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "create", "patch"]},
     ]
 

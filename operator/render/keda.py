@@ -1,13 +1,15 @@
 """KEDA ScaledObjects: ``kuberl.io/autoscaler: keda`` hands a SandboxPool's or RolloutFleet's
-autoscaling to KEDA, on the same signals the operator's own timer reads (``autoscale``)."""
+autoscaling to KEDA, on the same signals the operator's own timer reads (``signals``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kuberl import API_VERSION
 from kuberl.api import Resource, RolloutFleet, SandboxPool
-from kuberl.operator.autoscale import (
+from kuberl.api.group import API_VERSION
+from kuberl.operator.render.engines import ENGINE_METRICS
+from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, Manifest, _meta, object_labels
+from kuberl.operator.render.signals import (
     PIPELINE_IDLE_TARGET,
     PIPELINE_WAIT_TARGET,
     TRAINER_ENGINE_IDLE,
@@ -15,8 +17,6 @@ from kuberl.operator.autoscale import (
     TRAINER_PHASE_WORKERS,
     TRAINER_ROLLOUT_WAIT,
 )
-from kuberl.operator.engines import ENGINE_METRICS
-from kuberl.operator.render_common import ANNOTATION_AUTOSCALER, Manifest, _meta, object_labels
 
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 # app.kubernetes.io/instance as a Prometheus label (the chart's monitors copy it onto every series).

@@ -30,8 +30,8 @@ from kuberl.api import AgenticRLJob, Resource, RolloutFleet, SandboxPool
 from kuberl.api.common import AcceleratorSpec
 from kuberl.api.rollout_fleet import GPUS_PER_NODE, RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-from kuberl.operator import disruption, podtemplate, sizing
-from kuberl.operator.engines import (
+from kuberl.operator.render import disruption, podtemplate, sizing
+from kuberl.operator.render.engines import (
     DRAIN_GRACE_S,
     SGLANG_DIST_PORT,
     engine_command,
@@ -39,20 +39,20 @@ from kuberl.operator.engines import (
     engine_lifecycle,
     engine_probes,
 )
-from kuberl.operator.isolation import (
+from kuberl.operator.render.isolation import (
     fleet_policy,
     sandbox_policy,
     token_env,
     token_secret,
 )
-from kuberl.operator.job_builder import (
+from kuberl.operator.render.job_builder import (
     build_job,
 )
-from kuberl.operator.keda import build_keda_scaled_object, wants_keda
-from kuberl.operator.rbac import (
+from kuberl.operator.render.keda import build_keda_scaled_object, wants_keda
+from kuberl.operator.render.rbac import (
     operator_rbac_rules,
 )
-from kuberl.operator.render_common import (
+from kuberl.operator.render.render_common import (
     ANNOTATION_CONFIG_HASH,
     APP_NAME,
     LABEL_COMPONENT,

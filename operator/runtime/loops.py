@@ -23,14 +23,16 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kuberl import GROUP, VERSION
 from kuberl.api import ManifestError, RolloutFleet, SandboxPool
-from kuberl.operator import autoscale, keda, metrics, status
-from kuberl.operator.context import PLURALS, SCALED, OperatorContext
-from kuberl.operator.handlers import parse_body, pod_selector, post_events, reconcile
-from kuberl.operator.kube import ApiError, is_subset, kind_of
-from kuberl.operator.pods import ready_pods, scrape_pods, trainer_pods_using
-from kuberl.operator.summary import summary_line
+from kuberl.api.group import GROUP, VERSION
+from kuberl.operator.decide import autoscale, status
+from kuberl.operator.render import keda
+from kuberl.operator.runtime import metrics
+from kuberl.operator.runtime.context import PLURALS, SCALED, OperatorContext
+from kuberl.operator.runtime.handlers import parse_body, pod_selector, post_events, reconcile
+from kuberl.operator.runtime.kube import ApiError, is_subset, kind_of
+from kuberl.operator.runtime.pods import ready_pods, scrape_pods, trainer_pods_using
+from kuberl.operator.runtime.summary import summary_line
 
 log = logging.getLogger("kuberl.operator")
 SUMMARY_EVERY = 600.0
@@ -252,7 +254,7 @@ async def resync_loop(ctx: OperatorContext) -> None:
     resync_object_noted.__name__ = "resync_object"  # _each_object's warnings name it
 
     async def one_pass() -> None:
-        ctx.client().invalidate()  # one LIST per kind and namespace this pass (operator/cache.py)
+        ctx.client().invalidate()  # one LIST per kind and namespace this pass (operator/runtime/cache.py)
         before = set(ctx.known)  # objects first seen during the pass are not candidates
         bodies.clear()
         seen = await _each_object(ctx, tuple(PLURALS), resync_object_noted)

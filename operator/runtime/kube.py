@@ -33,9 +33,9 @@ from urllib.parse import quote
 import aiohttp
 import kopf
 
-from kuberl import API_VERSION
-from kuberl.operator.cache import KUBERL_SELECTOR, ListCache
-from kuberl.operator.canonical import server_form
+from kuberl.api.group import API_VERSION
+from kuberl.operator.runtime.cache import KUBERL_SELECTOR, ListCache
+from kuberl.operator.validate.canonical import server_form
 
 log = logging.getLogger("kuberl.operator")
 LAST_APPLIED = "kuberl.io/last-applied"
@@ -283,7 +283,7 @@ def _ssl_context(info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
 class KubeClient:
     """REST calls for child objects, authenticated like kopf (token, basic, or client cert).
 
-    With a ``cache`` (``operator/cache.py``), GETs and label-selected LISTs of cached kinds in a
+    With a ``cache`` (``operator/runtime/cache.py``), GETs and label-selected LISTs of cached kinds in a
     namespace are served from one LIST of that kind until ``invalidate``; ``fresh=True`` reads
     bypass it. Writes keep the cache current.
     """

@@ -11,9 +11,9 @@ import hashlib
 import json
 from typing import Any
 
-from kuberl import API_VERSION
 from kuberl.api import Resource
 from kuberl.api.common import AcceleratorSpec, ResourceRequirements
+from kuberl.api.group import API_VERSION
 from kuberl.api.rollout_fleet import WeightSyncSpec
 
 Manifest = dict[str, Any]

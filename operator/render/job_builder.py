@@ -9,14 +9,14 @@ from typing import Any
 
 import yaml
 
-from kuberl import API_VERSION
 from kuberl.api import AgenticRLJob
+from kuberl.api.group import API_VERSION
 from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec
-from kuberl.operator import podtemplate, sizing, trainer_runs
-from kuberl.operator.isolation import (
+from kuberl.operator.render import podtemplate, sizing, trainer_runs
+from kuberl.operator.render.isolation import (
     token_env,
 )
-from kuberl.operator.render_common import (
+from kuberl.operator.render.render_common import (
     ANNOTATION_CONFIG_HASH,
     JOB_CONFIG_PATH,
     JOB_RUN_DIR,
@@ -33,7 +33,7 @@ from kuberl.operator.render_common import (
     spec_hash,
     weights_volume,
 )
-from kuberl.operator.tracking_env import tracking_env
+from kuberl.operator.render.tracking_env import tracking_env
 
 
 def inline_fleet_name(job_name: str) -> str:

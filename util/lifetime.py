@@ -69,7 +69,7 @@ def reap_on_exit(pids: Iterable[int], grace_s: float = 0.0, groups: bool = False
         return None
     targets = [f"{pid}:{t}" for pid in pids if (t := start_time(pid)) is not None]
     args = [str(os.getpid()), f"{grace_s:g}", "group" if groups else "pid", *targets]
-    cmd = tied_to_this_process([sys.executable, "-m", "kuberl.lifetime", *args])
+    cmd = tied_to_this_process([sys.executable, "-m", "kuberl.util.lifetime", *args])
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
 
 

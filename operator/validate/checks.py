@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kuberl import API_VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.common import quantity_value
+from kuberl.api.group import API_VERSION
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
-from kuberl.operator.admission import context_length_problems
-from kuberl.operator.apirules import children_problems, restricted_problems
-from kuberl.operator.builders import build_for
-from kuberl.operator.job_builder import uses_fleet
+from kuberl.operator.render.builders import build_for
+from kuberl.operator.render.job_builder import uses_fleet
+from kuberl.operator.validate.admission import context_length_problems
+from kuberl.operator.validate.apirules import children_problems, restricted_problems
 
 
 def rendered_problems(

@@ -15,12 +15,13 @@ from typing import Any
 
 import kopf
 
-from kuberl import GROUP, VERSION
-from kuberl.operator import admission, status
-from kuberl.operator.context import PLURALS, OperatorConfig, OperatorContext
-from kuberl.operator.handlers import post_events, reconcile
-from kuberl.operator.kube import kind_of
-from kuberl.operator.loops import autoscale_loop, resync_loop, stale_loops
+from kuberl.api.group import GROUP, VERSION
+from kuberl.operator.decide import status
+from kuberl.operator.runtime.context import PLURALS, OperatorConfig, OperatorContext
+from kuberl.operator.runtime.handlers import post_events, reconcile
+from kuberl.operator.runtime.kube import kind_of
+from kuberl.operator.runtime.loops import autoscale_loop, resync_loop, stale_loops
+from kuberl.operator.validate import admission
 
 
 def build_registry(

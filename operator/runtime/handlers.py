@@ -45,26 +45,16 @@ import aiohttp
 import kopf
 from pydantic import ValidationError
 
-from kuberl import GROUP, VERSION
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
+from kuberl.api.group import GROUP, VERSION
 from kuberl.api.rollout_fleet import RolloutFleetSpec
-from kuberl.operator import (
-    admission,
-    builders,
-    checks,
-    children,
-    conditions,
-    isolation,
-    job_builder,
-    keda,
-    metrics,
-    render_common,
-    status,
-    trainer_runs,
-)
-from kuberl.operator.context import SCALED, TERMINAL, OperatorContext
-from kuberl.operator.kube import ApiError, kind_of
-from kuberl.operator.pods import engine_gaps, ready_pods, scrape_pods, train_progress
+from kuberl.operator.decide import children, conditions, status
+from kuberl.operator.render import builders, isolation, job_builder, keda, render_common, trainer_runs
+from kuberl.operator.runtime import metrics
+from kuberl.operator.runtime.context import SCALED, TERMINAL, OperatorContext
+from kuberl.operator.runtime.kube import ApiError, kind_of
+from kuberl.operator.runtime.pods import engine_gaps, ready_pods, scrape_pods, train_progress
+from kuberl.operator.validate import admission, checks
 
 log = logging.getLogger("kuberl.operator")
 # --- reconcile -----------------------------------------------------------------------------

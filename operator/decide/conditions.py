@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kuberl.operator.status import Event, condition
+from kuberl.operator.decide.status import Event, condition
 
 APPLIED = "Applied"
 DEGRADED = "Degraded"

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kuberl.operator.kube import KubeClient, kind_of
-from kuberl.operator.render_common import APP_NAME, LABEL_COMPONENT, LABEL_NAME
+from kuberl.operator.render.render_common import APP_NAME, LABEL_COMPONENT, LABEL_NAME
+from kuberl.operator.runtime.kube import KubeClient, kind_of
 
 log = logging.getLogger("kuberl.operator")
 

@@ -24,8 +24,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kuberl.operator.canonical import parse_quantity
-from kuberl.operator.podrules import annotation_problems, pod_extras_problems
+from kuberl.operator.validate.canonical import parse_quantity
+from kuberl.operator.validate.podrules import annotation_problems, pod_extras_problems
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
