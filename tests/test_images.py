@@ -157,6 +157,11 @@ def lint(path: Path) -> list[str]:
                     problems.append(f"COPY source {src} does not exist in the build context (repo root)")
     if not any(w == "ENTRYPOINT" for w, _ in ins):
         problems.append("no ENTRYPOINT")
+    if installs:  # `pip install .` needs every folder pyproject.toml maps a package to
+        copied = {src.rstrip("/") for w, a in ins if w == "COPY" for src in a.split()[:-1]}
+        package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        for folder in sorted(set(package_dirs.values()) - copied):
+            problems.append(f"pyproject.toml maps a package to {folder}/, which no COPY brings in")
     return problems
 
 
