@@ -325,7 +325,7 @@ def test_watching_some_namespaces_grants_roles_there_only():
         ]
     # The ClusterRole keeps only what has no namespace: kopf's scans of namespaces and CRDs.
     cluster = next(o for o in objs if o["kind"] == "ClusterRole")
-    assert cluster["rules"] == operator_cluster_rules(admission=False)
+    assert cluster["rules"] == operator_cluster_rules()
     assert {r for rule in cluster["rules"] for r in rule["resources"]} == {
         "namespaces",
         "customresourcedefinitions",

@@ -3,8 +3,8 @@ endpoint, a test's Prometheus).
 
 ``bind(("127.0.0.1", 0))`` and closing returns a port from the kernel's ephemeral range, the same
 range every outgoing connection's local port comes from. Between that close and the server's own
-bind, any connect() on the machine may take the port (seen in CI: kopf's health endpoint failed
-with EADDRINUSE while the suite's HTTP clients were busy). A port picked outside that range is
+bind, any connect() on the machine may take the port, and the server's bind fails with EADDRINUSE
+while many clients are connecting. A port picked outside that range is
 only taken by another explicit bind, so the window is closed for the common case; the bind check
 still rules out a port that is in use now.
 """

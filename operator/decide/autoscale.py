@@ -38,7 +38,7 @@ the count that served the measured step (the trainers export it): replicas still
 not shorten it, and counting them would grow the fleet again for the same wait. Where such trainers
 report, their pipeline is the fleet's demand, not its KV usage, queues or their backlog: their
 schedulers keep the batches ahead waiting and fill every engine's KV cache by design, so those
-signals would hold any fleet at its maximum (bench/phase_run.py measured it). Synchronous
+signals would hold any fleet at its maximum. Synchronous
 runs wait for their rollouts by design and do not vote; their backlog still grows the fleet.
 """
 

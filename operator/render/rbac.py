@@ -80,13 +80,9 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
     ]
 
 
-def operator_cluster_rules(admission: bool = False) -> list[dict[str, Any]]:
-    """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs.
-
-    ``admission`` no longer changes anything (the chart owns the webhook configurations); the
-    parameter stays so callers written against the old signature keep working.
-    """
-    del admission
+def operator_cluster_rules() -> list[dict[str, Any]]:
+    """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs (the chart owns
+    the admission webhook's configurations, so admission adds nothing here)."""
     return [
         {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
         {
@@ -97,9 +93,9 @@ def operator_cluster_rules(admission: bool = False) -> list[dict[str, Any]]:
     ]
 
 
-def operator_rbac_rules(admission: bool = False) -> list[dict[str, Any]]:
+def operator_rbac_rules() -> list[dict[str, Any]]:
     """The least the operator needs when it watches every namespace (one ClusterRole)."""
-    return operator_namespaced_rules() + operator_cluster_rules(admission)
+    return operator_namespaced_rules() + operator_cluster_rules()
 
 
 def leader_election_rules() -> list[dict[str, Any]]:
