@@ -58,13 +58,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         # The children are rendered as the operator would and checked as the API server would.
         for v in check_file(resources):
             what = f"{path}: {v.resource.KIND}/{v.resource.metadata.name}"
-            if v.problems:
+            # --strict: warnings (and the notes that warn) refuse the file, for CI pipelines
+            warned = v.warnings or any(n.startswith("warning:") for n in v.notes)
+            if v.problems or (args.strict and warned):
                 failed += 1
-                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems), file=sys.stderr)
+                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems or ["warnings under --strict"]), file=sys.stderr)
             else:
                 print(f"ok      {what}")
             for note in v.notes:
                 print(f"  {note}")
+            for warning in v.warnings:  # as kubectl prints the API server's warnings
+                print(f"Warning: {what}: {warning}", file=sys.stderr)
     if args.server:
         failed += _validate_on_server(args.files, args.namespace)
     return 1 if failed else 0
@@ -305,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also ask the API server of the current kubeconfig context: a dry-run apply (nothing is stored) "
         "of each object and of every child the operator would make of it",
+    )
+    v.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat warnings (printed as 'Warning: FILE: OBJECT: ...' on stderr) as errors: exit 1",
     )
     v.add_argument(
         "--namespace",

@@ -1,5 +1,6 @@
 """The API models, the generated CRDs, the examples and the invalid-manifest corpus."""
 
+import asyncio
 import copy
 import os
 import re
@@ -18,6 +19,8 @@ from kuberl.api import AgenticRLJob, ManifestError, Resource, SandboxPool, load_
 from kuberl.api.crdgen import CEL_RULES, ROOT_RULES, all_crds, render, stale_crds
 from kuberl.api.loader import load_documents
 from kuberl.cli import main
+from kuberl.operator.validate import admission
+from kuberl.operator.validate.checks import check_file
 from tests.apiserver_emulation import admission_errors, compile_rule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -333,7 +336,8 @@ def test_floats_are_numbers_even_without_a_dot(tmp_path):
 # (x-kubernetes-validations), yaml (kubectl cannot parse it either), json (kubectl cannot encode
 # it: NaN, infinity), metadata (ObjectMeta's own validation), children (the server takes the
 # kuberl object but refuses a child the operator makes of it). An empty set marks a rule that only
-# `kuberl validate` and the admission webhook enforce: none today. Every corpus file must be
+# `kuberl validate` and the admission webhook enforce (operator/validate/feasibility.py: settings
+# under which a run cannot learn or start, documents read together). Every corpus file must be
 # listed, so such a gap cannot appear without this table saying so. The real API server's verdict
 # on every file is tests/test_k8s_validate.py's; the emulator below covers the CRD layers only.
 APISERVER_REJECTS: dict[str, set[str]] = {
@@ -391,6 +395,17 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "sysctl-invalid.yaml": {"children"},
     "length-target-over-budget.yaml": {"cel"},
     "length-instruction-no-target.yaml": {"cel"},
+    "greedy-decoding.yaml": set(),
+    "greedy-decoding-grpo.yaml": set(),
+    "roc-nothing-to-resample.yaml": set(),
+    "roc-oversample-rounds-away.yaml": set(),
+    "stage-batch-under-minibatches.yaml": set(),
+    "tp-idle-gpus.yaml": set(),
+    "tp-idle-gpus-inline.yaml": set(),
+    "fleet-ref-engine-mismatch.yaml": set(),
+    "fleet-ref-engine-mismatch-sglang.yaml": set(),
+    "fleet-ref-no-weight-sync.yaml": set(),
+    "inline-fleet-no-weight-sync.yaml": set(),
 }
 EMULATED_LAYERS = {"served", "fields", "schema", "list-type", "cel", "yaml"}
 ONLY_KUBERL_VALIDATE = sorted(name for name, layers in APISERVER_REJECTS.items() if not layers)
@@ -409,7 +424,25 @@ def _apiserver_verdict(path: Path) -> tuple[set[str], list[str]]:
 
 def test_every_invalid_manifest_has_a_recorded_apiserver_verdict():
     assert sorted(p.name for p in INVALID) == sorted(APISERVER_REJECTS)
-    assert ONLY_KUBERL_VALIDATE == []
+
+
+@pytest.mark.parametrize("name", ONLY_KUBERL_VALIDATE)
+def test_what_only_kuberl_refuses_parses_and_the_webhook_refuses_alike(name):
+    """A file the CRDs admit is refused by kuberl's own rules, which the admission webhook shares:
+    each resource parses, and the webhook refuses the one validate refuses with the same words."""
+    path = REPO / "examples" / "invalid" / name
+    expected = re.search(r"^# expect: (.+)$", path.read_text(), re.M).group(1).strip()
+    resources = load_manifests(path)
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in load_documents(path)}
+
+    async def lookup(kind: str, namespace: str, name: str) -> dict | None:
+        return docs.get((kind, name))
+
+    said = [e for r in resources for e in asyncio.run(admission.validation_errors(docs[r.KIND, r.metadata.name], lookup))]
+    verdicts = [p for v in check_file(resources) for p in v.problems]
+    assert any(expected in p for p in verdicts), verdicts
+    # the webhook names a live fleet by namespace/name where validate names the one in the file
+    assert any(expected.replace("RolloutFleet ", "RolloutFleet default/") in e or expected in e for e in said), said
 
 
 # kubectl never sends a manifest it cannot encode as JSON: nothing for the CRD layers to judge
@@ -450,11 +483,13 @@ def test_crd_rules_are_where_the_api_server_enforces_them():
 @pytest.mark.parametrize("path", INVALID, ids=lambda p: p.name)
 def test_invalid_corpus_rejected_with_expected_message(path, capsys):
     expected = re.search(r"^# expect: (.+)$", path.read_text(), re.M).group(1).strip()
-    if expected.split(":")[0].split("/")[0] not in ("Deployment", "Job", "Service", "LeaderWorkerSet"):
+    child = expected.split(":")[0].split("/")[0] in ("Deployment", "Job", "Service", "LeaderWorkerSet")
+    if not child and APISERVER_REJECTS[path.name]:
         with pytest.raises(ManifestError) as err:
             load_manifests(path)
         assert expected in str(err.value)
-    # else: the resource itself is fine; a child the operator renders from it is refused
+    # else: the resource itself is fine; a child the operator renders from it, or kuberl's own
+    # rules (operator/validate/feasibility.py), refuse it
     assert main(["validate", str(path)]) == 1
     assert expected in capsys.readouterr().err
 

@@ -32,7 +32,7 @@ def _fleet(context: int) -> dict[str, Any]:
         "apiVersion": "kuberl.io/v1alpha1",
         "kind": "RolloutFleet",
         "metadata": {"name": "gen"},
-        "spec": {"model": {"uri": "m"}, "engine": {"contextLength": context}},
+        "spec": {"model": {"uri": "m"}, "engine": {"contextLength": context}, "weightSync": {"claimName": "w"}},
     }
 
 

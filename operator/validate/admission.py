@@ -24,7 +24,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
+from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
+from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
 
 # (kind, namespace, name) -> the live object, or None if it does not exist
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
@@ -90,6 +92,15 @@ def _changed_refs(body: dict[str, Any], old: dict[str, Any] | None) -> set[str]:
     return {k for k in new if old is None or new[k] != before[k]}
 
 
+def _referenced_fleet_problems(job: AgenticRLJob, fleet: dict[str, Any], name: str) -> list[str]:
+    """``feasibility.fleet_problems`` of a live fleet (one the schema let in parses)."""
+    try:
+        spec = RolloutFleetSpec.model_validate(fleet.get("spec") or {})
+    except ValueError:
+        return []  # the fleet's own admission judged it
+    return fleet_problems(job, spec, f"RolloutFleet {name} (spec.rollout.fleetRef) spec.", inline=False)
+
+
 async def validation_errors(
     body: dict[str, Any], lookup: Lookup | None, old: dict[str, Any] | None = None
 ) -> list[str]:
@@ -104,7 +115,7 @@ async def validation_errors(
         res = parse_resource(_as_manifest(body), source="admission")
     except ManifestError as err:
         return [str(err).removeprefix("admission: ")]
-    errors: list[str] = []
+    errors: list[str] = resource_problems(res)
     ns = res.metadata.namespace or (body.get("metadata") or {}).get("namespace") or "default"
     if isinstance(res, SandboxPool | RolloutFleet):
         if res.metadata.annotations.get(ANNOTATION_AUTOSCALER) == "keda" and res.spec.autoscaling is None:
@@ -123,6 +134,7 @@ async def validation_errors(
                     f"spec.rollout.fleetRef: RolloutFleet {ns}/{rollout.fleet_ref} {problem}"
                     for problem in context_length_problems(res, fleet)
                 ]
+                errors += _referenced_fleet_problems(res, fleet, f"{ns}/{rollout.fleet_ref}")
         if (
             sandbox.pool_ref
             and "poolRef" in changed

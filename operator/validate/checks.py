@@ -21,6 +21,7 @@ from kuberl.operator.render.builders import build_for
 from kuberl.operator.render.job_builder import uses_fleet
 from kuberl.operator.validate.admission import context_length_problems
 from kuberl.operator.validate.apirules import children_problems, restricted_problems
+from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
 
 
 def rendered_problems(
@@ -59,6 +60,7 @@ class Verdict:
     resource: Resource
     problems: list[str] = field(default_factory=list)  # the API server or the operator would refuse
     notes: list[str] = field(default_factory=list)  # not checked here, or likely to fail at run time
+    warnings: list[str] = field(default_factory=list)  # `Warning:` lines; errors under --strict
 
 
 def _pool_notes(spec: SandboxPoolSpec, where: str, name: str = "pool") -> list[str]:
@@ -192,6 +194,9 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
                         f"spec.rollout.fleetRef: RolloutFleet {ref} (in this file) {p}"
                         for p in context_length_problems(r, fleets[ns_of(r), ref].wire())
                     ]
+                    v.problems += fleet_problems(
+                        r, fleet_spec, f"RolloutFleet {ref} (spec.rollout.fleetRef) spec.", inline=False
+                    )
                 else:
                     v.notes.append(
                         f"not checked: spec.rollout.fleetRef names RolloutFleet {ref!r}, which is not in this "
@@ -211,6 +216,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
             v.notes += _algorithm_notes(r)
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
+        v.problems += resource_problems(r)
         v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)
         out.append(v)
     return out
