@@ -62,7 +62,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             warned = v.warnings or any(n.startswith("warning:") for n in v.notes)
             if v.problems or (args.strict and warned):
                 failed += 1
-                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems or ["warnings under --strict"]), file=sys.stderr)
+                print(f"INVALID {what}:\n  " + "\n  ".join(v.problems or ["--strict: its warnings count as errors"]), file=sys.stderr)
             else:
                 print(f"ok      {what}")
             for note in v.notes:

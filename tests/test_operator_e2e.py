@@ -616,12 +616,33 @@ async def test_admission_webhooks_through_kopf() -> None:
                     "apiVersion": "kuberl.io/v1alpha1",
                     "kind": "RolloutFleet",
                     "metadata": {"name": "nope", "namespace": NS},
-                    "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}},
+                    "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}, "weightSync": {"claimName": "w"}},
                 },
             )
             await k.create(f"{API}/sandboxpools", pool("nada"))
             rsp = await review("validate-agenticrljobs", bad, "agenticrljobs")
             assert rsp["allowed"] is True
+
+            # the rules `kuberl validate` applies to the fleet in the file, here to the live one
+            await k.create(
+                f"{API}/rolloutfleets",
+                {
+                    "apiVersion": "kuberl.io/v1alpha1",
+                    "kind": "RolloutFleet",
+                    "metadata": {"name": "frozen", "namespace": NS},
+                    "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}},
+                },
+            )
+            frozen = job("frozen", rollout={"fleetRef": "frozen"}, sandbox={"poolRef": "nada"})
+            rsp = await review("validate-agenticrljobs", frozen, "agenticrljobs")
+            assert rsp["allowed"] is False
+            assert "RolloutFleet e2e/frozen (spec.rollout.fleetRef) spec.weightSync is not set" in rsp["status"]["message"]
+
+            # warnings come back as the AdmissionReview's, which kubectl prints as `Warning:`
+            busy = job("busy", rollout={"fleetRef": "nope"}, sandbox={"pool": {"replicas": 1, "workersPerPod": 1}})
+            rsp = await review("validate-agenticrljobs", busy, "agenticrljobs")
+            assert rsp["allowed"] is True
+            assert any("spec.sandbox.pool: 1 sandbox workers" in w for w in rsp.get("warnings", [])), rsp
 
             inline = job("inline", rollout={"fleet": {"replicas": 1}})
             rsp = await review("mutate-agenticrljobs", inline, "agenticrljobs")

@@ -91,11 +91,15 @@ def build_registry(
 
         if cfg.admission:
 
-            async def on_validate(body: kopf.Body, old: kopf.Body | None = None, **_: Any) -> None:
+            async def on_validate(
+                body: kopf.Body, warnings: list[str], old: kopf.Body | None = None, **_: Any
+            ) -> None:
                 before = dict(old) if old is not None else None
                 errors = await admission.validation_errors(dict(body), _lookup(ctx), before)
                 if errors:
                     raise kopf.AdmissionError("; ".join(errors), code=422)
+                # kubectl prints these as `Warning:` lines, as `kuberl validate` does
+                warnings.extend(await admission.validation_warnings(dict(body), _lookup(ctx)))
 
             def on_mutate(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
                 changes = admission.mutation(dict(body))

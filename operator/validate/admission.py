@@ -25,6 +25,7 @@ from typing import Any
 
 from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.rollout_fleet import RolloutFleetSpec
+from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
 
@@ -142,6 +143,28 @@ async def validation_errors(
         ):
             errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
     return errors
+
+
+async def validation_warnings(body: dict[str, Any], lookup: Lookup | None) -> list[str]:
+    """What kubectl prints as ``Warning:`` on admitting ``body``: the same warnings as
+    `kuberl validate` (``advisories``), for a body ``validation_errors`` admits."""
+    from kuberl.operator.validate.advisories import resource_warnings
+
+    try:
+        res = parse_resource(_as_manifest(body), source="admission")
+    except ManifestError:
+        return []
+    ns = res.metadata.namespace or (body.get("metadata") or {}).get("namespace") or "default"
+    pool = None
+    if isinstance(res, AgenticRLJob) and res.spec.sandbox.pool_ref and lookup is not None:
+        live = await lookup("SandboxPool", ns, res.spec.sandbox.pool_ref)
+        try:
+            if live is not None:
+                spec = SandboxPoolSpec.model_validate(live.get("spec") or {})
+                pool = (spec, f"SandboxPool {res.spec.sandbox.pool_ref} (spec.sandbox.poolRef) spec")
+        except ValueError:
+            pool = None
+    return resource_warnings(res, ns, pool=pool)
 
 
 def mutation(body: dict[str, Any]) -> dict[str, Any]:

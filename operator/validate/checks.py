@@ -20,6 +20,7 @@ from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.builders import build_for
 from kuberl.operator.render.job_builder import uses_fleet
 from kuberl.operator.validate.admission import context_length_problems
+from kuberl.operator.validate.advisories import resource_warnings
 from kuberl.operator.validate.apirules import children_problems, restricted_problems
 from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
 
@@ -179,12 +180,13 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
         return r.metadata.namespace or namespace
 
     fleets = {(ns_of(r), r.metadata.name): r for r in resources if isinstance(r, RolloutFleet)}
-    pools = {(ns_of(r), r.metadata.name) for r in resources if isinstance(r, SandboxPool)}
+    pools = {(ns_of(r), r.metadata.name): r for r in resources if isinstance(r, SandboxPool)}
     collisions = collision_problems(resources, namespace)
     out = []
     for i, r in enumerate(resources):
         v = Verdict(r, problems=list(collisions.get(i, [])))
         fleet_spec = None
+        pool: tuple[SandboxPoolSpec, str] | None = None
         if isinstance(r, AgenticRLJob):
             ref = r.spec.rollout.fleet_ref
             if ref and uses_fleet(r):
@@ -204,6 +206,8 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
                         "engine.contextLength then)"
                     )
             pref = r.spec.sandbox.pool_ref
+            if pref and (ns_of(r), pref) in pools:
+                pool = (pools[ns_of(r), pref].spec, f"SandboxPool {pref} (spec.sandbox.poolRef) spec")
             if pref and (ns_of(r), pref) not in pools:
                 v.notes.append(
                     f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file "
@@ -217,6 +221,8 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += resource_problems(r)
-        v.problems += rendered_problems(r, r.metadata.namespace or namespace, fleet=fleet_spec)
+        v.problems += rendered_problems(r, ns_of(r), fleet=fleet_spec)
+        if not v.problems:
+            v.warnings += resource_warnings(r, ns_of(r), fleet=fleet_spec, pool=pool)
         out.append(v)
     return out
