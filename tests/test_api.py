@@ -406,6 +406,9 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "fleet-ref-engine-mismatch-sglang.yaml": set(),
     "fleet-ref-no-weight-sync.yaml": set(),
     "inline-fleet-no-weight-sync.yaml": set(),
+    "hugepages-request-below-limit.yaml": {"children"},
+    "hugepages-not-whole-pages.yaml": {"children"},
+    "hugepages-without-limit.yaml": {"children"},
 }
 EMULATED_LAYERS = {"served", "fields", "schema", "list-type", "cel", "yaml"}
 ONLY_KUBERL_VALIDATE = sorted(name for name, layers in APISERVER_REJECTS.items() if not layers)

@@ -20,8 +20,10 @@ they are clear.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Any
 
 from kuberl.operator.validate.canonical import parse_quantity
@@ -114,9 +116,28 @@ def _extended(name: str) -> bool:
     return "/" in name and not name.startswith("kubernetes.io/")
 
 
+def _hugepages(name: str) -> bool:
+    """hugepages-<size>: native, but like an extended resource never overcommitted."""
+    return name.startswith("hugepages-")
+
+
+def _hugepage_problem(name: str, value: Fraction, written: Any) -> str | None:
+    """A hugepages amount must be a whole number of its pages (the server rounds it up to bytes)."""
+    try:
+        page = parse_quantity(name.removeprefix("hugepages-"))[0]
+    except ValueError:
+        page = Fraction(0)
+    if page <= 0 or page.denominator != 1:
+        return f"{name!r} does not name a page size (hugepages-2Mi, hugepages-1Gi)"
+    if math.ceil(value) % page:
+        return f"{written} is not positive integer multiple of {name}"
+    return None
+
+
 def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
-    """core/v1 ResourceRequirements: names, quantities, requests <= limits, and extended
-    resources (anything with a domain, like amd.com/gpu) requested exactly at their limit."""
+    """core/v1 ResourceRequirements: names, quantities, requests <= limits, and what is never
+    overcommitted -- extended resources (anything with a domain, like amd.com/gpu) and hugepages --
+    requested exactly at their limit; hugepages in whole pages."""
     out: list[str] = []
     parsed: dict[str, dict[str, Any]] = {}
     for part in ("requests", "limits"):
@@ -132,13 +153,23 @@ def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
             else:
                 parsed[part][name] = parse_quantity(value)[0]
     requests, limits = parsed.get("requests", {}), parsed.get("limits", {})
+    for part, values in (("limits", limits), ("requests", requests)):
+        for name, value in values.items():
+            if _hugepages(name) and (problem := _hugepage_problem(name, value, (res or {})[part][name])):
+                out.append(f"{where}.{part}[{name}]: {problem}")
     for name, lim in limits.items():
         if _extended(name) and lim.denominator != 1:
             out.append(f"{where}.limits[{name}]: must be an integer (extended resource)")
     for name, req in requests.items():
         lim = limits.get(name)
         extended = _extended(name)
-        if lim is not None and req > lim:
+        if _hugepages(name) and lim is not None and req != lim:
+            out.append(
+                f"{where}.requests[{name}]: must be equal to {name} limit (hugepages are never overcommitted)"
+            )
+        elif _hugepages(name) and lim is None:
+            out.append(f"{where}.limits[{name}]: Limit must be set for non overcommitable resources ({name})")
+        if lim is not None and req > lim and not _hugepages(name):
             out.append(f"{where}.requests[{name}]: must be less than or equal to {name} limit")
         if extended and req.denominator != 1:
             out.append(f"{where}.requests[{name}]: must be a whole number (extended resource)")
