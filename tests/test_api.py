@@ -409,6 +409,7 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "hugepages-request-below-limit.yaml": {"children"},
     "hugepages-not-whole-pages.yaml": {"children"},
     "hugepages-without-limit.yaml": {"children"},
+    "hugepages-without-cpu-or-memory.yaml": {"children"},
 }
 EMULATED_LAYERS = {"served", "fields", "schema", "list-type", "cel", "yaml"}
 ONLY_KUBERL_VALIDATE = sorted(name for name, layers in APISERVER_REJECTS.items() if not layers)

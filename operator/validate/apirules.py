@@ -157,6 +157,9 @@ def resources_problems(res: dict[str, Any] | None, where: str) -> list[str]:
         for name, value in values.items():
             if _hugepages(name) and (problem := _hugepage_problem(name, value, (res or {})[part][name])):
                 out.append(f"{where}.{part}[{name}]: {problem}")
+    named = set(requests) | set(limits)
+    if any(_hugepages(n) for n in named) and not named & {"cpu", "memory"}:
+        out.append(f"{where}: Forbidden: HugePages require cpu or memory")
     for name, lim in limits.items():
         if _extended(name) and lim.denominator != 1:
             out.append(f"{where}.limits[{name}]: must be an integer (extended resource)")
