@@ -180,22 +180,6 @@ class StubVLLM:
         return web.json_response({"success": True})
 
 
-@pytest.fixture
-async def serve():
-    runners: list[web.AppRunner] = []
-
-    async def start(stub: StubVLLM) -> str:
-        runner = web.AppRunner(stub.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for r in runners:
-        await r.cleanup()
-
-
 def _folder(root) -> str:
     folder = root / "v00000003"
     folder.mkdir()
