@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import alive, exec_code, memory_probe
 from sandbox_service import readyz, unprivileged_wrapper
+from venvs import venv_like_this_interpreter
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.containment.fsview import readonly_paths, service_paths
@@ -681,9 +682,7 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
     top = Path(tempfile.mkdtemp(prefix="kuberl-venv-", dir="/tmp"))
     try:
         top.chmod(0o755)  # the unprivileged service must reach its interpreter
-        venv = top / "venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
-        python = str(venv / "bin" / "python")
+        python = str(venv_like_this_interpreter(top / "venv"))
         purelib = subprocess.run(
             [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
             capture_output=True, text=True, check=True,
