@@ -203,34 +203,26 @@ def _perturbed_policy(smollm2_dir: Path):
     return model
 
 
-@pytest.fixture(scope="module")
-def second_vllm(smollm2_dir, tmp_path_factory):
-    """A second real server with a smaller KV cache (another capacity for the scheduler); a
-    restart (stop, then start) keeps its address."""
-    from vllm_fixtures import vllm_available
-
-    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
-
-    vllm_available()
-    log = tmp_path_factory.mktemp("vllm2") / "server.log"
-    server = VLLMServer(VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.25), log_path=log)
-    server.start(timeout=600)
-    yield server
-    server.stop()
-
-
 async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_weights_back(
-    second_vllm, smollm2_dir, tmp_path
+    smollm2_dir, tmp_path
 ):
     """A replica restarts mid-run and comes back serving the base model: its first answer is
     refused by the version the server itself reports (never returned, so never trained on), the
     client re-pushes the version it had pushed and runs the request again, which samples what
     the pushed weights sampled before the restart."""
+    from vllm_fixtures import vllm_available
+
+    from kuberl.ports import free_port
+    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    vllm_available()
     tok = _tok(smollm2_dir)
     prompt = tok.encode(f"{IM_START}user\nWhat is 12*7?{IM_END}\n{IM_START}assistant\n")
+    cfg = VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.25, port=free_port())
     pushed = tmp_path / "v00000001"
     write_hf_folder(_perturbed_policy(smollm2_dir).state_dict(), smollm2_dir, pushed)
-    url = second_vllm.url  # the module's other test pushes nothing to it: its start-up weights
+    server = VLLMServer(cfg, log_path=tmp_path / "server.log")
+    url = server.start(timeout=600)
     engine = VLLMEngine(url, retries=0)
     try:
         base = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
@@ -238,8 +230,9 @@ async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_
         await engine.update_weights_from_disk(str(pushed), version=1)
         mine = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
         assert mine.weight_version == 1 and mine.output_ids != base.output_ids
-        second_vllm.stop()  # the restart: same address, the base model again
-        assert second_vllm.start(timeout=600) == url
+        server.stop()  # the restart: same address, the base model again
+        server = VLLMServer(cfg, log_path=tmp_path / "server.log")
+        assert server.start(timeout=600) == url
         # its answer is dropped (label "default"), version 1 re-pushed, the request run again
         again = await engine.generate(GenerateRequest(prompt, 32, temperature=0.0))
         assert (engine.version_mismatches, engine.repushes) == (1, 1)
@@ -247,9 +240,8 @@ async def test_a_server_restarted_with_its_base_weights_is_caught_and_given_the_
         assert again.output_logprobs == pytest.approx(mine.output_logprobs, abs=1e-3)
         assert await engine.served_weight_version() == "1"
     finally:
-        # Put the original weights back for the module's other test.
-        await engine.update_weights_from_disk(str(smollm2_dir), version=0)
         await engine.close()
+        server.stop()
 
 
 async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir, tmp_path):
@@ -304,14 +296,30 @@ async def test_a_push_of_a_folder_without_weights_is_refused_before_the_server_s
         await engine.close()
 
 
-async def test_kv_aware_scheduler_over_two_real_servers_reads_their_metrics(vllm_url, second_vllm, smollm2_dir):
+@pytest.fixture(scope="module")
+def second_vllm_url(smollm2_dir, tmp_path_factory):
+    """A second real server with a smaller KV cache (another capacity for the scheduler)."""
+    from vllm_fixtures import vllm_available
+
+    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+
+    vllm_available()
+    log = tmp_path_factory.mktemp("vllm2") / "server.log"
+    server = VLLMServer(VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.25), log_path=log)
+    yield server.start(timeout=600)
+    server.stop()
+
+
+async def test_kv_aware_scheduler_over_two_real_servers_reads_their_metrics(
+    vllm_url, second_vllm_url, smollm2_dir
+):
     """Capacities come from each server's vllm:cache_config_info, load from its
     vllm:kv_cache_usage_perc; rollouts spread over both by free KV without ever over-reserving,
     and KV cache that another client fills on a server counts against it."""
     from kuberl.rollout.fleet import FleetSource, FleetWatcher
 
     tok = _tok(smollm2_dir)
-    watcher = FleetWatcher(FleetSource(urls=(vllm_url, second_vllm.url), engine="vllm"), interval=0)
+    watcher = FleetWatcher(FleetSource(urls=(vllm_url, second_vllm_url), engine="vllm"), interval=0)
     scheduler = await watcher.start(timeout=60)
     try:
         big, small = scheduler.stats
