@@ -19,7 +19,6 @@ import contextlib
 import os
 import resource
 import selectors
-import shutil
 import socket
 import sys
 import threading
@@ -27,12 +26,10 @@ import time
 import urllib.parse
 from pathlib import Path
 
+from sandbox_service import readyz, service
+
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.service.client import SandboxClient
-from kuberl.sandbox.service.local import running_sandbox
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.sandbox_helpers import readyz, unprivileged_wrapper  # noqa: E402
 
 
 def addr(url: str) -> tuple[str, int]:
@@ -166,32 +163,6 @@ def calls_under_flood(url: str, count: int, calls: int = 200) -> tuple[list[floa
             return sorted(lat), held, opened
 
     return asyncio.run(scenario())
-
-
-def service(
-    mode: str,
-    limits: SandboxLimits,
-    extra: list[str],
-    python: str | None = None,
-    cwd: str | None = None,
-    workers: int = 2,
-    pod_pids: bool = False,
-    log=None,
-):
-    """The sandbox service in ``mode``; basic runs as a fresh non-root uid with a pod's 1,024
-    open files, and with ``pod_pids`` in a PID namespace of its own as in a pod."""
-    wrapper: list[str] = []
-    if mode == "basic":
-        found = unprivileged_wrapper(pid_namespace=pod_pids)
-        if found is None:
-            raise SystemExit("cannot run the service as a non-root uid here")
-        prlimit = shutil.which("prlimit")
-        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        wrapper = ([prlimit, f"--nofile=1024:{hard}"] if prlimit else []) + found
-    return running_sandbox(
-        workers=workers, limits=limits, pool=f"front-{mode}", wrapper=wrapper, extra_args=["--isolation", mode, *extra],
-        python=python, cwd=cwd, log=log,
-    )  # fmt: skip
 
 
 def main() -> int:

@@ -41,7 +41,7 @@ import sys
 import time
 import urllib.request
 
-from sandbox_front import service
+from sandbox_service import service
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.service.client import SandboxClient

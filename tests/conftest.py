@@ -1,14 +1,27 @@
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules (vllm_fixtures, hf_fixtures)
+# the bench's modules the tests share (sandbox_service, sandbox_front); after the installed
+# packages, so that none of them shadows one
+sys.path.append(str(REPO / "bench"))
+
+MARKERS = (
+    "sandbox_service(limits, pool, extra=(), env=None, pod_files=True, log=False): "
+    "the module's sandbox service (the svc fixture)",
+    "slot_config(pool, memory_mb, landlock=True): the module's basic-isolation slot (the slot fixture)",
+    "tiny_gpt(size, sharpen=1.0): the module's tiny GPT (the model fixture)",
+)
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +32,97 @@ def repo() -> Path:
 def pytest_configure(config):
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
     os.environ.setdefault("KUBERL_TEST", "1")
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+
+
+def _marked(request: pytest.FixtureRequest, name: str) -> dict[str, Any]:
+    """The keyword arguments of the ``name`` mark closest to the requesting test or module."""
+    mark = request.node.get_closest_marker(name)
+    if mark is None:
+        raise pytest.UsageError(f"{request.fixturename} needs a pytest.mark.{name}(...) on the test or its module")
+    return dict(mark.kwargs)
+
+
+@pytest.fixture(scope="module", params=["full", "basic"])
+def svc(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The sandbox service in full isolation and in basic (a fresh non-root uid, as in a pod),
+    one per module and mode, as the module's ``sandbox_service`` mark sets it up: a
+    ``Served(mode, url, log)``, ``log`` the file its log goes to where the mark asks for one."""
+    from sandbox_helpers import Served
+    from sandbox_service import service, unprivileged_wrapper
+
+    setup = _marked(request, "sandbox_service")
+    mode: str = request.param
+    if mode == "basic" and unprivileged_wrapper() is None:
+        pytest.skip("cannot run the service as a non-root uid here")
+    log_path = tmp_path_factory.mktemp(setup["pool"]) / "service.log" if setup.get("log") else None
+    with contextlib.ExitStack() as stack:
+        log = stack.enter_context(log_path.open("w")) if log_path else None
+        url = stack.enter_context(
+            service(
+                mode, setup["limits"], list(setup.get("extra", ())), pool=setup["pool"], env=setup.get("env"),
+                pod_files=setup.get("pod_files", True), log=log,
+            )
+        )  # fmt: skip
+        yield Served(mode, url, log_path)
+
+
+@pytest.fixture
+def slot(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A basic-isolation sandbox slot (slot 0 of a pool of this process's own), as the
+    ``slot_config`` mark sets it up; with ``landlock=False`` without Landlock, so that a call
+    may read its own /proc/self/mem."""
+    from kuberl.sandbox.config import WorkerConfig
+    from kuberl.sandbox.containment.slot import Slot
+
+    setup = _marked(request, "slot_config")
+    cfg = WorkerConfig(slot=0, pool=f"{setup['pool']}{os.getpid()}", isolation="basic", memory_mb=setup["memory_mb"])
+    s = Slot(cfg, False)
+    if not setup.get("landlock", True) and s.landlock is not None:
+        s.landlock.close()
+        s.landlock = None
+    yield s
+    s.remove()
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Any:
+    """A tiny GPT (seed 0, eval mode) of the ``tiny_gpt`` mark's vocabulary and context
+    ``size``, its token embeddings scaled by ``sharpen`` (sharp logits leave greedy decoding no
+    near-ties)."""
+    import torch
+
+    from kuberl.trainer.model import GPT, GPTConfig
+
+    setup = _marked(request, "tiny_gpt")
+    size: int = setup["size"]
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab_size=size, block_size=size, n_layer=2, n_head=2, n_embd=32)).eval()
+    if setup.get("sharpen", 1.0) != 1.0:
+        with torch.no_grad():
+            m.wte.weight.mul_(setup["sharpen"])
+    return m
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Any], Awaitable[str]]]:
+    """Starts a fake engine's aiohttp app (anything with ``app()``) on a loopback port and gives
+    its base URL; every app started is cleaned up after the test."""
+    from aiohttp import web
+
+    runners: list[web.AppRunner] = []
+
+    async def start(fake: Any) -> str:
+        runner = web.AppRunner(fake.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    yield start
+    for r in runners:
+        await r.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,11 @@
-"""Helpers shared by the sandbox tests: one call, a liveness check, /readyz, a non-root wrapper."""
+"""Helpers shared by the sandbox tests: one call, a liveness check, a memory probe; /readyz and
+the non-root wrapper are the bench's (bench/sandbox_service.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import random
-import shutil
-import subprocess
-import sys
-import urllib.error
-import urllib.request
+from pathlib import Path
+from typing import NamedTuple
 
 from kuberl.sandbox.service.client import SandboxClient
 from kuberl.sandbox.types import ExecResult
@@ -28,39 +23,6 @@ def exec_code(url: str, code: str, stdin: str = "") -> ExecResult:
 def alive(url: str) -> None:
     r = exec_code(url, "print('alive')")
     assert (r.outcome, r.output) == ("stdout", "alive\n"), r
-
-
-def readyz(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url + "/readyz", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-_UNPRIVILEGED = """import os, sys
-from kuberl.sandbox.process.worker import _hide_home_keep_python
-_hide_home_keep_python()
-os.environ["HOME"] = "/tmp"
-uid = sys.argv[1]
-os.execvp("setpriv", ["setpriv", "--reuid=" + uid, "--regid=" + uid, "--clear-groups", *sys.argv[2:]])
-"""
-
-
-def unprivileged_wrapper(pid_namespace: bool = False) -> list[str] | None:
-    """A command prefix running the service as a fresh non-root uid (as a pod would); [] when we
-    are not root, None where that cannot be arranged (then the basic service runs as root).
-    ``pid_namespace``: in a PID namespace of its own too, with its own /proc, as a pod's
-    container is (its /proc lists the pod's processes, not the host's)."""
-    if os.geteuid() != 0:
-        return []
-    unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
-    if not (unshare and setpriv):
-        return None
-    uid = 3_000_000 + random.randrange(1_000_000)  # no other test's processes share it
-    pid_ns = ["--pid", "--fork", "--kill-child", "--mount-proc"] if pid_namespace else []
-    cmd = [unshare, "--mount", "--propagation", "private", *pid_ns, sys.executable, "-c", _UNPRIVILEGED, str(uid)]
-    return cmd if subprocess.run([*cmd, "true"], capture_output=True).returncode == 0 else None
 
 
 def memory_probe(reversed_needles: list[str]) -> str:
@@ -111,3 +73,11 @@ def memory_probe(reversed_needles: list[str]) -> str:
         "                pos += 1\n"
         "print(json.dumps({'counts': counts, 'how': how}))\n"
     )
+
+
+class Served(NamedTuple):
+    """A running sandbox service (the svc fixture): its isolation mode, URL and log file."""
+
+    mode: str
+    url: str
+    log: Path | None

@@ -9,6 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import builders
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -91,19 +92,13 @@ def test_paper_defaults():
     assert job.spec.trainer.accelerator.profile == "mi300x"
 
 
-def _job(**spec) -> AgenticRLJob:
-    return AgenticRLJob.model_validate(
-        {"metadata": {"name": "j"}, "spec": {"model": {"base": "m"}, "data": {"train": "d"}, **spec}}
-    )
-
-
 def test_plain_grpo_does_not_oversample():
-    algo = _job(algorithm={"name": "grpo"}).spec.algorithm
+    algo = builders.job(algorithm={"name": "grpo"}).spec.algorithm
     assert (algo.oversample, algo.rollouts_per_prompt) == (1.0, 16)
-    assert _job(algorithm={"name": "grpo", "oversample": 1}).spec.algorithm.oversample == 1
-    assert _job(algorithm={"oversample": 1.5}).spec.algorithm.rollouts_per_prompt == 24
+    assert builders.job(algorithm={"name": "grpo", "oversample": 1}).spec.algorithm.oversample == 1
+    assert builders.job(algorithm={"oversample": 1.5}).spec.algorithm.rollouts_per_prompt == 24
     with pytest.raises(ValueError, match=r"algorithm.oversample \(3\) needs name: grpo-roc"):
-        _job(algorithm={"name": "grpo", "oversample": 3})
+        builders.job(algorithm={"name": "grpo", "oversample": 3})
 
 
 def test_kind_names_are_class_constants_not_fields():
@@ -124,18 +119,18 @@ def test_kind_names_are_class_constants_not_fields():
 
 def test_response_budget_must_fit_the_inline_fleet_context():
     fleet = {"engine": {"contextLength": 16384}}
-    ok = _job(rollout={"maxResponseTokens": 8192, "fleet": fleet})  # the paper's stages: 8K, 12K, 12K
+    ok = builders.job(rollout={"maxResponseTokens": 8192, "fleet": fleet})  # the paper's stages: 8K, 12K, 12K
     assert ok.spec.response_budgets_over_context() == []
     # An sft stage never calls the engine; a fleetRef's context length is not known here.
-    assert _job(
+    assert builders.job(
         rollout={"maxResponseTokens": 100, "fleet": {"engine": {"contextLength": 256}}},
         stages=[{"name": "sft", "type": "sft", "steps": 1, "maxResponseTokens": 9999}],
     )
-    assert _job(rollout={"fleetRef": "f", "maxResponseTokens": 10**6})
+    assert builders.job(rollout={"fleetRef": "f", "maxResponseTokens": 10**6})
     with pytest.raises(
         ValueError, match=r"reach it: stage 'stage-2' has 12288; stage 'stage-3' has 12288 \["
     ):
-        _job(rollout={"maxResponseTokens": 4096, "fleet": {"engine": {"contextLength": 12288}}})
+        builders.job(rollout={"maxResponseTokens": 4096, "fleet": {"engine": {"contextLength": 12288}}})
 
 
 def test_wire_roundtrip_uses_camel_case():

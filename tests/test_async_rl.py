@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import builders
 import pytest
 import torch
 
@@ -115,12 +116,9 @@ def test_rl_update_without_a_cap_is_the_update_without_the_correction():
     assert "tis_mean" not in stats[0] and 0 < stats[2]["tis_capped"] < 1
 
 
-def _job(tmp_path, level: int, steps: int = 4) -> AgenticRLJob:
-    doc = copy.deepcopy(TINY)
-    doc["spec"]["algorithm"]["asyncLevel"] = level
-    doc["spec"]["stages"][1]["steps"] = steps
-    doc["spec"]["checkpoint"]["uri"] = str(tmp_path / f"ck{level}")
-    return AgenticRLJob.model_validate(doc)
+# the pipeline's tiny job, run below at an asyncLevel, with a checkpoint folder per level
+ALGORITHM, CHECKPOINT = TINY["spec"]["algorithm"], TINY["spec"]["checkpoint"]
+SFT, RL = TINY["spec"]["stages"]
 
 
 @pytest.mark.parametrize(
@@ -164,7 +162,13 @@ def test_the_batches_ahead_are_submitted_once_the_due_batch_is_in_hand(tmp_path,
     monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
     monkeypatch.setattr(RolloutWorker, "collect_rollouts", collecting)
     monkeypatch.setattr(RolloutWorker, "rollouts", evaluation)
-    run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": level},
+        stages=[SFT, {**RL, "steps": 4}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / f"ck{level}")},
+    )
+    run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     assert calls == order
 
 
@@ -196,7 +200,13 @@ def test_on_engines_that_pad_rows_a_batch_ahead_starts_when_the_one_before_ends(
                 events.append(("end", n))
 
     monkeypatch.setattr(RolloutWorker, "_timed_rollouts", timing)
-    run_job(_job(tmp_path, 2), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": 2},
+        stages=[SFT, {**RL, "steps": 4}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / "ck2")},
+    )
+    run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     overlapping = [
         n for n in range(count[0] - 1) if events.index(("start", n + 1)) < events.index(("end", n))
     ]
@@ -264,7 +274,13 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
     monkeypatch.setattr(RolloutWorker, "score_on_engines", scoring)
     monkeypatch.setattr(rl_step, "rl_update", updating)
     monkeypatch.setattr(RolloutWorker, "submit_rollouts", submitting)
-    res = run_job(_job(tmp_path, level), tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": level},
+        stages=[SFT, {**RL, "steps": 4}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / f"ck{level}")},
+    )
+    res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     # the first RL step pushes in line (its batch needs the version at once); steps 1-3 beside the update
     assert steps["push"] == 3, events
     for n in range(3):
@@ -288,8 +304,14 @@ def test_a_folder_push_runs_beside_the_update_and_the_batches_ahead_wait_for_it(
 @pytest.mark.parametrize("level", [1, 2])
 def test_an_asynchronous_run_trains_on_rollouts_at_most_k_versions_old(tmp_path, monkeypatch, level):
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": level},
+        stages=[SFT, {**RL, "steps": 4}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / f"ck{level}")},
+    )
     res = run_job(
-        _job(tmp_path, level),
+        job,
         tmp_path / f"out{level}",
         use_ray=False,
         executor_factory=FakeSandbox,
@@ -351,7 +373,12 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
     import json
 
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
-    job = _job(tmp_path, level, steps=3)
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": level},
+        stages=[SFT, {**RL, "steps": 3}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / f"ck{level}")},
+    )
     bad = run_job(
         job,
         tmp_path / "bad",
@@ -370,9 +397,13 @@ def test_spot_check_flags_an_engine_serving_other_weights(tmp_path, monkeypatch,
     assert len(flagged) == 1 and "wrong-0" in flagged[0]["text"] and "other weights" in flagged[0]["text"]
     if level == 0:
         return
-    good = run_job(
-        _job(tmp_path, 1, steps=3), tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True
+    job = builders.job(
+        of=TINY,
+        algorithm={**ALGORITHM, "asyncLevel": 1},
+        stages=[SFT, {**RL, "steps": 3}],
+        checkpoint={**CHECKPOINT, "uri": str(tmp_path / "ck1")},
     )
+    good = run_job(job, tmp_path / "good", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     steps = [h for h in good.history if h.type == "rl"]
     gaps = [g for h in steps for g in h.engine_logprob_gap.values()]
     assert len(gaps) == len(steps) and max(gaps) < 1e-3  # the same float32 weights on both sides

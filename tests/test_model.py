@@ -3,13 +3,9 @@
 import pytest
 import torch
 
-from kuberl.trainer.model import GPT, GPTConfig
+from kuberl.trainer.model import GPTConfig
 
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+pytestmark = pytest.mark.tiny_gpt(size=64)  # the model fixture
 
 
 def test_incremental_decoding_matches_full_forward(model):

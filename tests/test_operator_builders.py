@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import builders
 import pytest
 import yaml
 from kube_schemas import validate_manifest
@@ -19,14 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
-def _fleet(**spec) -> RolloutFleet:
-    base = {"model": {"uri": "Qwen/Qwen3-14B-Base"}}
-    return RolloutFleet.model_validate({"metadata": {"name": "f"}, "spec": {**base, **spec}})
-
-
-def _job(**spec) -> AgenticRLJob:
-    base = {"model": {"base": "Qwen/Qwen3-14B-Base"}, "data": {"train": "s3://d/train.jsonl"}}
-    return AgenticRLJob.model_validate({"metadata": {"name": "j"}, "spec": {**base, **spec}})
+QWEN = "Qwen/Qwen3-14B-Base"
+QWEN_FLEET = builders.fleet_manifest(model={"uri": QWEN})
+QWEN_JOB = builders.job_manifest(model={"base": QWEN}, data={"train": "s3://d/train.jsonl"})
 
 
 def _by_kind(objs: list[dict]) -> dict[str, dict]:
@@ -60,7 +56,7 @@ def test_validation_is_strict() -> None:
     _container(dep)["imagePulPolicy"] = "Always"
     with pytest.raises(ValueError, match="imagePulPolicy"):
         validate_manifest(dep)
-    job = _by_kind(build_for(_job(sandbox={"pool": {"replicas": 2}})))["SandboxPool"]
+    job = _by_kind(build_for(builders.job(of=QWEN_JOB, sandbox={"pool": {"replicas": 2}})))["SandboxPool"]
     job["spec"]["replicas"] = -1
     with pytest.raises(ValueError, match="replicas"):
         validate_manifest(job)
@@ -110,7 +106,8 @@ def test_a_default_sandbox_pod_is_guaranteed_with_whole_cpus() -> None:
 
 
 def test_fleet_mi300x_profile() -> None:
-    fleet = _fleet(
+    fleet = builders.fleet(
+        of=QWEN_FLEET,
         replicas=4,
         engine={"tensorParallel": 2, "memFractionStatic": 0.8, "contextLength": 16384, "extraArgs": ["--x"]},
         accelerator={"profile": "mi300x", "count": 2},
@@ -150,9 +147,9 @@ def test_fleet_mi300x_profile() -> None:
 
 
 def test_fleet_h100_and_cpu_profiles() -> None:
-    h100 = _container(_by_kind(build_for(_fleet(accelerator={"profile": "h100", "count": 1})))["Deployment"])
+    h100 = _container(_by_kind(build_for(builders.fleet(of=QWEN_FLEET, accelerator={"profile": "h100", "count": 1})))["Deployment"])
     assert h100["resources"]["limits"] == {"nvidia.com/gpu": "1", "memory": "40Gi"} and "cu12" in h100["image"]
-    cpu_dep = _by_kind(build_for(_fleet(accelerator={"profile": "cpu", "count": 1})))["Deployment"]
+    cpu_dep = _by_kind(build_for(builders.fleet(of=QWEN_FLEET, accelerator={"profile": "cpu", "count": 1})))["Deployment"]
     c = _container(cpu_dep)
     assert not any("gpu" in k for part in c.get("resources", {}).values() for k in part)
     assert "affinity" not in cpu_dep["spec"]["template"]["spec"]
@@ -160,7 +157,8 @@ def test_fleet_h100_and_cpu_profiles() -> None:
 
 
 def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
-    fleet = _fleet(
+    fleet = builders.fleet(
+        of=QWEN_FLEET,
         replicas=2,
         engine={"type": "vllm", "tensorParallel": 2, "memFractionStatic": 0.9, "contextLength": 16384},
         accelerator={"profile": "h100", "count": 2},
@@ -188,9 +186,9 @@ def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"]["path"] == "/health" and c[probe]["timeoutSeconds"] >= 5
-    mi = _container(_by_kind(build_for(_fleet(engine={"type": "vllm"})))["Deployment"])
+    mi = _container(_by_kind(build_for(builders.fleet(of=QWEN_FLEET, engine={"type": "vllm"})))["Deployment"])
     assert "rocm" in mi["image"]
-    cpu = _container(_by_kind(build_for(_fleet(engine={"type": "vllm"}, accelerator={"profile": "cpu"})))["Deployment"])
+    cpu = _container(_by_kind(build_for(builders.fleet(of=QWEN_FLEET, engine={"type": "vllm"}, accelerator={"profile": "cpu"})))["Deployment"])
     assert "--no-enable-chunked-prefill" in cpu["command"]
     # KEDA reads vLLM's own gauges for this fleet
     queries = [t["metadata"]["query"] for t in build_keda_scaled_object(fleet, "ns")["spec"]["triggers"]]
@@ -200,13 +198,13 @@ def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
 
 
 def test_sglang_probes_allow_for_a_generating_health_check() -> None:
-    c = _container(_by_kind(build_for(_fleet()))["Deployment"])
+    c = _container(_by_kind(build_for(builders.fleet(of=QWEN_FLEET)))["Deployment"])
     assert c["name"] == "sglang"
     assert all(c[p]["timeoutSeconds"] >= 10 for p in ("startupProbe", "readinessProbe", "livenessProbe"))
 
 
 def test_trainer_pods_learn_the_fleets_engine_type() -> None:
-    job = _job(rollout={"engine": "vllm", "fleet": {"replicas": 1}})
+    job = builders.job(of=QWEN_JOB, rollout={"engine": "vllm", "fleet": {"replicas": 1}})
     assert job.spec.rollout.fleet is not None and job.spec.rollout.fleet.engine.type == "vllm"
     objs = build_for(job)
     fleet = next(o for o in objs if o["kind"] == "RolloutFleet")
@@ -217,7 +215,7 @@ def test_trainer_pods_learn_the_fleets_engine_type() -> None:
 
 
 def test_fleet_spanning_nodes_is_a_leaderworkerset() -> None:
-    fleet = _fleet(replicas=2, engine={"tensorParallel": 16}, accelerator={"profile": "mi300x", "count": 8})
+    fleet = builders.fleet(of=QWEN_FLEET, replicas=2, engine={"tensorParallel": 16}, accelerator={"profile": "mi300x", "count": 8})
     objs = _by_kind(build_for(fleet))
     lws, svc = objs["LeaderWorkerSet"], objs["Service"]
     validate_manifest(lws)
@@ -230,14 +228,14 @@ def test_fleet_spanning_nodes_is_a_leaderworkerset() -> None:
     assert "readinessProbe" in leader and "readinessProbe" not in worker
     assert svc["spec"]["selector"]["kuberl.io/role"] == "leader"
     assert svc["spec"]["selector"] == engine_selector(fleet)
-    assert engine_selector(_fleet()) == _by_kind(build_for(_fleet()))["Service"]["spec"]["selector"]
+    assert engine_selector(builders.fleet(of=QWEN_FLEET)) == _by_kind(build_for(builders.fleet(of=QWEN_FLEET)))["Service"]["spec"]["selector"]
 
 
 @pytest.mark.parametrize("profile", ["mi300x", "h100", "cpu"])
 def test_engines_return_temperature_1_logprobs(profile: str) -> None:
     """GRPO-RoC's importance ratio divides by the sampler's logprob of the policy at T=1."""
     for tp, count in ((1, 1), (16, 8)):
-        fleet = _fleet(engine={"tensorParallel": tp}, accelerator={"profile": profile, "count": count})
+        fleet = builders.fleet(of=QWEN_FLEET, engine={"tensorParallel": tp}, accelerator={"profile": profile, "count": count})
         for obj in build_for(fleet):
             templates = (
                 [obj["spec"]["template"]]
@@ -255,8 +253,8 @@ def test_child_kinds_cover_everything_the_builders_emit() -> None:
     """The operator deletes stale children by kind: a kind missing here would never be pruned."""
     resources = [
         *(r for path in EXAMPLES for r in load_manifests(path)),
-        _fleet(engine={"tensorParallel": 16}, accelerator={"profile": "h100", "count": 8}),
-        _job(rollout={"fleet": {"replicas": 1}}, sandbox={"pool": {"replicas": 1}}),
+        builders.fleet(of=QWEN_FLEET, engine={"tensorParallel": 16}, accelerator={"profile": "h100", "count": 8}),
+        builders.job(of=QWEN_JOB, rollout={"fleet": {"replicas": 1}}, sandbox={"pool": {"replicas": 1}}),
     ]
     for res in resources:
         emitted = {(o["apiVersion"], o["kind"]) for o in build_for(res) if o["kind"] != "ScaledObject"}
@@ -265,7 +263,8 @@ def test_child_kinds_cover_everything_the_builders_emit() -> None:
 
 
 def test_job_trainer_rendezvous_and_config() -> None:
-    job = _job(
+    job = builders.job(
+        of=QWEN_JOB,
         trainer={"replicas": 4, "accelerator": {"profile": "mi300x", "count": 8}},
         rollout={"fleetRef": "shared"},
         sandbox={"poolRef": "tools"},
@@ -315,7 +314,7 @@ def test_job_trainer_rendezvous_and_config() -> None:
         "/var/run/kuberl",
     ]
     assert {"NNODES", "NPROC_PER_NODE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(env)
-    single = _by_kind(build_for(_job(trainer={"accelerator": {"profile": "h100", "count": 1}})))["Job"]
+    single = _by_kind(build_for(builders.job(of=QWEN_JOB, trainer={"accelerator": {"profile": "h100", "count": 1}})))["Job"]
     assert _container(single)["command"] == [
         "kuberl",
         "run",
@@ -327,7 +326,8 @@ def test_job_trainer_rendezvous_and_config() -> None:
 
 
 def test_job_inline_children_and_suspend() -> None:
-    job = _job(
+    job = builders.job(
+        of=QWEN_JOB,
         rollout={
             "fleet": {
                 "replicas": 2,
@@ -360,8 +360,8 @@ def test_job_inline_children_and_suspend() -> None:
 
 
 def test_config_change_changes_pod_template_hash() -> None:
-    a = _by_kind(build_for(_job()))["Job"]["spec"]["template"]["metadata"]["annotations"]
-    b = _by_kind(build_for(_job(seed=7)))["Job"]["spec"]["template"]["metadata"]["annotations"]
+    a = _by_kind(build_for(builders.job(of=QWEN_JOB)))["Job"]["spec"]["template"]["metadata"]["annotations"]
+    b = _by_kind(build_for(builders.job(of=QWEN_JOB, seed=7)))["Job"]["spec"]["template"]["metadata"]["annotations"]
     assert a["kuberl.io/config-hash"] != b["kuberl.io/config-hash"]
 
 
@@ -396,7 +396,7 @@ def test_keda_scaled_objects() -> None:
     # the trainers' announced rollout phase, as autoscale.phase_floor: ceil(workers / workersPerPod)
     assert announced["metadata"]["query"] == 'sum(kuberl_rollout_phase_workers{namespace="default",pool="p"})'
     assert announced["metricType"] == "AverageValue" and announced["metadata"]["threshold"] == "8"
-    fleet = _fleet(autoscaling={"minReplicas": 1, "maxReplicas": 8, "scaleDownStabilizationSeconds": 120})
+    fleet = builders.fleet(of=QWEN_FLEET, autoscaling={"minReplicas": 1, "maxReplicas": 8, "scaleDownStabilizationSeconds": 120})
     fso = build_keda_scaled_object(fleet, "ns")
     validate_manifest(fso)
     queries = [t["metadata"]["query"] for t in fso["spec"]["triggers"]]
@@ -413,9 +413,9 @@ def test_keda_scaled_objects() -> None:
         "stabilizationWindowSeconds": 120
     }
     with pytest.raises(ValueError, match="autoscaling is not set"):
-        build_keda_scaled_object(_fleet())
+        build_keda_scaled_object(builders.fleet(of=QWEN_FLEET))
     with pytest.raises(ValueError, match="no autoscaling"):
-        build_keda_scaled_object(_job())
+        build_keda_scaled_object(builders.job(of=QWEN_JOB))
 
 
 def test_selector_string_is_sorted_and_stable() -> None:
@@ -480,7 +480,7 @@ def test_weight_sync_volume_is_written_by_the_trainer_and_read_by_the_engines() 
         "weightSync": ws,
         "scheduler": {"policy": "least-requests"},
     }
-    inline = _by_kind(build_for(_job(rollout={"fleet": fleet_spec})))
+    inline = _by_kind(build_for(builders.job(of=QWEN_JOB, rollout={"fleet": fleet_spec})))
     child = RolloutFleet.model_validate({"metadata": {"name": "c"}, "spec": inline["RolloutFleet"]["spec"]})
     engines = _by_kind(build_for(child))["Deployment"]
     assert _mounts(engines)["/weights"] == {
@@ -489,7 +489,7 @@ def test_weight_sync_volume_is_written_by_the_trainer_and_read_by_the_engines() 
     for trainer in (
         inline["Job"],
         # A referenced fleet: the operator passes the spec it read from the cluster.
-        _by_kind(build_for(_job(rollout={"fleetRef": "shared"}), fleet=child.spec))["Job"],
+        _by_kind(build_for(builders.job(of=QWEN_JOB, rollout={"fleetRef": "shared"}), fleet=child.spec))["Job"],
     ):
         mount = _mounts(trainer)["/weights"]
         assert mount["claim"] == "policy-rwx" and not mount.get("readOnly")
@@ -499,6 +499,6 @@ def test_weight_sync_volume_is_written_by_the_trainer_and_read_by_the_engines() 
         validate_manifest(trainer)
     validate_manifest(engines)
     # An unknown referenced fleet: no mount, no policy; the trainer says what is missing.
-    bare = _by_kind(build_for(_job(rollout={"fleetRef": "shared"})))["Job"]
+    bare = _by_kind(build_for(builders.job(of=QWEN_JOB, rollout={"fleetRef": "shared"})))["Job"]
     env = {e["name"] for e in _container(bare)["env"]}
     assert "/weights" not in _mounts(bare) and "KUBERL_WEIGHTS_DIR" not in env and "KUBERL_NAMESPACE" in env

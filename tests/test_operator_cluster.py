@@ -11,6 +11,7 @@ import contextlib
 from typing import Any
 
 import aiohttp
+import builders
 import kopf
 import pytest
 from kube_emulator import ClusterEmulator
@@ -25,14 +26,7 @@ from tests.test_operator_e2e import NS, emulated_cluster
 pytestmark = pytest.mark.timeout(120)
 
 
-def _job(**spec: Any) -> dict[str, Any]:
-    base = {"model": {"base": "m"}, "data": {"train": "s3://d/t.jsonl"}}
-    return {
-        "apiVersion": "kuberl.io/v1alpha1",
-        "kind": "AgenticRLJob",
-        "metadata": {"name": "j", "namespace": "ns"},
-        "spec": {**base, **spec},
-    }
+S3_JOB = builders.job_manifest(namespace="ns", data={"train": "s3://d/t.jsonl"})
 
 
 async def _nothing_exists(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -43,19 +37,22 @@ async def test_updates_are_judged_on_what_they_change() -> None:
     """Once a referenced fleet is gone, suspending the job, relabelling it, kopf's bookkeeping
     and its deletion must still go through; a create, or an update that points the reference
     somewhere new, is still checked."""
-    old = _job(rollout={"fleetRef": "gone"}, sandbox={"poolRef": "gone-too"})
+    old = builders.job_manifest(of=S3_JOB, rollout={"fleetRef": "gone"}, sandbox={"poolRef": "gone-too"})
     assert await admission.validation_errors(old, _nothing_exists)  # CREATE: checked
-    suspended = _job(rollout={"fleetRef": "gone"}, sandbox={"poolRef": "gone-too"}, suspend=True)
+    suspended = builders.job_manifest(
+        of=S3_JOB, rollout={"fleetRef": "gone"}, sandbox={"poolRef": "gone-too"}, suspend=True
+    )
     assert await admission.validation_errors(suspended, _nothing_exists, old) == []
     relabelled = {**old, "metadata": {**old["metadata"], "labels": {"team": "a"}}}
     assert await admission.validation_errors(relabelled, _nothing_exists, old) == []
     deleting = {**old, "metadata": {**old["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert await admission.validation_errors(deleting, _nothing_exists, old) == []
-    moved = _job(rollout={"fleetRef": "other"}, sandbox={"poolRef": "gone-too"})
+    moved = builders.job_manifest(of=S3_JOB, rollout={"fleetRef": "other"}, sandbox={"poolRef": "gone-too"})
     errors = await admission.validation_errors(moved, _nothing_exists, old)
     assert len(errors) == 1 and "RolloutFleet ns/other does not exist" in errors[0]
     # the spec rules themselves still apply to every update that changes the spec
-    bad = _job(
+    bad = builders.job_manifest(
+        of=S3_JOB,
         rollout={"fleetRef": "gone"},
         sandbox={"poolRef": "gone-too"},
         algorithm={"clip": {"low": 0.3, "high": 0.2}},

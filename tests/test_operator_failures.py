@@ -12,6 +12,7 @@ import asyncio
 import re
 from typing import Any
 
+import builders
 import pytest
 import yaml
 
@@ -188,18 +189,9 @@ async def test_operator_preflight_creates_nothing_when_a_child_would_be_refused(
         assert any(e["type"] == "Warning" and "LeaderWorkerSet" in e["message"] for e in await k.events(LONG))
 
 
-def _fleet(name: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kuberl.io/v1alpha1",
-        "kind": "RolloutFleet",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {"model": {"uri": "m"}, **spec},
-    }
-
-
 async def test_missing_crd_lands_in_status_conditions_and_one_event() -> None:
     async with emulated_cluster(absent_kinds={"LeaderWorkerSet"}) as k, running_operator(k):
-        fleet = _fleet("big", engine={"tensorParallel": 16}, accelerator={"count": 8})
+        fleet = builders.fleet_manifest("big", NS, engine={"tensorParallel": 16}, accelerator={"count": 8})
         await k.create(f"{API}/rolloutfleets", fleet)
 
         async def degraded() -> Any:

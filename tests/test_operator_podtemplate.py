@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import builders
 import pytest
 from kube_schemas import validate_manifest
 
@@ -49,10 +50,8 @@ OVERRIDE: dict[str, Any] = {
 }
 
 
-def _job(**trainer: Any) -> Any:
-    doc = job("tuned")
-    doc["spec"]["trainer"] = {"replicas": 1, "accelerator": {"profile": "mi300x", "count": 8}, **trainer}
-    return parse_resource(doc)
+MI300X = {"replicas": 1, "accelerator": {"profile": "mi300x", "count": 8}}  # the trainer
+TUNED = job("tuned", trainer=MI300X)
 
 
 def _pod(objs: list[dict[str, Any]], kind: str = "Job") -> dict[str, Any]:
@@ -60,8 +59,8 @@ def _pod(objs: list[dict[str, Any]], kind: str = "Job") -> dict[str, Any]:
 
 
 def test_trainer_pod_template_is_merged_over_the_rendered_pod() -> None:
-    plain = _pod(build_for(_job()))
-    objs = build_for(_job(podTemplate=OVERRIDE))
+    plain = _pod(build_for(parse_resource(TUNED)))
+    objs = build_for(parse_resource(builders.job_manifest(of=TUNED, trainer={**MI300X, "podTemplate": OVERRIDE})))
     tpl = _pod(objs)
     spec = tpl["spec"]
     assert tpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
@@ -124,14 +123,14 @@ def test_merge_rules() -> None:
 )
 def test_bad_overrides_are_refused_with_what_to_fix(template: dict[str, Any], fragment: str) -> None:
     with pytest.raises(ManifestError) as err:
-        _job(podTemplate=template)
+        parse_resource(builders.job_manifest(of=TUNED, trainer={**MI300X, "podTemplate": template}))
     assert fragment in str(err.value)
 
 
 def test_a_sidecar_without_an_image_or_a_missing_volume_is_refused_as_the_api_server_would() -> None:
     tpl = {"spec": {"containers": [{"name": "extra"}, {"name": "trainer", "volumeMounts": [
         {"name": "nope", "mountPath": "/x"}]}]}}
-    problems = rendered_problems(_job(podTemplate=tpl))
+    problems = rendered_problems(parse_resource(builders.job_manifest(of=TUNED, trainer={**MI300X, "podTemplate": tpl})))
     assert any("containers[extra].image: Required value" in p for p in problems), problems
     assert any("volume 'nope' not found" in p for p in problems), problems
 

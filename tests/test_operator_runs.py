@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import builders
 import pytest
 
 from kuberl.api import AgenticRLJob
@@ -19,10 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 JOBS = f"/apis/batch/v1/namespaces/{NS}/jobs"
 
 
-def _job(**meta: Any) -> AgenticRLJob:
-    doc = job("run")
-    doc["metadata"].update(meta)
-    return AgenticRLJob.model_validate(doc)
+RUN = job("run")
 
 
 def _trainer(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -30,8 +28,8 @@ def _trainer(objs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_labels_annotations_and_retry_settings_do_not_change_the_trainer_template() -> None:
-    base = _trainer(build_job(_job(), NS))["spec"]["template"]
-    labelled = _trainer(build_job(_job(labels={"team": "rl"}, annotations={"note": "x"}), NS))
+    base = _trainer(build_job(builders.job(of=RUN), NS))["spec"]["template"]
+    labelled = _trainer(build_job(builders.job(of=RUN, labels={"team": "rl"}, annotations={"note": "x"}), NS))
     assert labelled["spec"]["template"] == base
     doc = job("run")
     doc["spec"]["trainer"]["maxRestarts"] = 7
@@ -41,7 +39,7 @@ def test_labels_annotations_and_retry_settings_do_not_change_the_trainer_templat
 
 
 def test_default_checkpoints_live_on_a_volume_owned_by_the_job() -> None:
-    objs = build_job(_job(), NS)
+    objs = build_job(builders.job(of=RUN), NS)
     claim = next(o for o in objs if o["kind"] == "PersistentVolumeClaim")
     assert claim["metadata"]["name"] == "run-checkpoints"
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # 2 trainer pods
@@ -55,7 +53,7 @@ def test_default_checkpoints_live_on_a_volume_owned_by_the_job() -> None:
 
 
 def test_trainer_tolerates_disruptions_and_restarts_are_bounded() -> None:
-    spec = _trainer(build_job(_job(), NS))["spec"]
+    spec = _trainer(build_job(builders.job(of=RUN), NS))["spec"]
     assert spec["podFailurePolicy"]["rules"][0]["action"] == "Ignore"
     assert restart_decision("OOMKilled", 0, 2).restart and restart_decision("x", 1, 2).restarts == 2
     last = restart_decision("OOMKilled", 2, 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import builders
 import pytest
 
 from kuberl.api import parse_resource
@@ -12,17 +13,6 @@ from kuberl.api.common import quantity_value
 from kuberl.operator.render.builders import build_for
 from kuberl.operator.validate.apirules import children_problems
 from tests.test_operator_e2e import API, NS, _status, emulated_cluster, eventually, job, running_operator
-
-
-def _fleet(**spec: Any) -> Any:
-    return parse_resource(
-        {
-            "apiVersion": "kuberl.io/v1alpha1",
-            "kind": "RolloutFleet",
-            "metadata": {"name": "gen", "namespace": NS},
-            "spec": {"model": {"uri": "m"}, **spec},
-        }
-    )
 
 
 def _pod(obj: dict[str, Any]) -> dict[str, Any]:
@@ -36,9 +26,11 @@ def _volume(pod: dict[str, Any], name: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "resource",
     [
-        _fleet(accelerator={"profile": "mi300x", "count": 8}, engine={"tensorParallel": 8}),
-        _fleet(accelerator={"profile": "h100", "count": 1}),
-        _fleet(accelerator={"profile": "cpu", "count": 2}),
+        parse_resource(
+            builders.fleet_manifest("gen", NS, accelerator={"profile": "mi300x", "count": 8}, engine={"tensorParallel": 8})
+        ),
+        parse_resource(builders.fleet_manifest("gen", NS, accelerator={"profile": "h100", "count": 1})),
+        parse_resource(builders.fleet_manifest("gen", NS, accelerator={"profile": "cpu", "count": 2})),
         parse_resource(job("train")),
     ],
     ids=["mi300x-8", "h100-1", "cpu", "trainer"],
@@ -63,11 +55,15 @@ def test_pods_request_cpu_and_memory_that_covers_their_shm(resource: Any) -> Non
 
 
 def test_a_memory_limit_bounds_shm_and_user_values_win() -> None:
-    fleet = _fleet(
-        accelerator={"profile": "mi300x", "count": 8},
-        engine={"tensorParallel": 8},
-        resources={"requests": {"cpu": "32"}, "limits": {"memory": "48Gi"}},
-        modelCacheSize="400Gi",
+    fleet = parse_resource(
+        builders.fleet_manifest(
+            "gen",
+            NS,
+            accelerator={"profile": "mi300x", "count": 8},
+            engine={"tensorParallel": 8},
+            resources={"requests": {"cpu": "32"}, "limits": {"memory": "48Gi"}},
+            modelCacheSize="400Gi",
+        )
     )
     pod = _pod(build_for(fleet)[0])
     res = pod["containers"][0]["resources"]
@@ -103,7 +99,8 @@ async def test_namespace_with_a_cpu_memory_quota_admits_the_engines() -> None:
 
 def test_mi300x_pods_only_go_to_mi300x_nodes() -> None:
     """Issue 14 item 6: the default images are MI30x-only, so "any AMD GPU" is not enough."""
-    pod = _pod(build_for(_fleet(accelerator={"profile": "mi300x", "count": 1}))[0])
+    fleet = parse_resource(builders.fleet_manifest("gen", NS, accelerator={"profile": "mi300x", "count": 1}))
+    pod = _pod(build_for(fleet)[0])
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     for term in terms:
         (expr,) = term["matchExpressions"]
@@ -115,5 +112,6 @@ def test_tensor_parallel_across_one_gpu_pods_is_refused() -> None:
     from kuberl.api import ManifestError
 
     with pytest.raises(ManifestError, match="must use whole nodes: set accelerator.count: 8"):
-        _fleet(engine={"tensorParallel": 8})
-    assert _fleet(engine={"tensorParallel": 8}, accelerator={"count": 8}).spec.nodes_per_engine == 1
+        parse_resource(builders.fleet_manifest("gen", NS, engine={"tensorParallel": 8}))
+    whole_nodes = builders.fleet_manifest("gen", NS, engine={"tensorParallel": 8}, accelerator={"count": 8})
+    assert parse_resource(whole_nodes).spec.nodes_per_engine == 1

@@ -14,13 +14,8 @@ from tests.rollout_helpers import single_torch_thread
 _one_thread = pytest.fixture(autouse=True, scope="module")(single_torch_thread)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab_size=48, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
-    with torch.no_grad():  # sharpen the logits so greedy decoding has no near-ties
-        m.wte.weight.mul_(20)
-    return m
+# the model fixture, its logits sharpened so that greedy decoding has no near-ties
+pytestmark = pytest.mark.tiny_gpt(size=48, sharpen=20)
 
 
 def _requests(n: int, seed: int, stop: tuple[int, ...] = ()) -> list[GenerateRequest]:

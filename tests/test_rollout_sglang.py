@@ -191,24 +191,6 @@ class FakeSGLang:
         return app
 
 
-@pytest.fixture
-async def serve():
-    runners = []
-
-    async def start(fake: FakeSGLang) -> str:
-        runner = web.AppRunner(fake.app())
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        port = runner.addresses[0][1]
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for r in runners:
-        await r.cleanup()
-
-
 async def test_generate_round_trip_and_scheduler_capacity(serve):
     fake = FakeSGLang()
     engine = SGLangEngine(await serve(fake), name="sgl-0")

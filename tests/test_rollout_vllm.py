@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import builders
 import pytest
 from aiohttp import web
 
@@ -180,22 +181,6 @@ class StubVLLM:
         return web.json_response({"success": True})
 
 
-@pytest.fixture
-async def serve():
-    runners: list[web.AppRunner] = []
-
-    async def start(stub: StubVLLM) -> str:
-        runner = web.AppRunner(stub.app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for r in runners:
-        await r.cleanup()
-
-
 def _folder(root) -> str:
     folder = root / "v00000003"
     folder.mkdir()
@@ -330,12 +315,7 @@ async def test_a_refused_reload_is_reported_as_fatal_for_that_engine(serve, tmp_
         await engine.close()
 
 
-def _job(engine: str, base: str = "/models/m"):
-    from kuberl.api.job import AgenticRLJob
-
-    return AgenticRLJob.model_validate(
-        {"metadata": {"name": "j"}, "spec": {"model": {"base": base}, "data": {"train": "x"}, "rollout": {"engine": engine}}}
-    )
+FROM_DISK = builders.job_manifest(model={"base": "/models/m"}, data={"train": "x"})  # a model folder
 
 
 def test_where_a_local_run_rolls_out(monkeypatch):
@@ -345,16 +325,17 @@ def test_where_a_local_run_rolls_out(monkeypatch):
 
     for var in ("KUBERL_ROLLOUT_URLS", "KUBERL_ROLLOUT_FLEET", "KUBERL_ROLLOUT_ENGINE"):
         monkeypatch.delenv(var, raising=False)
-    assert rollout_target(_job("vllm"), None) is LOCAL_VLLM  # kuberl run starts its own server
+    on_vllm = builders.job(of=FROM_DISK, rollout={"engine": "vllm"})
+    assert rollout_target(on_vllm, None) is LOCAL_VLLM  # kuberl run starts its own server
     urls = FleetSource(urls=("http://a:8000",))
-    assert rollout_target(_job("vllm"), urls).engine == "vllm"  # --engines are the job's engine type
-    assert rollout_target(_job("auto"), urls).engine == "sglang"
+    assert rollout_target(on_vllm, urls).engine == "vllm"  # --engines are the job's engine type
+    assert rollout_target(builders.job(of=FROM_DISK, rollout={"engine": "auto"}), urls).engine == "sglang"
     with pytest.raises(ManifestError, match="vllm but the model is builtin:tiny-gpt"):
-        rollout_target(_job("vllm", "builtin:tiny-gpt"), None)
+        rollout_target(builders.job(of=FROM_DISK, model={"base": "builtin:tiny-gpt"}, rollout={"engine": "vllm"}), None)
     monkeypatch.setenv("KUBERL_ROLLOUT_URLS", "http://e:30000")
     monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "sglang")
     with pytest.raises(ManifestError, match="spec.rollout.engine is vllm but the fleet's engines are sglang"):
-        rollout_target(_job("vllm"), None)
+        rollout_target(on_vllm, None)
     assert FleetSource.from_env().engine == "sglang"
     monkeypatch.setenv("KUBERL_ROLLOUT_ENGINE", "tgi")
     with pytest.raises(ValueError, match="engine type 'tgi' is not one of sglang, vllm"):

@@ -20,7 +20,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from sandbox_helpers import unprivileged_wrapper
+from sandbox_service import unprivileged_wrapper
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.config import ServiceConfig, WorkerConfig

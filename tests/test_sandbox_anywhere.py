@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, _copy_source
+from conftest import REPO, _copy_source, _has_build_requirements
+from venvs import venv_like_this_interpreter
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the sandbox's isolation is Linux's")
 
@@ -28,15 +29,18 @@ def clone_with_venv() -> Iterator[Path]:
     clone = top / "kuberl"
     try:
         _copy_source(REPO, clone)
-        venv = clone / ".venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
+        python = venv_like_this_interpreter(clone / ".venv")
         # our pip and setuptools build the editable install into the venv (its own would need
-        # PyPI); the venv's site-packages then map kuberl to the clone, ahead of the system's
-        subprocess.run(
-            [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
-             "--no-deps", "--no-build-isolation", "-e", str(clone)],
-            check=True, capture_output=True,
+        # PyPI), where they are new enough (a venv made by `python -m venv` holds ensurepip's
+        # older setuptools: pip then builds in an isolated environment of its own); the venv's
+        # site-packages then map kuberl to the clone, ahead of the ones it falls back on
+        isolation = ["--no-build-isolation"] if _has_build_requirements() else []
+        installed = subprocess.run(
+            [sys.executable, "-m", "pip", "--python", str(python), "install", "-q",
+             "--no-deps", *isolation, "-e", str(clone)],
+            capture_output=True, text=True,
         )  # fmt: skip
+        assert installed.returncode == 0, installed.stdout + installed.stderr
         yield clone
     finally:
         shutil.rmtree(top, ignore_errors=True)

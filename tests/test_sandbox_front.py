@@ -8,42 +8,31 @@ import contextlib
 import json
 import resource
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-from kuberl.api.sandbox_pool import SandboxLimits
-from tests.sandbox_helpers import readyz, unprivileged_wrapper
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sandbox_front import (  # noqa: E402 - the bench measures the same attacks
+from sandbox_front import (  # the bench measures the same attacks
     addr,
     answer,
     big_requests,
     calls_under_flood,
     request_head,
-    service,
     wait_closed,
 )
+from sandbox_service import readyz, service, unprivileged_wrapper
+
+from kuberl.api.sandbox_pool import SandboxLimits
 
 LIMITS = SandboxLimits(timeout_seconds=5, memoryMB=256, maxCodeKB=64, maxStdinKB=64, maxRequestMB=4)
 BODY_TIMEOUT, IDLE_TIMEOUT = 2.0, 3.0
 FRONT = ["--body-timeout", str(BODY_TIMEOUT), "--idle-timeout", str(IDLE_TIMEOUT)]
+pytestmark = pytest.mark.sandbox_service(limits=LIMITS, pool="front", extra=FRONT, log=True)
 
 
 def _service(mode: str, extra: list[str] | None = None, log=None):
     if mode == "basic" and unprivileged_wrapper() is None:
         pytest.skip("cannot run the service as a non-root uid here")
     return service(mode, LIMITS, [*FRONT, *(extra or [])], log=log)
-
-
-@pytest.fixture(scope="module", params=["full", "basic"])
-def svc(request, tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("front") / "service.log"
-    with log_path.open("w") as log, _service(request.param, log=log) as url:
-        yield request.param, url, log_path
 
 
 def _quiet(log_path) -> None:

@@ -13,10 +13,13 @@ import os
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import alive, exec_code, memory_probe, readyz, unprivileged_wrapper
+from sandbox_helpers import alive, exec_code, memory_probe
+from sandbox_service import readyz, unprivileged_wrapper
+from venvs import venv_like_this_interpreter
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.containment.fsview import readonly_paths, service_paths
@@ -32,30 +35,22 @@ HOST_TMP_FILE = Path("/tmp") / f"kuberl-host-file-{os.getpid()}.txt"
 HOST_SECRETS_DIR = Path("/tmp") / f"kuberl-fake-secrets-{os.getpid()}"
 
 
-@pytest.fixture(scope="module", params=["full", "basic"])
-def svc(request):
-    """(mode, url) of a service holding SECRET in its environment."""
+# the svc fixture: a service holding SECRET in its environment
+pytestmark = pytest.mark.sandbox_service(
+    limits=LIMITS, pool="iso", env={"KUBERL_TEST_SECRET": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET}, pod_files=False
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_files() -> Iterator[None]:
+    """World-readable host files holding SECRET, there before the module's services start (an
+    autouse fixture comes before the others of its scope) and until they stop."""
     HOST_TMP_FILE.write_text(SECRET)
     HOST_TMP_FILE.chmod(0o644)
     HOST_SECRETS_DIR.mkdir(exist_ok=True)
     (HOST_SECRETS_DIR / "token").write_text(SECRET)
-    mode = request.param
-    wrapper: list[str] = []
-    if mode == "basic":
-        found = unprivileged_wrapper()
-        if found is None:
-            pytest.skip("cannot run the service as a non-root uid here")
-        wrapper = found
     try:
-        with running_sandbox(
-            workers=2,
-            limits=LIMITS,
-            pool=f"iso-{mode}",
-            extra_args=["--isolation", mode],
-            wrapper=wrapper,
-            env={"KUBERL_TEST_SECRET": SECRET, "AWS_SECRET_ACCESS_KEY": SECRET},
-        ) as url:
-            yield mode, url
+        yield
     finally:
         HOST_TMP_FILE.unlink(missing_ok=True)
         (HOST_SECRETS_DIR / "token").unlink(missing_ok=True)
@@ -94,7 +89,7 @@ def _healthy_after(url: str, before: dict) -> None:
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_the_environment_is_an_allowlist(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os\n"
@@ -137,7 +132,7 @@ def _host_paths() -> list[str]:
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_host_files_are_out_of_sight(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     paths = _host_paths()
     code = (
@@ -171,7 +166,7 @@ def test_host_files_are_out_of_sight(svc, zygote):
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_proc_shows_no_host_mounts_or_processes(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os\n"
@@ -205,7 +200,7 @@ def test_proc_shows_no_host_mounts_or_processes(svc, zygote):
 
 def test_the_python_tools_still_work(svc):
     """The interpreter, its packages, tempfile, HOME and /dev's harmless files are usable."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os, tempfile, json, decimal, fractions, sqlite3, zoneinfo\n"
@@ -236,7 +231,7 @@ def test_the_python_tools_still_work(svc):
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_the_service_reads_no_file_the_call_chose(svc, zygote):
     """A call that swaps the paths a service might read its output from gets its own output."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os, sys\n"
@@ -309,7 +304,7 @@ LEFTOVERS = {
 @pytest.mark.parametrize("zygote", ZYGOTES)
 @pytest.mark.parametrize("name", sorted(LEFTOVERS))
 def test_what_a_call_leaves_is_gone_for_the_next(svc, name, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     started = time.monotonic()
     r = _run(url, LEFTOVERS[name], zygote)
@@ -342,7 +337,7 @@ def test_a_call_leaves_nothing_on_its_directory_itself(svc, change):
     """Attributes, mode and times of the call's directory (not an entry in it) are back to a
     fresh one's for the next call: a private root's tmpfs kept because nothing in it changed
     must really be unchanged, and a slot directory is stripped of them."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     left = _run(url, f"import os\n{LEAVE_ON_THE_DIRECTORY[change]}\nprint('changed')\n")
     assert (left.outcome, left.output) == ("stdout", "changed\n"), left
@@ -370,7 +365,7 @@ IPC_SEEN = (
 
 
 def test_kernel_objects_die_with_the_call(svc):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     _run(url, IPC)
     for _ in range(4):
@@ -384,7 +379,7 @@ def test_kernel_objects_die_with_the_call(svc):
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_only_unix_sockets(svc, zygote):
     """No network, and none of the families that reach the host or the kernel without one."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import socket\n"
@@ -412,7 +407,7 @@ def test_only_unix_sockets(svc, zygote):
 def test_no_programs_and_no_reach_into_other_processes(svc):
     """No exec; prlimit, scheduling and priority calls only on the caller itself (a call under the
     service's uid could otherwise cut the server's open-file limit or pin it to one core)."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import ctypes, os, resource, subprocess, sys\n"
@@ -441,7 +436,7 @@ def test_no_programs_and_no_reach_into_other_processes(svc):
 
 
 def test_no_new_user_namespaces(svc):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import ctypes, os, signal\n"
@@ -468,7 +463,7 @@ def test_no_new_user_namespaces(svc):
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_runaway_recursion_fails_fast(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)\n"
     r = _run(url, code, zygote)
@@ -482,7 +477,7 @@ def test_runaway_recursion_fails_fast(svc, zygote):
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     r = _run(url, "import sys\nfor i in range(200000):\n    print(i)\nprint('end', file=sys.stderr)", zygote)
     assert r.outcome == "stdout" and r.truncated, r
@@ -494,7 +489,7 @@ def test_too_much_output_is_truncated_with_the_codes_own_outcome(svc, zygote):
 
 @pytest.mark.parametrize("zygote", ZYGOTES)
 def test_files_unlinked_while_open_count_against_the_quota(svc, zygote):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os\n"
@@ -520,7 +515,7 @@ def test_files_unlinked_while_open_count_against_the_quota(svc, zygote):
 
 
 def test_undecodable_output_reaches_the_client_as_valid_utf8(svc):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import sys\n"
@@ -542,7 +537,7 @@ def test_undecodable_output_reaches_the_client_as_valid_utf8(svc):
 
 
 def test_protections_report_the_filesystem_view(svc):
-    mode, url = svc
+    mode, url, _ = svc
     prot = readyz(url)[1]["protections"]
     assert prot["env_allowlist"] and prot["fs_view"] and prot["stack_limit"]
     if mode == "full" and sys.platform == "linux" and os.geteuid() == 0:
@@ -567,7 +562,7 @@ def test_a_dead_child_forked_ahead_costs_no_call(svc):
     it on kernels without Landlock signal scoping): the call runs on a fresh one."""
     import signal
 
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     def ready_children() -> list[int]:
         """This service's live children forked ahead. A zygote is named kuberl-ready for the
@@ -687,9 +682,7 @@ def test_the_service_code_installed_in_site_packages_is_out_of_sight(installed_w
     top = Path(tempfile.mkdtemp(prefix="kuberl-venv-", dir="/tmp"))
     try:
         top.chmod(0o755)  # the unprivileged service must reach its interpreter
-        venv = top / "venv"
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv], check=True)
-        python = str(venv / "bin" / "python")
+        python = str(venv_like_this_interpreter(top / "venv"))
         purelib = subprocess.run(
             [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
             capture_output=True, text=True, check=True,
@@ -758,7 +751,7 @@ FORGED_RECORDS = {
 def test_a_forged_result_record_costs_only_its_own_call(svc, name):
     """The pipe a call's result record travels on is also open to the call's code: whatever it
     writes there, the worker stays up and the next call is answered."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os, stat\n"
@@ -789,7 +782,7 @@ def test_a_call_finds_nothing_of_earlier_calls_in_its_memory(svc):
 
     from kuberl.sandbox.service.client import SandboxClient
 
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     tag = f"{os.getpid()}-{mode}-{os.urandom(4).hex()}"
     marks = {k: f"kuberl-{k}-{tag}" for k in ("code", "stdin", "output", "gold", "prediction")}
@@ -824,7 +817,7 @@ QUOTA_DODGES = {
 
 @pytest.mark.parametrize("name", sorted(QUOTA_DODGES))
 def test_files_the_worker_cannot_easily_see_count_against_the_quota(svc, name):
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     code = (
         "import os\n"
@@ -878,7 +871,7 @@ HELD_WITHOUT_A_NAME = {
 
 @pytest.mark.parametrize("name", sorted(HELD_WITHOUT_A_NAME))
 def test_disk_held_without_a_name_or_in_empty_files_counts_against_the_quota(svc, name):
-    mode, url = svc
+    mode, url, _ = svc
     if mode == "basic" and name == "mapped_after_unlink":
         pytest.skip("a worker that is not root cannot follow /proc/PID/map_files: known limit, docs/sandbox.md")
     before = readyz(url)[1]
@@ -950,7 +943,7 @@ def test_both_zygotes_give_their_calls_the_same_sandbox(svc):
     """The light zygote's children enter the sandbox by the same code as the full one's: the
     same ids, capabilities, filter, namespaces (IPC included), cgroup, mounts, environment,
     rlimits (the stack one included), descriptors and recursion cap; no host file either way."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     # each worker (slot) has its own uid, namespaces and directory: what the light zygote's
     # calls see on some worker, the full one's see on that worker. Light, full, full, light:
@@ -977,7 +970,7 @@ def test_calls_run_on_the_zygote_their_code_asks_for_and_a_stray_import_works(sv
     """Only the full zygote's children start with numpy loaded. A call whose code slips past
     the scan and imports numpy anyway (here through ``warnings``, which imports a category's
     module by name) runs on the light zygote all the same: it merely imports numpy cold."""
-    mode, url = svc
+    mode, url, _ = svc
     before = readyz(url)[1]
     witness = "import sys\ntable = sys\nprint(sum(k.endswith('_multiarray_umath') for k in table.modules))\n"
     for _ in range(2):  # whichever worker answers

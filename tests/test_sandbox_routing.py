@@ -8,12 +8,13 @@ import signal
 
 import pytest
 
-from kuberl.sandbox.config import WorkerConfig
 from kuberl.sandbox.containment.slot import Slot
 from kuberl.sandbox.process.calls import run_call
 from kuberl.sandbox.process.routing import Zygotes, zygote_for
 from kuberl.sandbox.process.worker import preload_light
 from kuberl.sandbox.process.zygote import Zygote, ZygoteGone
+
+pytestmark = pytest.mark.slot_config(pool="routing", memory_mb=1024)
 
 
 def _exec(code: str) -> dict:
@@ -115,13 +116,6 @@ WITNESS = "import sys\ntable = sys\nprint(sum(k.endswith('_multiarray_umath') fo
 def _full_preload() -> None:
     preload_light()
     import numpy  # noqa: F401
-
-
-@pytest.fixture
-def slot():
-    s = Slot(WorkerConfig(slot=0, pool=f"routing{os.getpid()}", isolation="basic", memory_mb=1024), False)
-    yield s
-    s.remove()
 
 
 @pytest.fixture

@@ -11,10 +11,12 @@ import threading
 import pytest
 from sandbox_helpers import memory_probe
 
-from kuberl.sandbox.config import WorkerConfig
 from kuberl.sandbox.containment.slot import Slot
 from kuberl.sandbox.process.calls import OwnForks, run_call
 from kuberl.sandbox.process.zygote import Zygote, fork_sibling
+
+# the slot fixture: without Landlock, so that a call may read its own /proc/self/mem
+pytestmark = pytest.mark.slot_config(pool="zygote", memory_mb=512, landlock=False)
 
 
 def _read_all(fd: int) -> bytes:
@@ -122,17 +124,6 @@ def test_a_zygote_that_cannot_clone_into_the_cgroup_forks_plainly_for_good():
 
     rows = _in_middle(body)
     assert [(inside, fd) for _, inside, fd in rows] == [("0", "None")]
-
-
-@pytest.fixture
-def slot():
-    """A basic-isolation slot without Landlock, so that a call may read its own /proc/self/mem."""
-    s = Slot(WorkerConfig(slot=0, pool=f"zygote{os.getpid()}", isolation="basic", memory_mb=512), False)
-    if s.landlock is not None:
-        s.landlock.close()
-        s.landlock = None
-    yield s
-    s.remove()
 
 
 def _probe(slot: Slot, forker: Zygote | OwnForks, reversed_needles: list[str]) -> dict:

@@ -12,25 +12,15 @@ import json
 import struct
 import sys
 
+import builders
 import pytest
-import yaml
 
-from kuberl.api.job import AgenticRLJob
-from kuberl.api.loader import ManifestError, find_one, load_manifests
+from kuberl.api.loader import ManifestError
 from kuberl.operator.render.builders import build_for
 from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.tracking import STATE_FILE, open_trackers, tracker_metrics
 from tests.test_trainer_pipeline import TINY
 from tests.trainer_fakes import FakeSandbox
-
-
-def _job(tmp_path, tracking: dict | None) -> AgenticRLJob:
-    doc = copy.deepcopy(TINY)
-    if tracking is not None:
-        doc["spec"]["tracking"] = tracking
-    f = tmp_path / "job.yaml"
-    f.write_text(yaml.safe_dump(doc))
-    return find_one(load_manifests(str(f)), AgenticRLJob)
 
 
 def test_records_are_logged_under_the_prometheus_series_names():
@@ -70,7 +60,8 @@ def test_records_are_logged_under_the_prometheus_series_names():
 
 
 def test_tracking_spec_validates_and_the_wandb_key_comes_from_a_secret(tmp_path):
-    job = _job(tmp_path, {"wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}}, "tensorboard": {}})
+    tracking = {"wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}}, "tensorboard": {}}
+    job = builders.load_job(tmp_path, TINY, tracking=tracking)
     assert job.spec.tracking.enabled() == ["wandb", "tensorboard"]
     trainer = next(m for m in build_for(job, namespace="ns") if m["kind"] == "Job")
     env = trainer["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -78,12 +69,12 @@ def test_tracking_spec_validates_and_the_wandb_key_comes_from_a_secret(tmp_path)
     assert key == [
         {"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": "wandb", "key": "api-key"}}}
     ]
-    plain = next(m for m in build_for(_job(tmp_path, None), namespace="ns") if m["kind"] == "Job")
+    plain = next(m for m in build_for(builders.load_job(tmp_path, TINY), namespace="ns") if m["kind"] == "Job")
     assert "WANDB_API_KEY" not in json.dumps(plain)
     with pytest.raises(ManifestError, match="project"):
-        _job(tmp_path, {"wandb": {"mode": "offline"}})
+        builders.load_job(tmp_path, TINY, tracking={"wandb": {"mode": "offline"}})
     with pytest.raises(ManifestError, match="mode"):
-        _job(tmp_path, {"wandb": {"project": "p", "mode": "cloud"}})
+        builders.load_job(tmp_path, TINY, tracking={"wandb": {"project": "p", "mode": "cloud"}})
 
 
 def test_the_crd_takes_what_the_model_takes(tmp_path):
@@ -107,7 +98,7 @@ def test_the_crd_takes_what_the_model_takes(tmp_path):
 
 def test_a_tracker_that_is_not_installed_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow -> ImportError
-    job = _job(tmp_path, {"mlflow": {}})
+    job = builders.load_job(tmp_path, TINY, tracking={"mlflow": {}})
     with pytest.raises(
         ManifestError, match=r"spec.tracking.mlflow needs the mlflow package.*kuberl\[tracking\]"
     ):
@@ -124,7 +115,7 @@ def test_online_wandb_without_a_key_says_where_to_put_one(tmp_path, monkeypatch)
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     with pytest.raises(ManifestError, match="apiKeySecret.*WANDB_API_KEY.*mode: offline"):
-        open_trackers(_job(tmp_path, {"wandb": {"project": "p"}}), tmp_path / "run")
+        open_trackers(builders.load_job(tmp_path, TINY, tracking={"wandb": {"project": "p"}}), tmp_path / "run")
 
 
 def read_wandb_history(path) -> tuple[str, list[dict]]:
@@ -172,7 +163,8 @@ def test_a_run_cut_mid_rl_and_resumed_continues_the_same_tracked_runs(tmp_path, 
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 8)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    job = _job(tmp_path, {"wandb": {"project": "kuberl-test"}, "mlflow": {}, "tensorboard": {}})
+    tracking = {"wandb": {"project": "kuberl-test"}, "mlflow": {}, "tensorboard": {}}
+    job = builders.load_job(tmp_path, TINY, tracking=tracking)
     run = tmp_path / "run"
     with monkeypatch.context() as m:
         m.setattr(Pipeline, "out_of_time", lambda self: self.state.global_step >= 5)  # after RL step 1
@@ -228,7 +220,7 @@ def test_a_run_cut_mid_rl_and_resumed_continues_the_same_tracked_runs(tmp_path, 
 def test_a_fresh_run_in_a_used_folder_starts_new_tracked_runs(tmp_path, monkeypatch):
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    job = _job(tmp_path, {"mlflow": {}})
+    job = builders.load_job(tmp_path, TINY, tracking={"mlflow": {}})
     first = open_trackers(job, tmp_path, resume=False)
     first[0].close()
     again = open_trackers(job, tmp_path, resume=True)
@@ -253,7 +245,7 @@ def test_a_restarted_trainer_pod_continues_the_tracked_runs_from_the_checkpoint_
     from kuberl.trainer.checkpoint import CheckpointStore
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    job = _job(tmp_path, {"mlflow": {}, "tensorboard": {}})
+    job = builders.load_job(tmp_path, TINY, tracking={"mlflow": {}, "tensorboard": {}})
     trainer = next(m for m in build_for(job, namespace="ns") if m["kind"] == "Job")
     env = {e["name"]: e.get("value") for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["KUBERL_TRACKING_DIR"] == f"{CHECKPOINT_DIR}/tracking"  # on the job's checkpoint PVC

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import builders
 import pytest
 import torch
 import yaml
@@ -158,15 +159,9 @@ spec:
 """
 
 
-def _job(tmp_path) -> AgenticRLJob:
-    f = tmp_path / "job.yaml"
-    f.write_text(TINY)
-    return find_one(load_manifests(f), AgenticRLJob)
-
-
 def test_resume_is_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
-    job = _job(tmp_path)
+    job = builders.load_job(tmp_path, TINY)
     full = tmp_path / "full"
     run_job(job, full, use_ray=False, executor_factory=FakeSandbox, quiet=True)
     names = CheckpointStore(str(full / "checkpoints")).names()
@@ -358,7 +353,7 @@ def test_deadline_exit_checkpoints_and_resume_continues(tmp_path, monkeypatch):
     from kuberl.trainer.stages import Pipeline
 
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
-    job = _job(tmp_path)
+    job = builders.load_job(tmp_path, TINY)
     job.spec.checkpoint.every_steps = 100  # only stage ends and the deadline write checkpoints
     full = run_job(job, tmp_path / "full", use_ray=False, executor_factory=FakeSandbox, quiet=True)
     with monkeypatch.context() as m:
@@ -385,7 +380,7 @@ def test_a_new_pod_continues_the_run_record_and_the_report_outlives_it(tmp_path,
     from kuberl.trainer.stages import Pipeline
 
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
-    job = _job(tmp_path)
+    job = builders.load_job(tmp_path, TINY)
     kept = tmp_path / "pvc"
     job.spec.checkpoint.uri = str(kept)
     with monkeypatch.context() as m:

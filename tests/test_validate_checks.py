@@ -6,34 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import builders
 import pytest
 import yaml
 
 from kuberl.cli import main
 
-
-def _job(**rollout: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kuberl.io/v1alpha1",
-        "kind": "AgenticRLJob",
-        "metadata": {"name": "train"},
-        "spec": {
-            "model": {"base": "m"},
-            "data": {"train": "d"},
-            "rollout": rollout,
-            "sandbox": {"poolRef": "tools"},
-            "stages": [{"name": "rl", "type": "rl", "steps": 1, "maxResponseTokens": 8192}],
-        },
-    }
-
-
-def _fleet(context: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "kuberl.io/v1alpha1",
-        "kind": "RolloutFleet",
-        "metadata": {"name": "gen"},
-        "spec": {"model": {"uri": "m"}, "engine": {"contextLength": context}, "weightSync": {"claimName": "w"}},
-    }
+# a job on the pool "tools" whose one RL stage answers in up to 8192 tokens
+TRAIN = builders.job_manifest(
+    "train", sandbox={"poolRef": "tools"}, stages=[{"name": "rl", "type": "rl", "steps": 1, "maxResponseTokens": 8192}]
+)
 
 
 def _validate(tmp_path: Any, capsys: Any, *docs: dict[str, Any]) -> tuple[int, str, str]:
@@ -45,7 +27,7 @@ def _validate(tmp_path: Any, capsys: Any, *docs: dict[str, Any]) -> tuple[int, s
 
 
 def test_dangling_references_are_reported_as_not_checked(tmp_path: Any, capsys: Any) -> None:
-    rc, out, _ = _validate(tmp_path, capsys, _job(fleetRef="gen"))
+    rc, out, _ = _validate(tmp_path, capsys, builders.job_manifest(of=TRAIN, rollout={"fleetRef": "gen"}))
     assert rc == 0
     assert "not checked: spec.rollout.fleetRef names RolloutFleet 'gen'" in out
     assert "not checked: spec.sandbox.poolRef names SandboxPool 'tools'" in out
@@ -53,11 +35,12 @@ def test_dangling_references_are_reported_as_not_checked(tmp_path: Any, capsys: 
 
 def test_a_fleet_in_the_same_file_gets_the_context_length_check(tmp_path: Any, capsys: Any) -> None:
     pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"}, "spec": {}}
-    rc, out, err = _validate(tmp_path, capsys, _fleet(4096), pool, _job(fleetRef="gen"))
+    on_gen = builders.job_manifest(of=TRAIN, rollout={"fleetRef": "gen"})
+    rc, out, err = _validate(tmp_path, capsys, builders.fleet_manifest("gen", weightSync={"claimName": "w"}, engine={"contextLength": 4096}), pool, on_gen)
     assert rc == 1
     assert "RolloutFleet gen (in this file) has engine.contextLength 4096" in err
     assert "not checked" not in out
-    rc, _, _ = _validate(tmp_path, capsys, _fleet(16384), pool, _job(fleetRef="gen"))
+    rc, _, _ = _validate(tmp_path, capsys, builders.fleet_manifest("gen", weightSync={"claimName": "w"}, engine={"contextLength": 16384}), pool, on_gen)
     assert rc == 0
 
 
@@ -84,7 +67,7 @@ def test_per_call_memory_times_workers_above_the_pod_limit_warns(tmp_path: Any, 
 def test_several_optimizer_steps_on_rollouts_two_versions_old_warn(
     tmp_path: Any, capsys: Any, level: int, epochs: int, minis: int, warned: bool
 ) -> None:
-    job = _job(engine="local")
+    job = builders.job_manifest(of=TRAIN, rollout={"engine": "local"})
     job["spec"]["sandbox"] = {}
     job["spec"].setdefault("algorithm", {}).update(
         asyncLevel=level, ppoEpochs=epochs, miniBatches=minis, batchPrompts=max(2, minis)
@@ -95,7 +78,7 @@ def test_several_optimizer_steps_on_rollouts_two_versions_old_warn(
 
 
 def test_checkpoints_that_would_not_survive_the_pod_are_flagged(tmp_path: Any, capsys: Any) -> None:
-    job = _job(engine="local")
+    job = builders.job_manifest(of=TRAIN, rollout={"engine": "local"})
     job["spec"]["sandbox"] = {}
     job["spec"]["checkpoint"] = {"uri": "/ckpt/run"}
     rc, out, _ = _validate(tmp_path, capsys, job)
@@ -137,7 +120,7 @@ def test_names_that_can_never_resolve_are_refused_not_left_unchecked(
     from kuberl.api.crdgen import all_crds
     from tests.apiserver_emulation import admission_errors
 
-    doc = _job(fleetRef="gen")
+    doc = builders.job_manifest(of=TRAIN, rollout={"fleetRef": "gen"})
     doc["spec"].setdefault(path[0], {})[path[1]] = value
     rc, out, err = _validate(tmp_path, capsys, doc)
     assert rc == 1 and fragment in err, (out, err)
@@ -158,7 +141,7 @@ def test_the_memory_warning_reads_the_pod_as_rendered(tmp_path: Any, capsys: Any
     }
     rc, out, _ = _validate(tmp_path, capsys, pool)
     assert rc == 0 and "= 4.0 GiB exceeds the pod's memory limit (1Gi)" in out, out
-    job = _job(engine="local")
+    job = builders.job_manifest(of=TRAIN, rollout={"engine": "local"})
     job["spec"]["sandbox"] = {"pool": pool["spec"]}
     rc, out, _ = _validate(tmp_path, capsys, job)
     assert "warning: spec.sandbox.pool.workersPerPod (4)" in out and "(1Gi)" in out, out
@@ -170,9 +153,9 @@ def test_the_memory_warning_reads_the_pod_as_rendered(tmp_path: Any, capsys: Any
 def test_a_reference_resolves_in_its_own_namespace_only(tmp_path: Any, capsys: Any) -> None:
     """A fleet of another namespace in the same file is not the one the job will get: no
     context-length verdict from it, and the reference is reported as not checked."""
-    fleet = _fleet(4096)
+    fleet = builders.fleet_manifest("gen", weightSync={"claimName": "w"}, engine={"contextLength": 4096})
     fleet["metadata"]["namespace"] = "other"
-    rc, out, _ = _validate(tmp_path, capsys, fleet, _job(fleetRef="gen"))
+    rc, out, _ = _validate(tmp_path, capsys, fleet, builders.job_manifest(of=TRAIN, rollout={"fleetRef": "gen"}))
     assert rc == 0, out
     assert "not checked: spec.rollout.fleetRef names RolloutFleet 'gen', which is not in this file (namespace default)" in out
 
@@ -180,7 +163,7 @@ def test_a_reference_resolves_in_its_own_namespace_only(tmp_path: Any, capsys: A
 def test_two_resources_that_would_create_the_same_object_are_refused(tmp_path: Any, capsys: Any) -> None:
     """Job ``train``'s inline pool is SandboxPool ``train-sandbox`` (with its Deployment, Service,
     ...): a standalone pool of that name in the same file would have two owners."""
-    job = _job(engine="local")
+    job = builders.job_manifest(of=TRAIN, rollout={"engine": "local"})
     job["spec"]["sandbox"] = {"pool": {"replicas": 1}}
     pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "train-sandbox"}, "spec": {}}
     rc, _, err = _validate(tmp_path, capsys, job, pool)

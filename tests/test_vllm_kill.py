@@ -39,14 +39,6 @@ pytestmark = pytest.mark.timeout(900)
 KILL = Path(__file__).resolve().parent / "kill_during.py"
 
 
-def _job(model: Path, tmp_path: Path, async_level: int) -> Path:
-    doc = small_rl_job(model, tmp_path / "ckpt", f"push-kill-{async_level}", async_level=async_level,
-                       every_steps=1, keep=2, max_turns=2)  # fmt: skip
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(doc))
-    return path
-
-
 def _marked(token: str) -> list[int]:
     """PIDs of live processes whose environment carries ``token`` (the run and what it started)."""
     pids = []
@@ -84,7 +76,10 @@ def test_a_trainer_killed_during_a_weight_push_resumes_and_trains_each_step_once
     smollm2_dir, tmp_path, async_level, point
 ):
     vllm_available()
-    job, out, token = _job(smollm2_dir, tmp_path, async_level), tmp_path / "run", uuid.uuid4().hex
+    doc = small_rl_job(smollm2_dir, tmp_path / "ckpt", f"push-kill-{async_level}", async_level=async_level,
+                       every_steps=1, keep=2, max_turns=2)  # fmt: skip
+    job, out, token = tmp_path / "job.yaml", tmp_path / "run", uuid.uuid4().hex
+    job.write_text(yaml.safe_dump(doc))
     killed = _run(point, 2, job, out, token)
     assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr[-3000:])
     # the server (API process and engine core) and the sandbox ended with the trainer
