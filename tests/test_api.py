@@ -397,6 +397,8 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "stage-batch-under-minibatches.yaml": set(),
     "tp-idle-gpus.yaml": set(),
     "tp-idle-gpus-inline.yaml": set(),
+    "tp-not-power-of-two.yaml": set(),
+    "tp-span-not-power-of-two.yaml": set(),
     "fleet-ref-engine-mismatch.yaml": set(),
     "fleet-ref-engine-mismatch-sglang.yaml": set(),
     "fleet-ref-no-weight-sync.yaml": set(),

@@ -57,7 +57,15 @@ def learning_problems(job: AgenticRLJob) -> list[str]:
 def topology_problems(fleet: RolloutFleetSpec, where: str) -> list[str]:
     """Accelerators no engine uses: one engine per pod, on ``engine.tensorParallel`` of them."""
     tp, count = fleet.engine.tensor_parallel, fleet.accelerator.count
-    if fleet.accelerator.profile == "cpu" or tp >= count:
+    if fleet.accelerator.profile == "cpu":
+        return []
+    if tp & (tp - 1):  # not a power of two
+        return [
+            f"{where}engine.tensorParallel: {tp} GPUs cannot split a model's attention heads evenly "
+            "(common models have 32, 40 or 64 heads over 4 or 8 KV heads), so the engine refuses the "
+            "model at start and the fleet's GPUs idle; use a power of two (1, 2, 4, 8, 16)"
+        ]
+    if tp >= count:
         return []
     return [
         f"{where}engine.tensorParallel: {tp} uses {tp} of each pod's {count} accelerators "
