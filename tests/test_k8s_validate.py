@@ -110,3 +110,79 @@ def test_validate_server_flag_asks_the_api_server(crds, tmp_path):
     good = kuberl("validate", "--server", str(REPO / "examples" / "quickstart.yaml"), env=env)
     assert good.returncode == 0, good.stdout + good.stderr
     assert "server" in good.stdout.lower()
+
+
+# --- resource requirements, every place a user sets them, in every shape the server judges ---------
+
+RESOURCE_PLACES = {
+    "pool": lambda r: {"kind": "SandboxPool", "spec": {"resources": r}},
+    "pool-template": lambda r: {
+        "kind": "SandboxPool",
+        "spec": {"podTemplate": {"spec": {"containers": [{"name": "sandbox", "resources": r}]}}},
+    },
+    "fleet": lambda r: {
+        "kind": "RolloutFleet",
+        "spec": {"model": {"uri": "m"}, "resources": r, "weightSync": {"claimName": "w"}},
+    },
+    "trainer": lambda r: {
+        "kind": "AgenticRLJob",
+        "spec": {"model": {"base": "m"}, "data": {"train": "d"}, "trainer": {"resources": r}},
+    },
+}
+RESOURCE_SHAPES = {
+    "cpu-request-over-limit": {"requests": {"cpu": "4"}, "limits": {"cpu": "2"}},
+    "memory-request-over-limit": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}},
+    "memory-request-alone": {"requests": {"memory": "4Ti"}},
+    "cpu-limit-zero": {"limits": {"cpu": "0"}},
+    "ephemeral-request-over-limit": {"requests": {"ephemeral-storage": "20Gi"}, "limits": {"ephemeral-storage": "10Gi"}},
+    "hugepages-request-not-limit": {
+        "requests": {"memory": "4Gi", "hugepages-2Mi": "1Gi"},
+        "limits": {"memory": "4Gi", "hugepages-2Mi": "2Gi"},
+    },
+    "hugepages-request-without-limit": {"requests": {"memory": "4Gi", "hugepages-2Mi": "1Gi"}},
+    "hugepages-partial-page": {"limits": {"memory": "4Gi", "hugepages-1Gi": "1536Mi"}},
+    "hugepages-alone": {"limits": {"hugepages-2Mi": "1Gi"}},
+    "extended-fraction": {"limits": {"example.com/foo": "500m"}},
+    "extended-request-not-limit": {"requests": {"example.com/foo": "1"}, "limits": {"example.com/foo": "2"}},
+    "extended-request-without-limit": {"requests": {"example.com/foo": "1"}},
+    "unqualified-name": {"limits": {"foo": "1"}},
+    "memory-fractional-bytes": {"requests": {"memory": "2500m"}, "limits": {"memory": "2500m"}},
+}
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    """`kuberl ARGS` in this process (a subprocess a case would cost a second of imports)."""
+    import contextlib
+    import io
+
+    from kuberl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(args))
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("shape", sorted(RESOURCE_SHAPES))
+@pytest.mark.parametrize("place", sorted(RESOURCE_PLACES))
+def test_validate_refuses_the_resources_the_api_server_refuses(crds, place, shape, tmp_path):
+    """Whatever requests and limits the server refuses, of the object or of a child the operator
+    makes of it, offline validate refuses too, naming the field the server names."""
+    import yaml
+
+    doc = {"apiVersion": "kuberl.io/v1alpha1", "metadata": {"name": f"{place}-{shape}"[:40].rstrip("-")},
+           **RESOURCE_PLACES[place](RESOURCE_SHAPES[shape])}
+    path = tmp_path / "case.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rc, out, err = _cli("validate", str(path))
+    local = subprocess.CompletedProcess([], rc, out, err)
+    server = crds.run("apply", "--dry-run=server", "-n", NAMESPACE, "-f", str(path), check=False)
+    if server.returncode != 0:
+        assert_refused_alike(server.stderr, local, f"{place}/{shape}")
+        return
+    rendered_rc, rendered, render_err = _cli("render", "--namespace", NAMESPACE, str(path))
+    assert rendered_rc == 0 or rc != 0, f"render failed on a manifest validate accepts:\n{render_err}"
+    if rendered_rc == 0:
+        children = crds.run("apply", "--dry-run=server", "-n", NAMESPACE, "-f", "-", input=rendered, check=False)
+        if children.returncode != 0:
+            assert_refused_alike(children.stderr, local, f"the children of {place}/{shape}")
