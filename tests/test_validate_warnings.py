@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import builders
 import pytest
 import yaml
 
@@ -14,21 +15,14 @@ from kuberl.cli import main
 from kuberl.operator.validate import admission
 from kuberl.operator.validate.podwarnings import object_warnings, pod_spec_warnings
 
-
-def _job(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kuberl.io/v1alpha1",
-        "kind": "AgenticRLJob",
-        "metadata": {"name": "w"},
-        "spec": {
-            "model": {"base": "Qwen/Qwen2.5-1.5B-Instruct"},
-            "data": {"train": "d"},
-            "rollout": {"fleet": {"accelerator": {"profile": "h100", "count": 1}, "weightSync": {"claimName": "w"}}},
-            "sandbox": {"pool": {"replicas": 16, "workersPerPod": 8}},
-            "stages": [{"name": "rl", "type": "rl", "steps": 1}],
-            **spec,
-        },
-    }
+# a job on a 1.5B model: an inline H100 fleet and a 128-worker inline pool, one RL stage
+W_JOB = builders.job_manifest(
+    "w",
+    model={"base": "Qwen/Qwen2.5-1.5B-Instruct"},
+    rollout={"fleet": {"accelerator": {"profile": "h100", "count": 1}, "weightSync": {"claimName": "w"}}},
+    sandbox={"pool": {"replicas": 16, "workersPerPod": 8}},
+    stages=[{"name": "rl", "type": "rl", "steps": 1}],
+)
 
 
 def _validate(tmp_path: Any, capsys: Any, doc: dict[str, Any], *flags: str) -> tuple[int, str, str]:
@@ -43,7 +37,7 @@ FRACTIONAL = 'fractional byte value "2500m" is invalid, must be an integer'
 
 
 def test_a_fractional_memory_quantity_warns_as_the_api_server_does(tmp_path: Any, capsys: Any) -> None:
-    job = _job()
+    job = builders.job_manifest(of=W_JOB)
     job["spec"]["rollout"]["fleet"]["resources"] = {"requests": {"memory": "2500m"}}
     rc, out, err = _validate(tmp_path, capsys, job)
     assert rc == 0 and "ok" in out
@@ -56,14 +50,14 @@ def test_a_fractional_memory_quantity_warns_as_the_api_server_does(tmp_path: Any
 
 
 def test_whole_bytes_give_no_warning_and_strict_passes(tmp_path: Any, capsys: Any) -> None:
-    job = _job()
+    job = builders.job_manifest(of=W_JOB)
     job["spec"]["rollout"]["fleet"]["resources"] = {"requests": {"memory": "2500"}}
     rc, _, err = _validate(tmp_path, capsys, job, "--strict")
     assert rc == 0 and "Warning:" not in err
 
 
 def test_a_sandbox_pool_far_below_the_rollouts_in_flight_warns(tmp_path: Any, capsys: Any) -> None:
-    job = _job(sandbox={"pool": {"replicas": 1, "workersPerPod": 1}}, algorithm={"batchPrompts": 64})
+    job = builders.job_manifest(of=W_JOB, sandbox={"pool": {"replicas": 1, "workersPerPod": 1}}, algorithm={"batchPrompts": 64})
     rc, _, err = _validate(tmp_path, capsys, job)
     assert rc == 0
     assert "spec.sandbox.pool: 1 sandbox workers (replicas 1 x workersPerPod 1) for up to 2048 tool-calling" in err
@@ -80,7 +74,7 @@ def test_a_sandbox_pool_far_below_the_rollouts_in_flight_warns(tmp_path: Any, ca
 
 
 def test_a_referenced_pool_in_the_file_is_weighed_too(tmp_path: Any, capsys: Any) -> None:
-    job = _job(sandbox={"poolRef": "tools"})
+    job = builders.job_manifest(of=W_JOB, sandbox={"poolRef": "tools"})
     pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"},
             "spec": {"replicas": 1, "workersPerPod": 1}}
     path = tmp_path / "m.yaml"
@@ -128,10 +122,55 @@ def test_deprecated_annotations_of_a_template_warn() -> None:
 
 
 def test_the_webhook_returns_the_warnings_validate_prints(tmp_path: Any, capsys: Any) -> None:
-    job = _job(sandbox={"pool": {"replicas": 1, "workersPerPod": 1}})
+    job = builders.job_manifest(of=W_JOB, sandbox={"pool": {"replicas": 1, "workersPerPod": 1}})
     job["spec"]["rollout"]["fleet"]["resources"] = {"requests": {"memory": "2500m"}}
     _, _, err = _validate(tmp_path, capsys, job)
     printed = [line.split("AgenticRLJob/w: ", 1)[1] for line in err.splitlines() if line.startswith("Warning:")]
     assert len(printed) == 2
     assert asyncio.run(admission.validation_errors(job, None)) == []
     assert asyncio.run(admission.validation_warnings(job, None)) == printed
+
+
+def test_every_example_passes_strict(capsys: Any) -> None:
+    """The shipped examples are what users copy: none may warn."""
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        rc = main(["validate", "--strict", str(path)])
+        assert rc == 0, (path.name, capsys.readouterr())
+
+
+def test_training_state_over_the_trainers_accelerators_warns(tmp_path: Any, capsys: Any) -> None:
+    """16 bytes a parameter (float32 weights, gradients, two AdamW moments) over the trainer's
+    GPUs: 235B on 8 MI300X is 470 GB a GPU against 192; on 8 x 8 it fits."""
+    job = builders.job_manifest(of=W_JOB, model={"base": "Qwen/Qwen3-235B-A22B"},
+                                trainer={"replicas": 1, "accelerator": {"profile": "mi300x", "count": 8}})
+    rc, _, err = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert "spec.trainer: Qwen/Qwen3-235B-A22B's float32 weights, gradients and AdamW moments take 3760 GB" in err
+    assert "470 GB on each of its 8 mi300x accelerators" in err and "raise trainer.replicas" in err
+    assert _validate(tmp_path, capsys, job, "--strict")[0] != 0
+    job["spec"]["trainer"]["replicas"] = 8
+    assert "spec.trainer" not in _validate(tmp_path, capsys, job)[2]
+    # a name without a size says nothing of the model: no warning
+    job["spec"]["trainer"]["replicas"] = 1
+    job["spec"]["model"]["base"] = "s3://bucket/checkpoints/policy"
+    assert "spec.trainer" not in _validate(tmp_path, capsys, job)[2]
+
+
+def test_served_weights_that_leave_no_kv_cache_warn(tmp_path: Any, capsys: Any) -> None:
+    """An inline fleet serves the job's model: 70B in bf16 is 140 GB, over the 68 GB that
+    memFractionStatic 0.85 leaves of one H100; tensorParallel 4 makes it 35 GB a GPU."""
+    job = builders.job_manifest(of=W_JOB, model={"base": "meta-llama/Llama-3.1-70B-Instruct"},
+                                trainer={"replicas": 16, "accelerator": {"profile": "h100", "count": 8}})
+    err = _validate(tmp_path, capsys, job)[2]
+    assert "spec.rollout.fleet.engine: meta-llama/Llama-3.1-70B-Instruct's weights take 140 GB" in err
+    assert "raise engine.tensorParallel" in err
+    job["spec"]["rollout"]["fleet"]["accelerator"]["count"] = 4
+    job["spec"]["rollout"]["fleet"]["engine"] = {"tensorParallel": 4}
+    assert "spec.rollout.fleet.engine" not in _validate(tmp_path, capsys, job)[2]
+    fleet = builders.fleet_manifest("big", model={"uri": "Qwen/Qwen3-235B-A22B"}, weightSync={"claimName": "w"})
+    err = _validate(tmp_path, capsys, fleet)[2]
+    assert "spec.engine: Qwen/Qwen3-235B-A22B's weights take 470 GB on each of the engine's 1" in err
