@@ -16,7 +16,7 @@
    KUBERL_RECONCILE_INTERVAL seconds), and the operator process's CPU seconds per pass.
 
 The operator runs as ``kuberl operator -A`` under the Helm chart's ServiceAccount and RBAC (the
-helpers of tests/k8s_fixtures.py). Counts do not depend on the machine's load; the latencies do.
+helpers of harness/k8s_fixtures.py). Counts do not depend on the machine's load; the latencies do.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "harness"))
 
 from k8s_fixtures import Kube, Operator, install_chart_rbac, new_namespace, running_ready, wait_for  # noqa: E402
 

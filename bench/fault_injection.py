@@ -13,7 +13,7 @@ Reported per run: steps trained, rollouts generated / aborted / stale, the engin
 counters of the step records (reconnects, version mismatches, re-pushes) and the time lost:
 the run's RL seconds minus the undisturbed run's.
 
-``--trainer-kills``: the trainer itself SIGKILLed at a point of step 2 or 3 (tests/kill_during.py:
+``--trainer-kills``: the trainer itself SIGKILLed at a point of step 2 or 3 (harness/kill_during.py:
 ``generate``, ``reload`` (its weight push, the server reloading), ``publish`` (the weights
 folder half written), ``update``, ``checkpoint`` (the file half written), ``step`` (between
 steps 2 and 3)), its server and sandbox ending with it, then the same command run again,
@@ -44,7 +44,7 @@ from kuberl.trainer.report import load_run
 from kuberl.trainer.step_record import StepRecord
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "harness"))
 
 KV_BYTES = 1 << 30  # the run's own server (local_vllm_config's 1 GiB KV cache) is found by it
 
@@ -153,7 +153,7 @@ def mode_label(async_level: int) -> str:
     return "sync" if async_level == 0 else f"async{async_level}"
 
 
-KILL = REPO / "tests" / "kill_during.py"
+KILL = REPO / "harness" / "kill_during.py"
 # the kill_during.py count that lands in step 2 or 3 of a run of 4 prompts x 2 samples, one turn
 # (update: the run's 2nd optimizer step; a step whose groups all tie has none)
 TRAINER_KILL_AT = {"generate": 20, "reload": 3, "publish": 3, "update": 2, "checkpoint": 3, "step": 2}

@@ -25,7 +25,7 @@ import aiohttp
 import kmock
 import kopf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the kmock API emulator
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harness"))  # the kmock API emulator
 
 from kube_emulator import ClusterEmulator  # noqa: E402
 

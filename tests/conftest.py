@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # helper modules (vllm_fixtures, hf_fixtures)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' own helper modules (hf_fixtures, ...)
+# the harness tests and benches share: the real control plane and operator, the API emulator,
+# the real vLLM server and model, kill points, fake sandboxes
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "harness"))
 # the bench's modules the tests share (sandbox_service, sandbox_front); after the installed
 # packages, so that none of them shadows one
 sys.path.append(str(REPO / "bench"))

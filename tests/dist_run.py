@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "harness"))
 
 import torch  # noqa: E402
+from trainer_fakes import FakeSandbox, ScriptedArithEngine  # noqa: E402
 
 from kuberl.api.job import AgenticRLJob  # noqa: E402
 from kuberl.api.loader import find_one, load_manifests  # noqa: E402
 from kuberl.trainer.distributed import DistContext  # noqa: E402
 from kuberl.trainer.local import run_job  # noqa: E402
-from tests.trainer_fakes import FakeSandbox, ScriptedArithEngine  # noqa: E402
 
 
 def main() -> None:

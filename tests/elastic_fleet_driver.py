@@ -30,6 +30,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "harness"))
 
 from k8s_fixtures import Kube, Operator, install_chart_rbac, new_namespace, wait_for  # noqa: E402
 from process_kubelet import ProcessKubelet  # noqa: E402

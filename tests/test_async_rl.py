@@ -9,6 +9,7 @@ import dataclasses
 import builders
 import pytest
 import torch
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.rollout.loop import Trajectory
@@ -17,7 +18,6 @@ from kuberl.trainer.grpo import prepare_batch, rl_update
 from kuberl.trainer.local import run_job
 from kuberl.trainer.loss import LossConfig, policy_loss, tis_weights
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 
 def _traj(versions: list[int | None], reward_tokens: int = 3) -> Trajectory:

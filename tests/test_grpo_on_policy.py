@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.trainer.grpo import StepBatch, recompute_old_logprobs, rl_update
@@ -17,7 +18,6 @@ from kuberl.trainer.loss import LossConfig, token_logprobs
 from kuberl.trainer.model import GPT, GPTConfig
 from kuberl.trainer.sft import pad_batch
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 
 def _batch(model: GPT, seed: int) -> StepBatch:

@@ -9,6 +9,7 @@ import json
 
 import pytest
 from prometheus_client import REGISTRY
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, parse_resource
@@ -18,7 +19,6 @@ from kuberl.trainer import length_reward as lr
 from kuberl.trainer.grpo import prepare_batch
 from kuberl.trainer.local import run_job
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 
 def _traj(model_tokens: int, tool_tokens: int = 0, *, tool_calls: int = 0) -> Trajectory:

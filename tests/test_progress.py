@@ -8,6 +8,7 @@ import json
 
 import pytest
 import yaml
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
@@ -15,7 +16,6 @@ from kuberl.rollout.tool_stats import ToolTally, summarize
 from kuberl.trainer.progress import LogProgress, duration, eta_seconds, format_step, use_plain
 from kuberl.trainer.step_record import StepRecord
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 STAGES = [("sft", "sft", 4), ("rl", "rl", 10)]
 

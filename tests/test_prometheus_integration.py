@@ -196,11 +196,12 @@ def concrete(expr: str) -> str:
 @pytest.fixture(scope="module")
 def scraped(tmp_path_factory):
     """Run the stack under Prometheus; yields (prometheus url, {target: metrics url})."""
+    from trainer_fakes import ScriptedArithEngine
+
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
     from kuberl.trainer import metrics
     from kuberl.trainer.local import run_job
-    from tests.trainer_fakes import ScriptedArithEngine
 
     tmp = tmp_path_factory.mktemp("prom")
     # one exporter per process: an earlier test in this process may have started it already
@@ -222,7 +223,7 @@ def scraped(tmp_path_factory):
             mp.setenv("KUBERL_SANDBOX_URL", sandbox_url)
             targets["kuberl-sandbox"] = urllib.parse.urlparse(sandbox_url).netloc
         else:
-            from tests.trainer_fakes import FakeSandbox
+            from trainer_fakes import FakeSandbox
 
             executor_factory = FakeSandbox
         prom = stack.enter_context(running_prometheus(tmp, targets))
@@ -284,7 +285,7 @@ def test_every_panel_query_has_data(scraped, uid, title, expr):
 
 def test_tool_error_ratio_in_positives_arrives_through_prometheus(scraped):
     """The scripted policy's known ratio, computed by the trainer from real sandbox outcomes."""
-    from tests.trainer_fakes import ScriptedArithEngine
+    from trainer_fakes import ScriptedArithEngine
 
     prom, _, tmp, _ = scraped
     rl = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]

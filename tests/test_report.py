@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 import yaml
+from trainer_fakes import FakeSandbox
 
 from kuberl.cli import main
 from kuberl.trainer.report import ReportError, build_charts, load_run, render_html, write_report
 from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.svg import Chart, Series, nice_ticks, render, segments
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 
 def test_ticks_are_round_and_cover_the_range():

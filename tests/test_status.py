@@ -66,10 +66,11 @@ def test_local_view_of_a_running_and_a_finished_run():
 
 
 def test_local_status_of_a_real_run_folder(tmp_path, capsys, monkeypatch):
+    from trainer_fakes import FakeSandbox
+
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
     from kuberl.trainer.local import run_job
-    from tests.trainer_fakes import FakeSandbox
 
     monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
     f = tmp_path / "job.yaml"

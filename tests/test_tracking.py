@@ -14,13 +14,13 @@ import sys
 
 import builders
 import pytest
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.loader import ManifestError
 from kuberl.operator.render.builders import build_for
 from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.tracking import STATE_FILE, open_trackers, tracker_metrics
 from tests.test_trainer_pipeline import TINY
-from tests.trainer_fakes import FakeSandbox
 
 
 def test_records_are_logged_under_the_prometheus_series_names():

@@ -14,6 +14,7 @@ import builders
 import pytest
 import torch
 import yaml
+from trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
@@ -21,7 +22,6 @@ from kuberl.trainer.checkpoint import CheckpointStore, TrainState, apply_payload
 from kuberl.trainer.local import run_job
 from kuberl.trainer.model import GPT, GPTConfig
 from kuberl.trainer.step_record import StepRecord
-from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 
 def _model_opt(seed: int):
@@ -399,7 +399,7 @@ def test_a_new_pod_continues_the_run_record_and_the_report_outlives_it(tmp_path,
 
 # -- a trainer killed (SIGKILL) mid-update and mid-checkpoint-write, then resumed --------------
 
-KILL = Path(__file__).resolve().parent / "kill_during.py"
+KILL = Path(__file__).resolve().parents[1] / "harness" / "kill_during.py"
 SFT_STEPS, RL_MINI_BATCHES = 60, 2
 
 

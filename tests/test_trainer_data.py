@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from trainer_fakes import FakeSandbox
 
 from kuberl.rollout import template
 from kuberl.trainer.data import (
@@ -17,7 +18,6 @@ from kuberl.trainer.data import (
     tokenizer_corpus,
 )
 from kuberl.trainer.tokenizer import BPETokenizer, load_tokenizer, train_bpe
-from tests.trainer_fakes import FakeSandbox
 
 
 @pytest.fixture(scope="module")

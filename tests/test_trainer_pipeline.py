@@ -17,13 +17,13 @@ import urllib.request
 
 import pytest
 import yaml
+from trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import find_one, load_manifests
 from kuberl.rollout.scored import Scored
 from kuberl.trainer.grpo import prepare_batch
 from kuberl.trainer.local import run_file, run_job, summarize
-from tests.trainer_fakes import CoinVerifySandbox, FakeSandbox
 
 TINY = {
     "apiVersion": "kuberl.io/v1alpha1",

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from trainer_fakes import FakeSandbox
 
 from kuberl.api.job import AgenticRLJob
 from kuberl.api.loader import ManifestError, find_one, load_manifests, parse_resource
@@ -18,7 +19,6 @@ from kuberl.trainer.model import GPT, GPTConfig
 from kuberl.trainer.precision import compute_in
 from tests.test_grpo_micro_batches import _batch
 from tests.test_trainer_pipeline import TINY, _write
-from tests.trainer_fakes import FakeSandbox
 
 
 def test_bf16_runs_the_matmuls_in_bf16_and_float32_leaves_them_alone():

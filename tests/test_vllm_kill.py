@@ -36,7 +36,7 @@ from kuberl.rollout.vllm_engine import check_weights_folder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-KILL = Path(__file__).resolve().parent / "kill_during.py"
+KILL = Path(__file__).resolve().parents[1] / "harness" / "kill_during.py"
 
 
 def _marked(token: str) -> list[int]:

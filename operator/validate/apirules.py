@@ -11,7 +11,7 @@ kuberl emits, so that
   before anything is created;
 * the operator checks the same before applying anything (no Deployment holding GPUs while its
   Service is refused), and reports it in ``status.conditions``;
-* the unit tests' API emulator (tests/kube_emulator.py) answers 422 where the API server would;
+* the unit tests' API emulator (harness/kube_emulator.py) answers 422 where the API server would;
   tests/test_k8s_validate.py holds these rules to a real API server's.
 
 Each problem is one line naming the object and the field, in the API server's words where

@@ -9,7 +9,7 @@ encoded again, so what a GET returns is not byte-for-byte what was sent:
 
 The operator compares its desired objects with live ones; without these rules a desired
 ``"0.5"`` never equals a live ``"500m"`` and every resync would send a no-op patch.
-The unit tests' emulator (tests/kube_emulator.py) applies the same rules so the tests see what a cluster stores.
+The unit tests' emulator (harness/kube_emulator.py) applies the same rules so the tests see what a cluster stores.
 Custom resources are stored as sent (no Go types), so callers apply this to built-in kinds only
 for storage, while comparisons may use it on both sides of anything.
 """

@@ -11,7 +11,7 @@ at one point of the run, as an OOM kill or a lost node ends a trainer pod:
 * ``step N``: between steps, right after the N-th RL step's record is written;
 * ``generate N``: mid-generation, once the N-th request to a vLLM engine is on its way.
 
-    python tests/kill_during.py POINT N JOB.yaml OUT       # N = 0: never (a resume)
+    python harness/kill_during.py POINT N JOB.yaml OUT       # N = 0: never (a resume)
 
 The held-out set has 4 problems. The rollouts' sandbox is the tests' deterministic
 CoinVerifySandbox, as in tests/test_trainer_checkpoint.py (so the run is the one those tests
@@ -29,16 +29,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout, for kuberl
 
 import torch  # noqa: E402
+from trainer_fakes import CoinVerifySandbox  # noqa: E402
 
 import kuberl.trainer.checkpoint as checkpoint  # noqa: E402
 import kuberl.trainer.problems as problems  # noqa: E402
 from kuberl.api.job import AgenticRLJob  # noqa: E402
 from kuberl.api.loader import find_one, load_manifests  # noqa: E402
 from kuberl.trainer.local import run_job  # noqa: E402
-from tests.trainer_fakes import CoinVerifySandbox  # noqa: E402
 
 
 def _die() -> None:
