@@ -20,7 +20,7 @@ import urllib.request
 
 import aiohttp
 import pytest
-from sandbox_service import unprivileged_wrapper
+from sandbox_service import readyz, unprivileged_wrapper
 
 from kuberl.api.sandbox_pool import SandboxLimits
 from kuberl.sandbox.config import ServiceConfig, WorkerConfig
@@ -58,14 +58,6 @@ async def _exec(url: str, code: str, stdin: str = "") -> ExecResult:
 def _alive(url: str) -> None:
     r = run(_exec(url, "print('alive')"))
     assert (r.outcome, r.output) == ("stdout", "alive\n")
-
-
-def _readyz(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url + "/readyz", timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def _metric(url: str, prefix: str) -> float:
@@ -122,14 +114,14 @@ def _zygotes(workers: list[int], per_worker: int) -> dict[int, int]:
 def _zygote_pids(url: str) -> set[int]:
     """The service's zygotes (host pids; a worker in a PID namespace is the child of
     ``unshare``, and the zygotes are its children)."""
-    per_worker = 2 if _readyz(url)[1]["protections"].get("light_zygote") else 1  # the full and the light one
+    per_worker = 2 if readyz(url)[1]["protections"].get("light_zygote") else 1  # the full and the light one
     return set(_zygotes(_worker_pids(url), per_worker))
 
 
 def _worker_pids(url: str) -> list[int]:
     """The service's workers in slot order (in a PID namespace: the child of ``unshare``)."""
     workers = []
-    for pid in _readyz(url)[1]["worker_pids"]:
+    for pid in readyz(url)[1]["worker_pids"]:
         with open(f"/proc/{pid}/comm") as fh:
             workers.append(_children(pid)[0] if fh.read().strip() == "unshare" else pid)
     return workers
@@ -674,7 +666,7 @@ def _skip_unless_protected(name: str, info: dict) -> None:
 
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
 def test_adversarial_is_contained_and_service_keeps_serving(url, name):
-    info = _readyz(url)[1]
+    info = readyz(url)[1]
     _skip_unless_protected(name, info)
     zygotes = _zygote_pids(url)
     r = run(_exec(url, ADVERSARIAL[name]))
@@ -684,7 +676,7 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     # nothing of the call survives it (daemons, bomb children, spinning threads)
     _wait_until(lambda: not _slot_processes(url) and not _marked_processes(), 2)
     assert _slot_processes(url) == [] and _marked_processes() == []
-    assert _readyz(url)[1]["worker_restarts"] == 0
+    assert readyz(url)[1]["worker_restarts"] == 0
     # the zygotes share the slot's cgroup with the calls (cgroup v1): the out-of-memory killer,
     # a fork bomb and a kill of everything must still take only the call
     assert _zygote_pids(url) == zygotes
@@ -694,7 +686,7 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
 def test_a_call_is_first_for_the_oom_killer_and_cannot_change_that(url):
     """Zygotes may share a call's memory cgroup: the call's oom_score_adj is 1000, and it cannot
     lower it (its /proc/self is root's, and seccomp refuses PR_SET_DUMPABLE)."""
-    if not _readyz(url)[1]["protections"]["uid"]:
+    if not readyz(url)[1]["protections"]["uid"]:
         pytest.skip("calls keep the service's uid here")
     code = LOWER_OWN_OOM_SCORE + "print(open('/proc/self/oom_score_adj').read().strip())\n"
     r = run(_exec(url, code))
@@ -784,7 +776,7 @@ def test_calls_are_born_in_the_slot_cgroup_with_their_whole_process_cap(url):
     """Where the zygotes live in the slot's cgroup (v1, as root), a call's child is born there
     and joins nothing; the zygotes and the child forked ahead by the other one do not count
     against the call's maxProcesses: it can start exactly maxProcesses - 1 more."""
-    info = _readyz(url)[1]
+    info = readyz(url)[1]
     if not (info["protections"]["cgroup_pids"] and info["protections"]["uid"]):
         pytest.skip("no pids cgroup and slot uid here")
     inside = set()
@@ -1147,7 +1139,7 @@ BASIC_CORPUS = tuple(sorted(ADVERSARIAL))
 
 
 def test_basic_isolation_reports_what_is_active(basic_url):
-    info = _readyz(basic_url)[1]
+    info = readyz(basic_url)[1]
     assert info["isolation"] == "basic" and info["uids"] == []
     prot = info["protections"]
     assert not (prot["cgroup_memory"] or prot["cgroup_pids"] or prot["namespaces"])
@@ -1160,7 +1152,7 @@ def test_basic_isolation_reports_what_is_active(basic_url):
 def test_basic_isolation_contains_the_corpus_without_cgroups_or_uids(basic_url, name):
     """No cgroup, no slot uid, one uid for server, workers and calls (as in a pod): the call
     is bounded, nothing it started survives it, the server and worker live on."""
-    status, info = _readyz(basic_url)
+    status, info = readyz(basic_url)
     assert status == 200
     _skip_unless_protected(name, info)
     r = run(_exec(basic_url, ADVERSARIAL[name]))
@@ -1169,7 +1161,7 @@ def test_basic_isolation_contains_the_corpus_without_cgroups_or_uids(basic_url, 
     _check_corpus_output(name, r)
     _wait_until(lambda: not _marked_processes() and not _descendants(info["worker_pids"]), 2)
     assert _descendants(info["worker_pids"]) == [] and _marked_processes() == []
-    after = _readyz(basic_url)
+    after = readyz(basic_url)
     assert after[0] == 200 and after[1]["worker_pids"] == info["worker_pids"], after
     assert after[1]["server_pid"] == info["server_pid"] and after[1]["worker_restarts"] == 0
     _alive(basic_url)
@@ -1197,7 +1189,7 @@ def test_basic_isolation_a_call_cannot_signal_the_zygotes(basic_url):
     """Calls share the service's uid here: the filter refuses signals to every worker's zygote
     (its own pid and the pids from the workers' hellos), which would otherwise stop the worker
     forking calls. Where Landlock scopes signals (kernel >= 6.12) that holds twice."""
-    info = _readyz(basic_url)[1]
+    info = readyz(basic_url)[1]
     per_worker = 2 if info["protections"].get("light_zygote") else 1  # the full and the light one
     zygotes = _zygotes(info["worker_pids"], per_worker)
     assert len(zygotes) == per_worker * len(info["worker_pids"])
@@ -1215,14 +1207,14 @@ def test_basic_isolation_a_call_cannot_signal_the_zygotes(basic_url):
     assert r.outcome == "stdout" and "signalled" not in r.output, r
     _alive(basic_url)
     assert _zygotes(info["worker_pids"], per_worker) == zygotes  # the same processes, still there
-    assert _readyz(basic_url)[1]["worker_restarts"] == info["worker_restarts"]
+    assert readyz(basic_url)[1]["worker_restarts"] == info["worker_restarts"]
 
 
 def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(basic_url):
     """The worker dies (SIGKILL from outside) while a call that left a setsid daemon runs: that
     call gets an error, the two calls batched behind it run on the replacement, /readyz says 503
     until it is up, and the server (a subreaper) killed the daemon the dead worker left."""
-    status, info = _readyz(basic_url)
+    status, info = readyz(basic_url)
     assert status == 200
     (worker,) = info["worker_pids"]
     culprit = (
@@ -1242,8 +1234,8 @@ def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(bas
     def kill_worker_when_the_daemon_is_up():
         _wait_until(lambda: bool(_marked_processes()), 10)
         os.kill(worker, signal.SIGKILL)
-        _wait_until(lambda: _readyz(basic_url)[0] == 503, 5)
-        seen.append(_readyz(basic_url)[0])
+        _wait_until(lambda: readyz(basic_url)[0] == 503, 5)
+        seen.append(readyz(basic_url)[0])
 
     killer = threading.Thread(target=kill_worker_when_the_daemon_is_up)
     killer.start()
@@ -1259,8 +1251,8 @@ def test_a_lost_worker_is_replaced_its_orphans_killed_and_its_batch_answered(bas
     assert seen == [503]
     _wait_until(lambda: not _marked_processes(), 5)
     assert _marked_processes() == []
-    _wait_until(lambda: _readyz(basic_url)[0] == 200, 30)
-    status, after = _readyz(basic_url)
+    _wait_until(lambda: readyz(basic_url)[0] == 200, 30)
+    status, after = readyz(basic_url)
     assert status == 200 and after["worker_restarts"] == 1 and after["worker_pids"] != [worker]
     assert after["server_pid"] == info["server_pid"]
     # the call that was running (orphaned with its worker) is gone too: the server has only its worker
@@ -1337,7 +1329,7 @@ MEMFD = (
 def test_memfd_only_where_a_memory_cgroup_counts_it(url, basic_url):
     """memfd pages are counted by a memory cgroup, not by RLIMIT_AS (a memfd closed after a
     one-page mapping holds all its pages): without a memory cgroup the filter refuses it."""
-    full = _readyz(url)[1]["protections"]["cgroup_memory"]
+    full = readyz(url)[1]["protections"]["cgroup_memory"]
     assert run(_exec(url, MEMFD)).output == ("memfd\n" if full else "1\n")
-    assert not _readyz(basic_url)[1]["protections"]["cgroup_memory"]
+    assert not readyz(basic_url)[1]["protections"]["cgroup_memory"]
     assert run(_exec(basic_url, MEMFD)).output == "1\n"
