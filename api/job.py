@@ -173,6 +173,17 @@ class AlgorithmSpec(KubeModel):
             "sampled them. Default 2 when asyncLevel > 0, off at 0; 0 turns it off."
         ),
     )
+    partial_rollouts: bool = Field(
+        False,
+        description=(
+            "At a weight push, generations in flight (local engine, vLLM) stop at a token boundary and "
+            "go on under the new weights from their tokens so far instead of finishing on the old ones; "
+            "each token carries the version that sampled it (TIS weighs only tokens older than the step; "
+            "staleness counts the oldest token). Needs asyncLevel > 0 (a synchronous run pushes while "
+            "nothing generates) and a local or vllm engine. Off by default: every running row's KV is "
+            "recomputed at each push, and its steps/hour gain is not yet measured (bench/README.md)."
+        ),
+    )
     length_reward: LengthRewardSpec | None = Field(
         None, description="Thinking budgets: a target length in each prompt and a length term in the reward."
     )

@@ -63,7 +63,10 @@ class GenerateRequest:
     ``seed`` makes sampling reproducible per request: an engine that honours it (LocalEngine)
     draws the request's k-th token from (seed, k) alone, whatever else shares the batch, so
     rollouts do not change when scheduling, tool latency or a resume reorders the requests.
-    ``None`` leaves the draw to the engine's own generator.
+    ``None`` leaves the draw to the engine's own generator. ``first_draw`` is the index of the
+    request's first draw: a generation interrupted after k tokens goes on as a request with those
+    tokens appended to ``input_ids`` and ``first_draw`` k, so a seeded engine draws what the
+    uninterrupted generation would have drawn.
     """
 
     input_ids: list[int]
@@ -73,6 +76,7 @@ class GenerateRequest:
     stop_token_ids: tuple[int, ...] = ()
     rid: str = field(default_factory=_new_rid)
     seed: int | None = None
+    first_draw: int = 0
 
     def validate(self) -> None:
         """Raise ValueError with a clear message for requests no engine can serve."""
@@ -84,6 +88,8 @@ class GenerateRequest:
             raise ValueError(f"request {self.rid}: top_p must be in (0, 1], got {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"request {self.rid}: temperature must be >= 0, got {self.temperature}")
+        if self.first_draw < 0:
+            raise ValueError(f"request {self.rid}: first_draw must be >= 0, got {self.first_draw}")
 
 
 # What an engine client counts of its server's faults, as (its attribute, the step record's
@@ -113,6 +119,10 @@ class GenerateOutput:
     output_logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int | None = None  # the policy version the engine served (None: unknown)
+    # the policy version that sampled each output token, where the engine tracks it (a
+    # generation that went on across a weight push: partial rollouts); None: every token is
+    # ``weight_version``'s
+    token_versions: list[int | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.output_logprobs):
@@ -120,6 +130,17 @@ class GenerateOutput:
                 f"output_ids ({len(self.output_ids)}) and output_logprobs "
                 f"({len(self.output_logprobs)}) must have the same length"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.output_ids):
+            raise ValueError(
+                f"token_versions ({len(self.token_versions)}) must name one version per output token "
+                f"({len(self.output_ids)})"
+            )
+
+    def versions(self) -> list[int | None]:
+        """The version of every output token (``weight_version`` where none is tracked per token)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.output_ids)
 
 
 @dataclass
@@ -160,12 +181,18 @@ class Engine(abc.ABC):
     ``pads_rows`` says a decode step costs every row the longest row's context (one padded KV
     cache, as the in-process engine keeps), so rows of a new batch should not join an old
     batch's long tail; paged KV caches (vLLM, SGLang) cost each row its own context.
+    ``partial_rollouts`` says that at a weight push the generations in flight stop at a token
+    boundary and go on under the new weights from their tokens so far (their KV recomputed),
+    each token labelled with the version that sampled it (``GenerateOutput.token_versions``),
+    and that a generation the engine aborted is continued from its tokens by the rollout loop;
+    False: they finish on the weights they started with.
     """
 
     name: str
     capacity_version: int = 0
     shared: bool = False
     pads_rows: bool = False
+    partial_rollouts: bool = False
 
     @abc.abstractmethod
     async def generate(self, req: GenerateRequest) -> GenerateOutput:

@@ -146,6 +146,7 @@ class HTTPEngine(Engine):
         backoff_s: float = 0.5,
         reconnect_s: float = 0.0,
         session: aiohttp.ClientSession | None = None,
+        partial_rollouts: bool = False,
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"{self.kind} base_url must start with http:// or https://, got {base_url!r}")
@@ -157,6 +158,7 @@ class HTTPEngine(Engine):
         self.retries = retries
         self.backoff_s = backoff_s
         self.reconnect_s = reconnect_s
+        self.partial_rollouts = partial_rollouts  # what a push does to requests in flight (Engine)
         self.reconnects = 0  # times a request found the server gone and waited for it
         self.version_mismatches = 0  # answers from weights this client did not push
         self.repushes = 0  # pushes that put the last weights back after a mismatch

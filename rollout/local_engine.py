@@ -57,6 +57,7 @@ class _Seq:
     key: int  # sampling key: token k is drawn from the uniform seeded_uniform(key, k)
     out_ids: list[int] = field(default_factory=list)
     out_lps: list[float] = field(default_factory=list)
+    out_versions: list[int | None] = field(default_factory=list)  # the weights that sampled each token
     finish: str | None = None
     reported: bool = False  # handed back to the caller; the row may still sit in the batch
     version: int | None = None  # the engine's weight version when the request was accepted
@@ -64,6 +65,11 @@ class _Seq:
     @property
     def reserved(self) -> int:
         return len(self.req.input_ids) + self.limit
+
+    @property
+    def context(self) -> list[int]:
+        """What a prefill reads: the prompt and every token sampled so far."""
+        return self.req.input_ids + self.out_ids
 
     @property
     def used(self) -> int:
@@ -192,6 +198,13 @@ class LocalEngine(Engine):
     the running requests' reservations (or when nothing is running). ``context_length`` defaults
     to ``model.config.block_size``; a request stops with finish_reason "length" when prompt +
     output reaches it.
+
+    ``partial_rollouts``: a weight copy makes every running request stop at a token boundary
+    and go on under the new weights from its tokens so far; its KV cache (computed by the old
+    weights) is dropped and the next step prefills prompt + tokens so far again, so every token
+    is sampled by one version's clean forward, and each token reports that version
+    (``GenerateOutput.token_versions``). Off: the copy lands between decode steps, the rows keep
+    their cache, and a request reports the version it started with.
     """
 
     pads_rows = True  # one left-padded KV cache: a step attends over the longest row's columns
@@ -206,6 +219,7 @@ class LocalEngine(Engine):
         name: str = "local-0",
         context_length: int | None = None,
         seed: int | None = None,
+        partial_rollouts: bool = False,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -236,6 +250,9 @@ class LocalEngine(Engine):
         self.fast_decode = _fast_decode_ok(self.model)
         self.last_error: BaseException | None = None
         self.weight_version: int | None = None
+        self.partial_rollouts = partial_rollouts
+        self._reprefill = False  # new weights since the batch's cache was computed (partial rollouts)
+        self.reprefills = 0  # rows prefilled again under new weights, for tests and benchmarks
 
     # -- Engine interface ---------------------------------------------------------------------
 
@@ -282,17 +299,22 @@ class LocalEngine(Engine):
         return EngineLoad(used / self._max_total_tokens, len(live), len(self._pending))
 
     async def close(self) -> None:
+        """Stop; the requests in the engine now come back as "abort" with their tokens so far
+        (with partial rollouts the loop goes on from them: requests made after this call, while
+        it waits for the driver, are a restarted engine's and run)."""
+        seqs = [*self._running, *self._pending]
         if self._driver is not None and not self._driver.done():
             self._driver.cancel()
             try:
                 await self._driver
             except asyncio.CancelledError:
                 pass
-        for seq in [*self._running, *self._pending]:
+        else:
+            self._running, self._pending = [], deque()
+            self._past = self._mask = self._next = None
+        for seq in seqs:
             if not seq.future.done():
-                seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, "abort", seq.version))
-        self._running, self._pending = [], deque()
-        self._past = self._mask = self._next = None
+                seq.future.set_result(self._output(seq, "abort"))
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -300,11 +322,15 @@ class LocalEngine(Engine):
         """Copy new policy weights in (between decode steps); running requests continue with them.
 
         ``version`` (the trainer's step) is what later requests report; a request that was
-        running during the copy reports the version it started with (its oldest tokens').
+        running during the copy reports the version it started with (its oldest tokens'). With
+        ``partial_rollouts`` the running rows are prefilled again under the new weights at the
+        next step (see the class docstring).
         """
         with self._lock, torch.no_grad():
             self.model.load_state_dict(state_dict)
             self.weight_version = version
+            if self.partial_rollouts and self._running:
+                self._reprefill = True
 
     load_state_dict = set_weights
 
@@ -328,8 +354,11 @@ class LocalEngine(Engine):
                 self.last_error = None
                 for seq in finished:
                     if not seq.future.done():
-                        seq.future.set_result(GenerateOutput(seq.out_ids, seq.out_lps, seq.finish, seq.version))
+                        seq.future.set_result(self._output(seq, seq.finish))
         except BaseException as err:
+            if isinstance(err, asyncio.CancelledError) and self.partial_rollouts:
+                self._hand_back(admit)
+                raise
             # A failed step poisons the shared batch: fail every request in it and start clean.
             for seq in [*admit, *self._running, *self._pending]:
                 if not seq.future.done():
@@ -343,6 +372,19 @@ class LocalEngine(Engine):
             if isinstance(err, asyncio.CancelledError):
                 raise
             self.last_error = err
+
+    def _hand_back(self, admit: list[_Seq]) -> None:
+        """The engine stops (``close``, a restart): with partial rollouts every request comes back
+        with its tokens so far ("abort" unless it had finished), for the loop to go on from."""
+        with self._lock:  # a step the cancel left running on its thread ends first
+            seqs = [*admit, *self._running, *self._pending]
+            self._running, self._pending = [], deque()
+            self._past = self._mask = self._next = None
+            self._used = 0
+            self._reprefill = False
+        for seq in seqs:
+            if not seq.future.done():
+                seq.future.set_result(self._output(seq, seq.finish or "abort"))
 
     def _admit(self) -> list[_Seq]:
         live = [s for s in self._running if s.finish is None]
@@ -359,11 +401,29 @@ class LocalEngine(Engine):
             admit.append(self._pending.popleft())
         return admit
 
+    def _output(self, seq: _Seq, finish: str) -> GenerateOutput:
+        if not self.partial_rollouts:
+            return GenerateOutput(seq.out_ids, seq.out_lps, finish, seq.version)  # type: ignore[arg-type]
+        known = [v for v in seq.out_versions if v is not None]
+        oldest = min(known) if known and len(known) == len(seq.out_versions) else seq.version
+        return GenerateOutput(
+            seq.out_ids, seq.out_lps, finish, oldest, list(seq.out_versions)  # type: ignore[arg-type]
+        )
+
     @torch.inference_mode()
     def _step(self, admit: list[_Seq]) -> list[_Seq]:
         """Prefill ``admit`` into the batch, then run one decode step; return finished rows."""
         with self._lock:
             finished = self._evict()
+            if self._reprefill:
+                # new weights: the cache is the old weights'; every running row starts over from
+                # its prompt and tokens so far, prefilled with the new ones beside the admitted
+                self._reprefill = False
+                live = [s for s in self._running if s.finish is None]
+                self._running, self._past, self._mask, self._next = [], None, None, None
+                self._used = 0
+                self.reprefills += len(live)
+                admit = live + admit
             if admit:
                 finished += self._prefill(admit)
             if self._running:
@@ -372,12 +432,12 @@ class LocalEngine(Engine):
             return finished
 
     def _prefill(self, admit: list[_Seq]) -> list[_Seq]:
-        width = max(len(s.req.input_ids) for s in admit)
+        width = max(len(s.context) for s in admit)
         ids = torch.zeros(len(admit), width, dtype=torch.long)
         mask = torch.zeros(len(admit), width, dtype=torch.long)
         for i, s in enumerate(admit):
-            n = len(s.req.input_ids)
-            ids[i, width - n :] = torch.tensor(s.req.input_ids, dtype=torch.long)
+            n = len(s.context)
+            ids[i, width - n :] = torch.tensor(s.context, dtype=torch.long)
             mask[i, width - n :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits, past = self.model(ids, attention_mask=mask)
@@ -437,7 +497,9 @@ class LocalEngine(Engine):
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         temps = torch.tensor([s.req.temperature for s in seqs], dtype=torch.float32, device=logits.device)
         top_p = torch.tensor([s.req.top_p for s in seqs], dtype=torch.float32, device=logits.device)
-        u = torch.tensor([seeded_uniform(s.key, len(s.out_ids)) for s in seqs], dtype=torch.float64)
+        u = torch.tensor(
+            [seeded_uniform(s.key, s.req.first_draw + len(s.out_ids)) for s in seqs], dtype=torch.float64
+        )
         tokens, lps = sample_tokens(logits, temps, top_p, uniforms=u)
         produced = 0
         for s, tok, lp in zip(seqs, tokens.tolist(), lps.tolist(), strict=True):
@@ -446,6 +508,7 @@ class LocalEngine(Engine):
             produced += 1
             s.out_ids.append(tok)
             s.out_lps.append(lp)
+            s.out_versions.append(self.weight_version)
             if tok in s.req.stop_token_ids:
                 s.finish = "stop"
             elif len(s.out_ids) >= s.limit:

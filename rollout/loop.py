@@ -17,6 +17,12 @@ with finish_reason "abort" and the error recorded; the other rollouts of the ste
 aborted rollouts before selecting the group. An engine that goes away (unreachable: a replica
 removed from the fleet, a dead server) or drains between two turns hands its rollouts back:
 each goes on from the turn it was at on another engine, with the tokens it has so far.
+
+Partial rollouts (``Engine.partial_rollouts``): a generation the engine aborted mid-turn (a
+restart, a pause that aborts) goes on from the tokens it had, as a request whose input holds
+them and whose draws continue where they stopped (``GenerateRequest.first_draw``), on the same
+engine or, after a move, the next; every response token keeps the policy version that sampled
+it (``Trajectory.token_versions``).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kuberl.rollout import template
-from kuberl.rollout.engine import Engine, GenerateRequest, derive_seed
+from kuberl.rollout.engine import Engine, GenerateOutput, GenerateRequest, derive_seed
 from kuberl.rollout.http_engine import EngineUnreachable
 from kuberl.rollout.scheduler import Scheduler
 
@@ -104,12 +110,19 @@ class Trajectory:
     engine: str | None = None  # the engine that generated its last turn
     tool_seconds: float = 0.0  # wall time this rollout waited for its tool calls (sandbox round trips)
     handoffs: int = 0  # times it moved to another engine (its engine went away mid-rollout)
+    # aligned with response_ids: the policy version that sampled each model token (None for tool
+    # tokens and where the engine reported none); empty for trajectories built without it
+    token_versions: list[int | None] = field(default_factory=list)
+    resumed: int = 0  # generations continued from their tokens after the engine aborted them
 
     @property
     def min_version(self) -> int | None:
-        """The oldest policy version that wrote a turn (None if an engine reported none)."""
+        """The oldest policy version that wrote a turn or a token (None if an engine reported none)."""
         known = [v for v in self.versions if v is not None]
-        return min(known) if known and len(known) == len(self.versions) else None
+        if not known or len(known) != len(self.versions):
+            return None
+        sampled = [v for v, m in zip(self.token_versions, self.loss_mask, strict=False) if m and v is not None]
+        return min(known + sampled)
 
     @property
     def response_text(self) -> str:
@@ -143,6 +156,9 @@ class _Progress:
     logprobs: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
+    partial: GenerateOutput | None = None  # the interrupted generation of the current turn
+    resumed: int = 0
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -181,16 +197,7 @@ async def _turns(
         if p.turns and not scheduler.in_service(engine.name) and scheduler.others_in_service(engine.name):
             return False
         try:
-            out = await engine.generate(
-                GenerateRequest(
-                    input_ids=p.prompt_ids + p.response,
-                    max_new_tokens=budget,
-                    temperature=temperature,
-                    top_p=top_p,
-                    stop_token_ids=(tokenizer.eos_id,),
-                    seed=None if seed is None else derive_seed(seed, p.turns),
-                )
-            )
+            out = await _generate_turn(engine, tokenizer, p, budget, temperature, top_p, seed)
         except EngineUnreachable as err:
             p.error = f"{engine.name}: {type(err).__name__}: {err}"
             if scheduler.in_service(engine.name):
@@ -207,6 +214,7 @@ async def _turns(
         p.response += out.output_ids
         p.mask += [1] * len(out.output_ids)
         p.logprobs += out.output_logprobs
+        p.token_versions += out.versions()
         turn_text = tokenizer.decode(out.output_ids)
         p.texts.append(turn_text)
         if out.finish_reason == "abort":
@@ -252,11 +260,66 @@ async def _turns(
         p.response += tool_ids
         p.mask += [0] * len(tool_ids)
         p.logprobs += [0.0] * len(tool_ids)
+        p.token_versions += [None] * len(tool_ids)
         p.texts.append(tool_text)
         if p.truncated:
             return True
     p.finish = "max_turns"
     return True
+
+
+async def _generate_turn(
+    engine: Engine,
+    tokenizer: Tokenizer,
+    p: _Progress,
+    budget: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> GenerateOutput:
+    """The engine's generation of turn ``p.turns``. With partial rollouts, a generation the
+    engine aborts goes on from its tokens so far (at most :data:`MAX_HANDOFFS` times a rollout);
+    they wait in ``p.partial`` while the rollout moves, should the engine go away meanwhile."""
+    while True:
+        done = p.partial
+        have = done.output_ids if done is not None else []
+        if have and len(have) >= budget:
+            out = GenerateOutput([], [], "length")
+        else:
+            out = await engine.generate(
+                GenerateRequest(
+                    input_ids=p.prompt_ids + p.response + have,
+                    max_new_tokens=budget - len(have),
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop_token_ids=(tokenizer.eos_id,),
+                    seed=None if seed is None else derive_seed(seed, p.turns),
+                    first_draw=len(have),
+                )
+            )
+        if done is not None:
+            out = _joined(done, out)
+        resumable = getattr(engine, "partial_rollouts", False) and bool(out.output_ids) and p.resumed < MAX_HANDOFFS
+        if out.finish_reason != "abort" or not resumable:
+            p.partial = None
+            return out
+        p.partial = out
+        p.resumed += 1
+        log.info("generation aborted after %d tokens of turn %d: goes on from them", len(out.output_ids), p.turns)
+
+
+def _joined(first: GenerateOutput, then: GenerateOutput) -> GenerateOutput:
+    """One turn's generation from an interrupted one and its continuation; its version is the
+    oldest token's, as staleness counts."""
+    versions = first.versions() + then.versions()
+    known = [v for v in versions if v is not None]
+    return GenerateOutput(
+        first.output_ids + then.output_ids,
+        first.output_logprobs + then.output_logprobs,
+        then.finish_reason,
+        min(known) if known else None,
+        versions,
+    )
 
 
 async def rollout_one(
@@ -317,6 +380,8 @@ async def rollout_one(
         engine=p.engine,
         tool_seconds=p.tool_seconds,
         handoffs=p.handoffs,
+        token_versions=p.token_versions,
+        resumed=p.resumed,
     )
 
 

@@ -8,8 +8,10 @@ then generates and collects its batch.
 
 A turn is one engine request and finishes on the weights it started with, so a multi-turn
 rollout that spans a push carries the version of each turn and counts as old as its oldest
-turn (``grpo.prepare_batch`` drops what is older than k). Batches submitted ahead are not
-checkpointed: a resumed run generates them afresh.
+turn (``grpo.prepare_batch`` drops what is older than k). With ``algorithm.partialRollouts``
+the turns in flight go on under the new weights instead, each token labelled with the version
+that sampled it, and the rollout counts as old as its oldest token. Batches submitted ahead are
+not checkpointed: a resumed run generates them afresh.
 
 Before each rollout phase (at the weight push before it) the orchestrator announces the sandbox
 workers the phase asks for, and reports the phase done when its batch is in

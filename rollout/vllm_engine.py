@@ -122,13 +122,35 @@ def parse_generate_response(body: Any) -> tuple[GenerateOutput, list[str]]:
     spans = choice.get("weight_versions")
     if out_ids and not (isinstance(spans, list) and spans and all(isinstance(x, dict) for x in spans)):
         raise VLLMError(f"{where} choice has no weight_versions (vLLM >= 0.32 reports them)")
-    labels = [str(x.get("version")) for x in sorted(spans or [], key=lambda x: x.get("start", 0))]
+    ordered = sorted(spans or [], key=lambda x: x.get("start", 0))
+    labels = [str(x.get("version")) for x in ordered]
     finish = choice.get("finish_reason")
     if finish is None and not out_ids:
         finish = "length"
     if finish not in _FINISH:
         raise VLLMError(f"{where} finish_reason {finish!r} is not stop/length/abort")
-    return GenerateOutput(out_ids, out_lps, _FINISH[finish]), labels  # type: ignore[arg-type]
+    out = GenerateOutput(out_ids, out_lps, _FINISH[finish])  # type: ignore[arg-type]
+    out.token_versions = token_versions(ordered, len(out_ids))
+    return out, labels
+
+
+def token_versions(spans: list[dict[str, Any]], n: int) -> list[int | None] | None:
+    """The version of each of ``n`` output tokens from vLLM's ``weight_versions`` spans (``start``
+    inclusive, ``end`` exclusive, in output tokens; label ``"default"``: the start-up weights,
+    None), or None where the spans do not cover the tokens or name a label that is no version
+    (the answer's labels are checked, and refused, by ``served_version``)."""
+    out: list[int | None] = []
+    for span in spans:
+        label = str(span.get("version"))
+        try:
+            start, end = int(span.get("start", 0)), int(span.get("end", n))
+            version = None if label == DEFAULT_LABEL else int(label)
+        except (TypeError, ValueError):
+            return None
+        if start != len(out) or end < start:
+            return None
+        out.extend([version] * (end - start))
+    return out if len(out) == n else None
 
 
 def build_score_payload(input_ids: list[int], model: str, rid: str) -> dict[str, Any]:
@@ -368,7 +390,13 @@ class VLLMEngine(HTTPEngine):
     async def _push(self, model_path: str, version: int | None) -> None:
         """Reload the HF folder ``model_path`` in place. Running requests finish on the old
         weights first (``pause?mode=wait``), so no single generation mixes two versions; a
-        multi-turn rollout's later turns use the new ones."""
+        multi-turn rollout's later turns use the new ones.
+
+        With ``partial_rollouts`` they do not wait: ``pause?mode=keep`` freezes every request at
+        a token boundary, the reload runs, ``reset_prefix_cache?reset_running_requests=true``
+        preempts the running ones (vLLM recomputes their KV from prompt + tokens so far, under
+        the new weights, when they are scheduled again) and ``/resume`` lets them go on; the
+        answer's ``weight_versions`` spans then say which tokens each version sampled."""
         if tied_output_embeddings(model_path) and not self._warned_tied:
             self._warned_tied = True
             log.warning(
@@ -378,7 +406,7 @@ class VLLMEngine(HTTPEngine):
                 self.name,
                 model_path,
             )
-        await self._rl_call("/pause?mode=wait")
+        await self._rl_call("/pause?mode=keep" if self.partial_rollouts else "/pause?mode=wait")
         try:
             await self._rl_call(
                 "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
@@ -388,7 +416,15 @@ class VLLMEngine(HTTPEngine):
                 f"{self.name}: vLLM could not load the weights in {model_path} ({err}); the server is left "
                 "paused without usable weights and must be restarted (on a cluster its liveness probe does)"
             ) from err
-        await self._rl_call("/reset_prefix_cache")
+        if self.partial_rollouts:
+            reset = await self._rl_call("/reset_prefix_cache?reset_running_requests=true")
+            if '"success":false' in reset.replace(" ", ""):
+                raise VLLMError(
+                    f"{self.name}: vLLM could not drop the KV cache of its running requests after a push "
+                    "(they would go on over the old weights' cache); turn algorithm.partialRollouts off"
+                )
+        else:
+            await self._rl_call("/reset_prefix_cache")
         if version is not None:
             await self._rl_call("/update_weight_version", {"new_version": str(version)})
             served = await self.served_weight_version()

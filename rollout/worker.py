@@ -82,6 +82,8 @@ class RolloutWorker:
 
     ``executor_factory`` returns an async context manager yielding a ToolExecutor with
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
+    ``partial_rollouts`` (``algorithm.partialRollouts``): what a weight push does to the
+    generations in flight on the local engine and the fleet's engines (``Engine.partial_rollouts``).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class RolloutWorker:
         fleet: Any = None,
         scheduler_policy: str = "kv-aware",
         sft_builder: SftBuilder | None = None,
+        partial_rollouts: bool = False,
     ):
         if threads:
             torch.set_num_threads(threads)
@@ -136,7 +139,9 @@ class RolloutWorker:
         if fleet is not None:
             from kuberl.rollout.fleet import FleetWatcher
 
-            self.fleet = FleetWatcher(fleet, policy=scheduler_policy)
+            self.fleet = FleetWatcher(
+                fleet, policy=scheduler_policy, engine_kwargs={"partial_rollouts": partial_rollouts}
+            )
             self.scheduler = self._run(self.fleet.start())
         else:
             if make_policy is None:
@@ -144,8 +149,9 @@ class RolloutWorker:
             self.model = make_policy()
             if engine_factory is None:
                 self.engine = LocalEngine(
-                    self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0
-                )
+                    self.model, max_total_tokens=max_total_tokens, max_batch=max_batch, device=device, seed=0,
+                    partial_rollouts=partial_rollouts,
+                )  # fmt: skip
             else:
                 self.engine = engine_factory(self.model, self.tokenizer)
             self.scheduler = Scheduler([self.engine], policy=scheduler_policy)

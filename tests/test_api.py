@@ -403,6 +403,8 @@ APISERVER_REJECTS: dict[str, set[str]] = {
     "fleet-ref-engine-mismatch-sglang.yaml": set(),
     "fleet-ref-no-weight-sync.yaml": set(),
     "inline-fleet-no-weight-sync.yaml": set(),
+    "partial-rollouts-synchronous.yaml": set(),
+    "partial-rollouts-sglang.yaml": set(),
     "hugepages-request-below-limit.yaml": {"children"},
     "hugepages-not-whole-pages.yaml": {"children"},
     "hugepages-without-limit.yaml": {"children"},

@@ -339,6 +339,7 @@ def _run_pipeline(
                 "fleet": fleet,
                 "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
                 "sft_builder": build_sft_traces,
+                "partial_rollouts": spec.algorithm.partial_rollouts,
             }
             use_gpu = device.type == "cuda" and not fleet
             client = (

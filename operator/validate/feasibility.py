@@ -98,13 +98,35 @@ def fleet_problems(job: AgenticRLJob, fleet: RolloutFleetSpec, where: str, inlin
     return problems
 
 
+def partial_rollout_problems(job: AgenticRLJob) -> list[str]:
+    """``algorithm.partialRollouts`` where it can do nothing: a synchronous run pushes while
+    nothing generates, and SGLang's client cannot keep a generation across a push."""
+    spec = job.spec
+    if not spec.algorithm.partial_rollouts or not _rl_stages(job):
+        return []
+    problems = []
+    if spec.algorithm.async_level == 0:
+        problems.append(
+            "spec.algorithm.partialRollouts: true has no effect at asyncLevel 0 (each step pushes its "
+            "weights before its batch generates, so no generation is in flight at a push); set asyncLevel "
+            "to 1 or 2, or leave partialRollouts off"
+        )
+    if spec.rollout.engine == "sglang":
+        problems.append(
+            "spec.algorithm.partialRollouts: true needs the local engine or vLLM (pause?mode=keep and "
+            "per-token weight versions); spec.rollout.engine is sglang, whose pushes wait for the "
+            "generations in flight; use engine vllm or leave partialRollouts off"
+        )
+    return problems
+
+
 def resource_problems(resource: Resource) -> list[str]:
     """The rules of this module that one resource decides alone (its inline fleet included)."""
     if isinstance(resource, RolloutFleet):
         return topology_problems(resource.spec, "spec.")
     if not isinstance(resource, AgenticRLJob):
         return []
-    problems = learning_problems(resource)
+    problems = learning_problems(resource) + partial_rollout_problems(resource)
     fleet = resource.spec.rollout.fleet
     if fleet is not None and resource.spec.rollout.engine != "local":
         problems += topology_problems(fleet, "spec.rollout.fleet.")
