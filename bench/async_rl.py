@@ -12,9 +12,11 @@ of update and generation, to find the configuration where they take similar time
 synchronous run (the one where overlap can win most: ideal speed-up = (gen + update) /
 max(gen, update)); ``--oversample 1 --mini-batches 1`` is one such, with one optimizer step
 per batch (what INTELLECT-2 trains with, and what `kuberl validate` asks for at asyncLevel 2).
+``--partial`` adds, for every asyncLevel above 0, an arm with ``algorithm.partialRollouts`` on
+(a synchronous run pushes while nothing generates: its partial arm would be the same run).
 
-    python bench/async_rl.py [--steps 20] [--seeds 1] [--first-seed 0] [--levels 0,1,2]
-        [--ppo-epochs 1] [--mini-batches N] [--oversample N] [--out /tmp/async-rl]
+    python bench/async_rl.py [MANIFEST] [--steps 20] [--seeds 1] [--first-seed 0] [--levels 0,1,2]
+        [--partial] [--ppo-epochs 1] [--mini-batches N] [--oversample N] [--out /tmp/async-rl]
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mini-batches", type=int, default=None, help="algorithm.miniBatches (default: the manifest's)")
     ap.add_argument("--oversample", type=int, default=None, help="algorithm.oversample (default: the manifest's)")
     ap.add_argument("--levels", default="0,1,2", help="asyncLevels to run; 0 always runs (the SFT and the baseline)")
+    ap.add_argument("--partial", action="store_true", help="also each asyncLevel > 0 with partialRollouts on")
     ap.add_argument("--out", default="/tmp/kuberl-async-rl")
     args = ap.parse_args(argv)
     base = find_one(load_manifests(args.manifest), AgenticRLJob)
@@ -106,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KUBERL_SANDBOX_URL"] = sandbox.__enter__()
     pin_to_cpus("1")  # the trainer: every thread of this process (Ray workers set their own)
     levels = sorted({0, *(int(k) for k in args.levels.split(","))})
-    results: dict[int, list[dict[str, float]]] = {k: [] for k in levels}
+    arms = [(k, partial) for k in levels for partial in (False, True) if not partial or (args.partial and k > 0)]
+    labels = {arm: f"async{arm[0]}" + ("+partial" if arm[1] else "") for arm in arms}
+    results: dict[tuple[int, bool], list[dict[str, float]]] = {arm: [] for arm in arms}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         doc = base.model_dump(by_alias=True, exclude_none=True)
         spec = doc["spec"]
@@ -119,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             spec["algorithm"]["oversample"] = args.oversample
         spec["trainer"]["threads"] = 1
         spec["checkpoint"].update(everySteps=10_000, keep=2, uri="checkpoints")  # in each run folder
-        for k in levels:
+        for k, partial in arms:
             spec["algorithm"]["asyncLevel"] = k
+            spec["algorithm"]["partialRollouts"] = partial
             job = AgenticRLJob.model_validate(doc)
-            run = out / f"seed{seed}" / f"async{k}"
+            run = out / f"seed{seed}" / labels[(k, partial)]
             if k > 0:  # resume the synchronous arm's end-of-SFT checkpoint: same start for all
                 sft = base.spec.stages[0].steps  # every stage ends with a checkpoint
                 src = out / f"seed{seed}" / "async0" / "checkpoints" / f"ckpt-{sft:08d}.pt"
@@ -131,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             before = cpu_times()
             run_job(job, run, use_ray=True, quiet=True)
             s = arm_summary(_records(run)) | core_busy(before, cpu_times())
-            results[k].append(s)
+            results[(k, partial)].append(s)
             print(
-                f"seed {seed} asyncLevel {k}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
+                f"seed {seed} {labels[(k, partial)]}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
                 flush=True,
             )
-    print(f"\n{'':<28}" + "".join(f"{'asyncLevel ' + str(k):>22}" for k in levels))
+    print(f"\n{'':<28}" + "".join(f"{labels[arm]:>22}" for arm in arms))
     for key in (
         "step_s",
         "steps_per_hour",
@@ -149,23 +155,23 @@ def main(argv: list[str] | None = None) -> int:
         "staleness_mean",
     ):
         cells = []
-        for k in levels:
-            vals = [r[key] for r in results[k]]
+        for arm in arms:
+            vals = [r[key] for r in results[arm]]
             sd = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
             cells.append(f"{statistics.fmean(vals):.3f}{sd}")
         print(f"{key:<28}" + "".join(f"{c:>22}" for c in cells))
-    sync = results[0]
+    sync = results[(0, False)]
     gen = statistics.fmean(r["gen_s_sync"] for r in sync)
     upd = statistics.fmean(r["update_s"] for r in sync)
     ideal = (gen + upd) / max(gen, upd)
-    for k in levels[1:]:
-        speed = statistics.fmean(r["steps_per_hour"] for r in results[k]) / statistics.fmean(
+    for arm in arms[1:]:
+        speed = statistics.fmean(r["steps_per_hour"] for r in results[arm]) / statistics.fmean(
             r["steps_per_hour"] for r in sync
         )
         longer = max(gen, upd)
-        step = statistics.fmean(r["step_s"] for r in results[k])
+        step = statistics.fmean(r["step_s"] for r in results[arm])
         print(
-            f"asyncLevel {k}: {speed:.2f}x the synchronous steps/hour (ideal {ideal:.2f}x: generation "
+            f"{labels[arm]}: {speed:.2f}x the synchronous steps/hour (ideal {ideal:.2f}x: generation "
             f"{gen:.2f} s + update {upd:.2f} s per synchronous step); step {step:.2f} s = "
             f"{step / longer:.2f}x the longer side (goal <= 1.1x)"
         )
