@@ -65,8 +65,9 @@ class GenerateRequest:
     rollouts do not change when scheduling, tool latency or a resume reorders the requests.
     ``None`` leaves the draw to the engine's own generator. ``first_draw`` is the index of the
     request's first draw: a generation interrupted after k tokens goes on as a request with those
-    tokens appended to ``input_ids`` and ``first_draw`` k, so a seeded engine draws what the
-    uninterrupted generation would have drawn.
+    tokens appended to ``input_ids`` and ``first_draw`` k, so an engine that draws per token from
+    the seed (LocalEngine) draws what the uninterrupted generation would have; servers that keep
+    one generator per request (vLLM, SGLang) start theirs afresh.
     """
 
     input_ids: list[int]

@@ -280,6 +280,40 @@ async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir
         await restored.close()
 
 
+async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weights(vllm_url, smollm2_dir, tmp_path):
+    """algorithm.partialRollouts on the real server: a push lands mid-generation (pause keep,
+    reload, the running request's KV dropped, resume); the answer is not aborted, its tokens up
+    to the split are the uninterrupted generation's, the server labels each token's version,
+    and the tokens after the split carry the new weights' log-probs."""
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nCount from 1 to 300, one number a line.{IM_END}\n{IM_START}assistant\n")
+    engine = VLLMEngine(vllm_url, partial_rollouts=True)
+    try:
+        await engine.update_weights_from_disk(str(smollm2_dir), version=0)
+        alone = await engine.generate(GenerateRequest(prompt, 384, temperature=0.0))
+        new_model = _perturbed_policy(smollm2_dir)
+        pushed = tmp_path / "v00000001"
+        write_hf_folder(new_model.state_dict(), smollm2_dir, pushed)
+        running = asyncio.create_task(engine.generate(GenerateRequest(prompt, 384, temperature=0.0)))
+        while (await engine.load_metrics()).running < 1:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # some tokens on version 0
+        await engine.update_weights_from_disk(str(pushed), version=1)
+        out = await running
+        versions = out.token_versions or []
+        k = versions.count(0)
+        assert out.finish_reason != "abort" and 0 < k < len(out.output_ids), (out.finish_reason, versions)
+        assert versions == [0] * k + [1] * (len(out.output_ids) - k) and out.weight_version == 0
+        assert out.output_ids[:k] == alone.output_ids[:k]
+        rest = out.output_logprobs[k:]
+        new = mismatch_stats([rest], [trainer_token_logprobs(new_model, prompt, out.output_ids)[k:]])
+        old = mismatch_stats([rest], [trainer_token_logprobs(load_hf_policy(smollm2_dir).eval(), prompt, out.output_ids)[k:]])
+        assert new.mean_abs < MEAN_ABS_TOLERANCE and old.mean_abs > 3 * new.mean_abs, (new, old)
+    finally:
+        await engine.update_weights_from_disk(str(smollm2_dir), version=0)
+        await engine.close()
+
+
 async def test_a_push_of_a_folder_without_weights_is_refused_before_the_server_sees_it(vllm_url, tmp_path):
     engine = VLLMEngine(vllm_url)
     try:
