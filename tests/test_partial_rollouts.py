@@ -233,3 +233,36 @@ async def test_a_vllm_push_that_cannot_drop_the_running_kv_says_so(serve, tmp_pa
             await engine.update_weights_from_disk(_folder(tmp_path), version=3)
     finally:
         await engine.close()
+
+
+def test_kuberl_run_hands_partial_rollouts_to_its_engine_and_keeps_the_bound(tmp_path, monkeypatch):
+    """algorithm.partialRollouts reaches the run's local engine; an asyncLevel 1 run trains on
+    rollouts whose oldest token is at most one version old."""
+    import builders
+    from trainer_fakes import FakeSandbox
+
+    import kuberl.rollout.local_engine as local_engine
+    from kuberl.trainer.local import run_job
+    from tests.test_trainer_pipeline import TINY
+
+    engines: list[LocalEngine] = []
+
+    class Recorded(LocalEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            engines.append(self)
+
+    monkeypatch.setattr(local_engine, "LocalEngine", Recorded)
+    monkeypatch.setattr("kuberl.trainer.problems.EVAL_SIZE", 4)
+    sft, rl = TINY["spec"]["stages"]
+    job = builders.job(
+        of=TINY,
+        algorithm={**TINY["spec"]["algorithm"], "asyncLevel": 1, "partialRollouts": True},
+        stages=[sft, {**rl, "steps": 3}],
+        checkpoint={**TINY["spec"]["checkpoint"], "uri": str(tmp_path / "ck")},
+    )
+    res = run_job(job, tmp_path / "out", use_ray=False, executor_factory=FakeSandbox, quiet=True)
+    steps = [h for h in res.history if h.type == "rl"]
+    assert len(steps) == 3 and all(h.rollouts_stale == 0 for h in steps)
+    assert all(h.staleness_max <= 1 for h in steps), [h.staleness_max for h in steps]
+    assert engines and all(e.partial_rollouts for e in engines)
