@@ -166,13 +166,15 @@ async def test_a_rollout_split_across_two_versions_trains_with_its_per_token_log
     assert batch.stats["staleness_max"] == 1.0 and len(batch.seqs) == 2
     row = batch.seqs.index(whole)
     assert batch.behavior_logprobs[row][len(split.prompt_ids) :] == split.logprobs
-    assert batch.fresh_tokens[row] == [0.0] * (len(split.prompt_ids) + k) + [1.0] * (len(split.response_ids) - k)
 
-    # TIS weighs the version-0 tokens by min(pi_old / mu, C) and leaves version 1's at 1:
-    # pi_old is the trained model (version 1), mu the engine's per-token log-probs
+    # TIS weighs every token by min(pi_old / mu, C), pi_old the trained model (version 1) and mu
+    # the log-prob the engine sampled that token with: the version-0 tokens of the split rollout
+    # get their ratio, its version-1 tokens exactly 1 (same weights); the copy carries the same
+    # per-token mu, so the same weights
     cap = 2.0
     weights = [min(math.exp(n - o), cap) for n, o in zip(clean_new[:k], clean_old[:k], strict=True)]
-    expect = (sum(weights) + (len(split.response_ids) - k) + len(split.response_ids)) / (2 * len(split.response_ids))
+    n = len(split.response_ids)
+    expect = 2 * (sum(weights) + (n - k)) / (2 * n)
     trained = copy.deepcopy(new).train()
     stats = rl_update(
         trained, torch.optim.SGD(trained.parameters(), lr=0.0), batch, LossConfig(), grad_clip=1e9,

@@ -53,9 +53,6 @@ class StepBatch:
     engines: list[str | None] = field(default_factory=list)
     fresh: list[bool] = field(default_factory=list)
     gaps: list[tuple[float, int]] = field(default_factory=list)
-    # per token (aligned with seqs): 1.0 where the policy version being trained sampled it (on
-    # policy: TIS leaves it at weight 1), 0.0 elsewhere; empty: every token counts as older
-    fresh_tokens: list[list[float]] = field(default_factory=list)
 
 
 def tool_error_ratio_positive(groups: Sequence[Sequence[Scored]]) -> float:
@@ -71,17 +68,6 @@ def staleness(traj: Trajectory, version: int | None) -> int | None:
     if version is None or traj.min_version is None:
         return None
     return version - traj.min_version
-
-
-def fresh_tokens(traj: Trajectory, version: int | None) -> list[float]:
-    """1.0 for each response token the policy ``version`` sampled (``Trajectory.token_versions``),
-    0.0 for the others, tool tokens and tokens of an unknown version; prompt tokens lead with 0."""
-    row = [0.0] * len(traj.prompt_ids)
-    if version is None or len(traj.token_versions) != len(traj.response_ids):
-        return row + [0.0] * len(traj.response_ids)
-    return row + [
-        1.0 if m and v == version else 0.0 for v, m in zip(traj.token_versions, traj.loss_mask, strict=True)
-    ]
 
 
 def is_fresh(traj: Trajectory, version: int | None) -> bool:
@@ -152,7 +138,6 @@ def prepare_batch(
             out.behavior_logprobs.append([0.0] * len(t.prompt_ids) + t.logprobs)
             out.engines.append(t.engine)
             out.fresh.append(is_fresh(t, version))
-            out.fresh_tokens.append(fresh_tokens(t, version))
             out.advantages.append(a)
     n = max(1, len(all_scored))
     kept_flat = [s for g in kept_groups for s in g]
@@ -231,8 +216,6 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
             if batch.engines:
                 sb.engines.append(batch.engines[i])
                 sb.fresh.append(batch.fresh[i])
-            if batch.fresh_tokens:
-                sb.fresh_tokens.append(batch.fresh_tokens[i])
         for _ in range(width - len(g)):
             sb.seqs.append(batch.seqs[pad])
             sb.masks.append([0] * len(batch.seqs[pad]))
@@ -243,8 +226,6 @@ def shard_step_batch(batch: StepBatch, parts: int) -> list[StepBatch]:
             if batch.engines:
                 sb.engines.append(None)
                 sb.fresh.append(False)
-            if batch.fresh_tokens:
-                sb.fresh_tokens.append([0.0] * len(batch.seqs[pad]))
         out.append(sb)
     return out
 
@@ -415,9 +396,10 @@ def rl_update(
 
     ``tis_cap`` weights each token by min(pi_old / mu, cap), mu being the engine's sampling
     log-probs (``batch.behavior_logprobs``): the off-policy correction of asynchronous runs
-    (``loss.tis_weights``); None leaves the loss exactly as without it. Tokens the version being
-    trained sampled (``batch.fresh_tokens``: a rollout that went on across a push has both
-    kinds) are on policy and keep weight 1.
+    (``loss.tis_weights``); None leaves the loss exactly as without it. mu is per token, so a
+    rollout that went on across a weight push (partial rollouts) is weighed token by token against
+    the version that sampled each token; tokens of the version being trained still carry the
+    engine's numerical mismatch, which the same weight corrects.
 
     ``micro_batch``/``micro_batch_tokens``: rows and about how many tokens one forward/backward
     takes (:func:`micro_batches`); the gradient is the mini-batch's whatever the split.
@@ -469,9 +451,6 @@ def rl_update(
                 weights = None
                 if tis_cap is not None:
                     weights = tis_weights(old, _shifted_rows(batch.behavior_logprobs, part, tm), tis_cap)
-                    if batch.fresh_tokens:
-                        on_policy_tokens = _shifted_rows(batch.fresh_tokens, part, tm) > 0
-                        weights = torch.where(on_policy_tokens, torch.ones_like(weights), weights)
                 loss, st = policy_loss(
                     lp,
                     old,
