@@ -1,8 +1,9 @@
 """The shell around ``cluster/images.py``: debootstrap the base, build with buildah, load containerd.
 
 Images live in a buildah store of their own under ``$KUBERL_IMAGES_CACHE`` (default
-~/.cache/kuberl/images): ``storage/`` (overlay driver), ``run/`` and ``logs/<name>.log`` (the last
-build's output). Builds run with ``--isolation chroot`` (no systemd, cgroup v1 and a VM without
+~/.cache/kuberl/images): ``storage/`` (overlay driver), ``run/`` and ``logs/<name>-<digest>.log``
+(each build's output). Checkouts sharing the store share its layers, and its tags: the last build
+of a name wins. Builds run with ``--isolation chroot`` (no systemd, cgroup v1 and a VM without
 user namespaces are all fine) and ``--layers`` (a source change keeps the dependency layer).
 Nothing needs a registry: the base is ``debootstrap``'s, and images reach a containerd as a
 ``docker-archive`` through ``ctr images import``.
@@ -40,9 +41,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KUBERL_IMAGES_CACHE") or Path.home() / ".cache" / "kuberl" / "images")
 
 
-def require_tools(commands: tuple[str, ...] = ("buildah", "debootstrap", "runc")) -> None:
-    """A ClusterError naming the apt packages to install when any of ``commands`` is missing."""
-    missing = [c for c in commands if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
+def require_tools(commands: tuple[str, ...] = ("buildah", "debootstrap", "runc"),
+                  search_path: str | None = None) -> None:
+    """A ClusterError naming the apt packages to install when any of ``commands`` is missing from
+    ``search_path`` (default: $PATH and the sbin folders, where debootstrap and runc live)."""
+    if search_path is None:
+        search_path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    missing = [c for c in commands if shutil.which(c, path=search_path) is None]
     if missing:
         packages = " ".join(dict.fromkeys(TOOLS[c] for c in missing))
         raise ClusterError(f"{', '.join(missing)} not found: `apt-get install -y {packages}` "
@@ -119,6 +124,7 @@ class Built:
     image_id: str
     cached: bool  # the store already had this image with the same inputs digest
     seconds: float
+    log: Path | None = None  # the build's output, where it ran
 
 
 def ensure_base(buildah: Buildah, recipe: BaseRecipe, log: Log = lambda _: None) -> Built:
@@ -129,7 +135,7 @@ def ensure_base(buildah: Buildah, recipe: BaseRecipe, log: Log = lambda _: None)
         return Built("base", recipe.ref, buildah.image_id(recipe.ref) or "", True, time.monotonic() - t0)
     logs = buildah.cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log_file = logs / "base.log"
+    log_file = logs / f"base-{digest[:12]}.log"
     log_file.write_text("")
     log(f"base: debootstrap {recipe.variant} {recipe.suite} + {', '.join(recipe.packages)} (about a minute) ...")
     with tempfile.TemporaryDirectory(prefix="base-", dir=buildah.cache) as tmp:
@@ -157,7 +163,7 @@ def ensure_base(buildah: Buildah, recipe: BaseRecipe, log: Log = lambda _: None)
         except ClusterError:
             subprocess.run(buildah.cmd("rm", container), capture_output=True, timeout=120)
             raise
-    return Built("base", recipe.ref, buildah.image_id(recipe.ref) or "", False, time.monotonic() - t0)
+    return Built("base", recipe.ref, buildah.image_id(recipe.ref) or "", False, time.monotonic() - t0, log_file)
 
 
 def build_image(buildah: Buildah, spec: ImageSpec, context: Path, recipe: BaseRecipe,
@@ -171,13 +177,14 @@ def build_image(buildah: Buildah, spec: ImageSpec, context: Path, recipe: BaseRe
         return Built(spec.name, ref, buildah.image_id(ref) or "", True, time.monotonic() - t0)
     logs = buildah.cache / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    log_file = logs / f"{spec.name}.log"
+    # one log per inputs digest: builds from two checkouts into one store at once keep theirs apart
+    log_file = logs / f"{spec.name}-{digest[:12]}.log"
     log_file.write_text("")
     log(f"{spec.name}: building {ref} from {spec.dockerfile} (log: {log_file}) ...")
     _run(buildah.cmd("bud", "--layers", "--isolation", "chroot", "--format", "docker",
                      "-f", str(context / spec.dockerfile), "-t", ref, "--label", f"{INPUTS_LABEL}={digest}",
                      *render_build_args(build_args(spec, recipe.ref)), str(context)), log_file)
-    return Built(spec.name, ref, buildah.image_id(ref) or "", False, time.monotonic() - t0)
+    return Built(spec.name, ref, buildah.image_id(ref) or "", False, time.monotonic() - t0, log_file)
 
 
 def containerd_image_id(address: str, namespace: str, ref: str) -> str | None:
@@ -196,10 +203,11 @@ def containerd_image_id(address: str, namespace: str, ref: str) -> str | None:
 
 
 def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io",
-              log: Log = lambda _: None) -> bool:
-    """Import ``ref`` from the store into the containerd at ``address``; False (nothing done) where
-    that containerd already has the same image id under that name."""
-    want = buildah.image_id(ref)
+              log: Log = lambda _: None, image_id: str | None = None) -> bool:
+    """Import ``ref`` (or the image ``image_id``, named ``ref`` there) from the store into the
+    containerd at ``address``; False (nothing done) where that containerd already has the same
+    image id under that name."""
+    want = buildah.image_id(image_id or ref)
     if want is None:
         raise ClusterError(f"no image {ref} in {buildah.cache}: build it first (`kuberl images build`)")
     if containerd_image_id(address, namespace, ref) == want:
@@ -207,7 +215,7 @@ def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io
     log(f"loading {ref} into containerd {address} (namespace {namespace}) ...")
     with tempfile.TemporaryDirectory(prefix="load-", dir=buildah.cache) as tmp:
         archive = Path(tmp) / "image.tar"
-        _run(buildah.cmd("push", "--quiet", ref, f"docker-archive:{archive}:{ref}"))
+        _run(buildah.cmd("push", "--quiet", want, f"docker-archive:{archive}:{ref}"))
         _run(["ctr", "--address", address, "-n", namespace, "images", "import", str(archive)])
     got = containerd_image_id(address, namespace, ref)
     if got != want:
