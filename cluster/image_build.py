@@ -32,7 +32,8 @@ from kuberl.cluster.images import (
 )
 
 # command -> the Debian package that provides it
-TOOLS = {"buildah": "buildah", "debootstrap": "debootstrap", "ctr": "containerd", "runc": "runc"}
+TOOLS = {"buildah": "buildah", "debootstrap": "debootstrap", "ctr": "containerd", "containerd": "containerd",
+         "runc": "runc"}
 HOST_CAS = Path("/usr/local/share/ca-certificates")
 Log = Callable[[str], None]
 
