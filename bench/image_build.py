@@ -1,0 +1,130 @@
+"""Benchmark: kuberl's images built here (issue 38, item 4: image builds, cold and warm).
+
+    python -P bench/image_build.py                         # sandbox + operator, into a fresh store
+    python -P bench/image_build.py --images trainer-cpu    # the CPU trainer (PyPI's torch, GBs)
+    python -P bench/image_build.py --cache ~/.cache/kuberl/images   # warm figures of the CI store
+
+1. Cold: the debootstrap base, then each image, into an empty buildah store (``--cache``,
+   default a fresh folder under /tmp removed afterwards); pip downloads everything again.
+2. Warm: the same builds again (each a cache hit on its inputs digest).
+3. A source change: one file of sandbox/ changed in a copy of the build context, the image
+   rebuilt under a test tag (the dependency layer is reused).
+4. Sizes (buildah's) and the import into a private containerd, first and again (skipped).
+
+Prints one line per figure and a JSON summary; the machine's load average is part of it, since
+every figure here is the machine's (2 cores shared with other builds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "harness"))
+
+from kuberl.cluster.image_build import (  # noqa: E402
+    Buildah,
+    build_image,
+    default_base,
+    ensure_base,
+    load_into,
+    require_tools,
+)
+from kuberl.cluster.images import IMAGES, copy_sources, ignore_patterns, ignored  # noqa: E402
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _size(store: Buildah, image_id: str) -> str:
+    """The image's size as buildah reports it (uncompressed layers, e.g. ``581 MB``)."""
+    res = subprocess.run(store.cmd("images", "--json", "--no-trunc"), capture_output=True, text=True, timeout=120)
+    return next((row["size"] for row in json.loads(res.stdout or "[]") if row["id"].removeprefix("sha256:") == image_id), "?")
+
+
+def _changed_context(dest: Path, dockerfile: str) -> None:
+    patterns = ignore_patterns((ROOT / ".dockerignore").read_text())
+    for rel in [dockerfile, ".dockerignore", *copy_sources((ROOT / dockerfile).read_text())]:
+        src = ROOT / rel.rstrip("/")
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+        else:
+            shutil.copytree(src, dest / rel.rstrip("/"), ignore=lambda d, names: [
+                n for n in names if ignored(os.path.relpath(Path(d, n), ROOT), patterns)])
+    init = dest / "sandbox" / "__init__.py"
+    init.write_text(init.read_text() + f"\n# changed by bench/image_build.py at {time.time()}\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", nargs="+", default=["sandbox", "operator"], choices=list(IMAGES))
+    ap.add_argument("--cache", default=None, help="the store to build into (default: a fresh one, removed after)")
+    ap.add_argument("--no-load", action="store_true", help="skip the containerd import")
+    args = ap.parse_args()
+    require_tools(("buildah", "debootstrap", "runc", "ctr", "containerd"))
+    fresh = args.cache is None
+    cache = Path(args.cache).expanduser() if args.cache else Path(tempfile.mkdtemp(prefix="kimg-bench-", dir="/tmp"))
+    store = Buildah(cache)
+    recipe = default_base()
+    summary: dict = {"load_before": os.getloadavg(), "cache": str(cache), "fresh_store": fresh}
+    try:
+        base = ensure_base(store, recipe, log=_say)
+        summary["base"] = {"cached": base.cached, "s": round(base.seconds, 1), "size": _size(store, base.image_id)}
+        _say(f"base: {'cached' if base.cached else 'built'} in {base.seconds:.0f} s, {summary['base']['size']}")
+        built = {}
+        for name in args.images:
+            b = build_image(store, IMAGES[name], ROOT, recipe, log=_say)
+            built[name] = b
+            summary[name] = {"first_cached": b.cached, "first_s": round(b.seconds, 1),
+                             "size": _size(store, b.image_id), "layers": len(store.layers(b.image_id))}
+            _say(f"{name}: {'cached' if b.cached else 'built'} in {b.seconds:.0f} s, {summary[name]['size']}")
+        for name in args.images:
+            again = build_image(store, IMAGES[name], ROOT, recipe)
+            summary[name]["warm_s"] = round(again.seconds, 2)
+            _say(f"{name}: warm {again.seconds:.2f} s (cached: {again.cached})")
+        if "sandbox" in args.images:
+            with tempfile.TemporaryDirectory(prefix="kimg-ctx-") as tmp:
+                _changed_context(Path(tmp), IMAGES["sandbox"].dockerfile)
+                ref = "localhost/kuberl-bench/sandbox:changed"
+                b = build_image(store, IMAGES["sandbox"], Path(tmp), recipe, ref=ref)
+                old, new = store.layers(built["sandbox"].image_id), store.layers(b.image_id)
+                kept = next((i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y), len(old))
+                summary["sandbox"]["source_change_s"] = round(b.seconds, 1)
+                summary["sandbox"]["source_change_layers_kept"] = f"{kept}/{len(new)}"
+                _say(f"sandbox after a source change: {b.seconds:.0f} s, {kept} of {len(new)} layers kept")
+                subprocess.run(store.cmd("rmi", ref), capture_output=True, timeout=300)
+        if not args.no_load:
+            from private_containerd import private_containerd
+
+            with private_containerd() as ctd:
+                for name in args.images:
+                    t0 = time.monotonic()
+                    load_into(store, IMAGES[name].ref, ctd.address, image_id=built[name].image_id)
+                    first = time.monotonic() - t0
+                    t0 = time.monotonic()
+                    skipped = not load_into(store, IMAGES[name].ref, ctd.address, image_id=built[name].image_id)
+                    summary[name]["load_s"] = round(first, 1)
+                    summary[name]["reload_s"] = round(time.monotonic() - t0, 2)
+                    _say(f"{name}: into containerd {first:.0f} s, again {summary[name]['reload_s']} s (skipped: {skipped})")
+    finally:
+        summary["load_after"] = os.getloadavg()
+        if fresh:
+            subprocess.run(store.cmd("rmi", "--all", "--force"), capture_output=True, timeout=600)
+            subprocess.run(["umount", "-l", str(cache / "storage" / "overlay")], capture_output=True, timeout=60)
+            shutil.rmtree(cache, ignore_errors=True)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
