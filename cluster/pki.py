@@ -37,7 +37,15 @@ SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
 # kwok plays every kubelet: it writes node and pod status, which only a node's own identity or an
 # admin may; it runs as a member of system:masters like kubeadm's own tooling.
 KWOK = ClientIdentity("kwok", "kwok-controller", ("system:masters",))
-CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK)
+# The real node (cluster/node.py): its kubelet as the Node authorizer's node user, kube-proxy as
+# the user the built-in system:node-proxier binding names, and the API server's own client
+# certificate for the kubelets (logs, exec, port-forward).
+NODE_NAME = "kuberl-node"
+KUBELET = ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes",))
+KUBE_PROXY = ClientIdentity("kube-proxy", "system:kube-proxy")
+APISERVER_KUBELET_CLIENT = ClientIdentity("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+                                          ("system:masters",))
+CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK, KUBELET, KUBE_PROXY, APISERVER_KUBELET_CLIENT)
 
 SERVING_NAMES = (
     "DNS:localhost",

@@ -1,0 +1,225 @@
+"""The real node of ``kuberl cluster up``: a kubelet, kube-proxy, containerd, runc and CNI on this
+host, beside one kwok GPU node, its pods run in containers.
+
+A pod of a tiny image (harness/node_test_image.py) runs under PodSecurity ``restricted``, gets an
+IP from the node's bridge, passes its kubelet-run httpGet and exec probes; ``kubectl logs`` and
+``exec`` reach it; a ClusterIP Service routes to two such pods from the host and from a pod
+(kube-proxy, iptables); the kubelet's credentials are a node's; and ``down`` leaves the host as
+it found it. Needs root, containerd, runc, the CNI plugins, iptables, conntrack and Go;
+without them the tests skip, except where ``KUBERL_REQUIRE_NODE=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from k8s_fixtures import Kube, running_ready, wait_for
+
+from kuberl.cluster import containerd, host_state
+from kuberl.cluster.control_plane import ClusterState, down, up
+from kuberl.cluster.errors import ClusterError
+from kuberl.cluster.node import node_dir
+from kuberl.cluster.node_config import BRIDGE, CGROUP_ROOT, NODE_CIDR, missing_prerequisites
+from kuberl.cluster.nodes import default_pools
+from kuberl.cluster.pki import KUBELET, NODE_NAME
+
+pytestmark = pytest.mark.node
+
+IMAGE_PORT = 8080
+
+
+def require_or_skip(reason: str) -> None:
+    if os.environ.get("KUBERL_REQUIRE_NODE") == "1":
+        pytest.fail(f"KUBERL_REQUIRE_NODE=1 but {reason}")
+    pytest.skip(reason)
+
+
+def host_view(folder: Path) -> dict:
+    """What a real node may change on the host, as comparable values: its chains and rules
+    (iptables, both families, counters dropped), the tables, the links it makes, mounts of its
+    folders, the sysctls, its cgroup, the host folders it writes to."""
+    def chains(saver: str) -> list[str]:
+        text = host_state.iptables_save(saver)
+        return sorted(re.sub(r" \[\d+:\d+\]$", "", line) for line in text.splitlines()
+                      if line.startswith("*") or re.search(r"KUBE-|CNI-|10\.250\.|kuberl", line))
+
+    links = json.loads(subprocess.run(["ip", "-j", "link"], capture_output=True, text=True).stdout)
+    mine = (str(folder), "/run/containerd", "/var/lib/kubelet", "/run/netns", "/var/run/netns")
+    return {
+        "iptables": chains("iptables-save"),
+        "ip6tables": chains("ip6tables-save"),
+        "links": sorted(x["ifname"] for x in links if x["ifname"] == BRIDGE or x["ifname"].startswith("veth")),
+        "mounts": sorted(line for line in Path("/proc/mounts").read_text().splitlines()
+                         if any(p in line for p in mine)),
+        "sysctls": host_state.read_sysctls(),
+        "cgroups": [str(p) for p in host_state.cgroup_dirs(CGROUP_ROOT)],
+        # a folder another program shares (another containerd's /run/containerd) is its business
+        "dirs": {d: host_state.dir_entries(d) for d in host_state.HOST_DIRS
+                 if not (d in host_state.SHARED_DIRS and host_state.processes_named(host_state.SHARED_DIRS[d]))},
+        "shims": containerd.shim_pids(node_dir(folder)),
+    }
+
+
+@dataclass
+class RealNode:
+    state: ClusterState
+    kube: Kube
+    folder: Path
+    before: dict
+    start_s: float
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> RealNode:
+    missing = missing_prerequisites()
+    if missing:
+        require_or_skip("the host lacks " + "; ".join(missing))
+    from node_test_image import ensure_archive
+
+    try:
+        archive = ensure_archive()
+    except (ClusterError, subprocess.CalledProcessError) as err:
+        require_or_skip(f"the test image could not be built: {err}")
+    folder = tmp_path_factory.mktemp("realnode")
+    before = host_view(folder)
+    t0 = time.monotonic()
+    try:
+        state = up(folder, pools=default_pools(mi300x=1, h100=0, cpu=0), real_node=True)
+    except ClusterError as err:
+        require_or_skip(f"no real node: {err}")
+    start_s = time.monotonic() - t0
+    containerd.import_archive(node_dir(folder), archive)
+    yield RealNode(state, Kube(state), folder, before, start_s)
+    down(folder)
+
+
+def restricted_namespace(kube: Kube, name: str) -> str:
+    kube.run("create", "namespace", name)
+    kube.run("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+    wait_for(lambda: kube.run("get", "sa", "default", "-n", name, check=False).returncode == 0, 30,
+             f"the default ServiceAccount of {name}")
+    return name
+
+
+RESTRICTED = {
+    "runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+}  # fmt: skip
+
+
+def server_container() -> dict:
+    from node_test_image import TAG
+
+    return {
+        "name": "server", "image": TAG, "imagePullPolicy": "Never", "securityContext": RESTRICTED,
+        "ports": [{"containerPort": IMAGE_PORT}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": IMAGE_PORT}, "periodSeconds": 1},
+        "livenessProbe": {"exec": {"command": ["/server", "echo", "alive"]}, "periodSeconds": 2},
+    }  # fmt: skip
+
+
+def server_pod(name: str, ns: str, labels: dict[str, str] | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": labels or {}},
+            "spec": {"containers": [server_container()], "terminationGracePeriodSeconds": 1}}
+
+
+def wait_ready(kube: Kube, ns: str, name: str, timeout: float = 90) -> dict:
+    def ready() -> dict | None:
+        pod = kube.json("get", "pod", name, "-n", ns)
+        return pod if running_ready(pod) else None
+
+    return wait_for(ready, timeout, lambda: kube.run("describe", "pod", name, "-n", ns, check=False).stdout[-1500:])
+
+
+def test_the_node_joins_ready_labelled_as_a_cpu_node(node: RealNode):
+    n = node.kube.json("get", "node", NODE_NAME)
+    assert n["metadata"]["labels"]["kuberl.io/node-kind"] == "cpu"
+    assert n["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert {a["type"]: a["address"] for a in n["status"]["addresses"]}["InternalIP"] == "10.250.0.1"
+    # the real node replaces kwok's CPU pool: the only untainted node
+    names = [x["metadata"]["name"] for x in node.kube.json("get", "nodes")["items"]]
+    assert sorted(names) == ["kuberl-node", "mi300x-0"]
+    print(f"real node Ready {node.start_s:.1f} s after `up` began (control plane included)")
+
+
+def test_the_kubelet_holds_a_node_identity(node: RealNode):
+    """Node authorizer + NodeRestriction: the kubelet's credentials reach its own node only."""
+    kubelet = Kube(node.state, node.folder / "kubeconfigs" / f"{KUBELET.name}.yaml")
+    assert kubelet.run("get", "node", NODE_NAME, check=False).returncode == 0
+    refused = kubelet.run("label", "node", "mi300x-0", "stolen=yes", check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr.lower()
+    listing = kubelet.run("get", "secrets", "-A", check=False)
+    assert listing.returncode != 0 and "forbidden" in listing.stderr.lower()
+
+
+def test_a_pod_runs_with_an_ip_and_passes_its_probes(node: RealNode):
+    ns = restricted_namespace(node.kube, "probes")
+    node.kube.apply([server_pod("web", ns)])
+    pod = wait_ready(node.kube, ns, "web")
+    assert pod["spec"]["nodeName"] == NODE_NAME
+    assert pod["status"]["podIP"].startswith(NODE_CIDR.rsplit(".", 2)[0] + ".")
+    time.sleep(5)  # a few liveness periods: the exec probe keeps passing
+    status = node.kube.json("get", "pod", "web", "-n", ns)["status"]["containerStatuses"][0]
+    assert status["ready"] and status["restartCount"] == 0
+    events = node.kube.run("get", "events", "-n", ns, "--field-selector", "reason=Unhealthy", "-o", "name").stdout
+    assert not events.strip()
+    assert node.kube.run("logs", "web", "-n", ns).stdout.strip() == "serving on :8080"
+    assert node.kube.run("exec", "web", "-n", ns, "--", "/server", "echo", "from", "exec").stdout == "from exec\n"
+
+
+def test_podsecurity_restricted_refuses_a_privileged_pod(node: RealNode):
+    ns = restricted_namespace(node.kube, "psa")
+    pod = server_pod("priv", ns)
+    pod["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    refused = node.kube.run("apply", "-f", "-", input=json.dumps(pod), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted:latest"' in refused.stderr
+
+
+def test_a_cluster_ip_service_routes_from_the_host_and_from_a_pod(node: RealNode):
+    ns = restricted_namespace(node.kube, "svc")
+    node.kube.apply([server_pod(f"web-{i}", ns, {"app": "web"}) for i in range(2)] + [server_pod("client", ns)] + [{
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": ns},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": IMAGE_PORT}]},
+    }])  # fmt: skip
+    for name in ("web-0", "web-1", "client"):
+        wait_ready(node.kube, ns, name)
+    ip = node.kube.json("get", "service", "web", "-n", ns)["spec"]["clusterIP"]
+
+    def from_host() -> str:
+        with urllib.request.urlopen(f"http://{ip}/", timeout=5) as resp:
+            return resp.read().decode()
+
+    # kube-proxy programs the Service's rules once it sees its ready endpoints
+    wait_for(lambda: _quietly(from_host), 60, f"the Service {ip} answering the host")
+    assert {from_host() for _ in range(30)} == {"web-0", "web-1"}
+    from_pod = {node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"http://{ip}/").stdout
+                for _ in range(12)}
+    assert from_pod == {"web-0", "web-1"}
+
+
+def _quietly(call):
+    try:
+        return call()
+    except OSError:
+        return None
+
+
+def test_down_leaves_the_host_as_it_was(node: RealNode):
+    pids = json.loads((node_dir(node.folder) / "node.json").read_text())["pids"]
+    assert host_view(node.folder) != node.before  # the node changed the host while it ran
+    t0 = time.monotonic()
+    down(node.folder)
+    print(f"down took {time.monotonic() - t0:.1f} s")
+    after = host_view(node.folder)
+    for key in node.before:
+        assert after[key] == node.before[key], key
+    for pid in pids.values():
+        assert not Path(f"/proc/{pid}").exists() or b"kube" not in Path(f"/proc/{pid}/cmdline").read_bytes()
