@@ -90,7 +90,7 @@ def undo_script(before: str, now: str) -> str:
     parts = []
     for name, table in new.items():
         was = old.get(name, {"chains": [], "rules": []})
-        gone_chains = [c for c in table["chains"] if c not in was["chains"]]
+        gone_chains = [c for c in table["chains"] if c not in was["chains"] and c not in BUILTIN_CHAINS]
         old_rules = set(was["rules"])
         deletes = ["-D " + r[3:] for r in table["rules"]
                    if r not in old_rules and r.split()[1] not in gone_chains]
