@@ -136,6 +136,18 @@ NODE_COMPONENT = Component(
 )
 
 
+KUBE_ROUTER_VERSION = "v2.1.0"
+# The real node's NetworkPolicy enforcement (iptables + ipset; its router and service proxy off).
+KUBE_ROUTER_COMPONENT = Component(
+    name="kube-router",
+    version=KUBE_ROUTER_VERSION,
+    binaries=("kube-router",),
+    requires=(f"github.com/cloudnativelabs/kube-router/v2@{KUBE_ROUTER_VERSION}",),
+    packages=("github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",),
+)
+NODE_COMPONENTS = (NODE_COMPONENT, KUBE_ROUTER_COMPONENT)
+
+
 def go_version(go: str) -> tuple[int, int]:
     out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True).stdout.strip()
     m = re.match(r"go(\d+)\.(\d+)", out)

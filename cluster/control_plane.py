@@ -350,7 +350,7 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
         if real_node:
             real_node_mod.up(folder, pki, lambda who: _component_kubeconfig(state, pki, who),
                     lambda *args, check=True: kubectl(state, *args, check=check),
-                    pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
+                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
     except BaseException:
         down(folder)
         raise

@@ -11,6 +11,7 @@ bridge and the cgroups, and undoes the host changes the record shows. Everything
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -104,6 +105,22 @@ def _make_bridge(cluster_dir: Path) -> None:
     _ip("link", "set", BRIDGE, "up")
 
 
+def _api_server_for_pods(service_cidr: str, api_port: int) -> None:
+    """Pods call the API server as the `kubernetes` Service (its ClusterIP, port 443), as
+    in-cluster clients do. It listens on 127.0.0.1 only, and the Service has no endpoints
+    (kube-proxy routes nothing for it), so connections from the bridge to that address are
+    redirected to the loopback port; the bridge may route to 127.0.0.1 (route_localnet, a
+    setting of the bridge that goes with it), and the kubelet's KUBE-FIREWALL lets DNATed
+    connections to loopback through."""
+    ip = str(next(ipaddress.ip_network(service_cidr).hosts()))
+    (host_state.PROC_SYS / f"net/ipv4/conf/{BRIDGE}/route_localnet").write_text("1")
+    proc = subprocess.run(["iptables", "-t", "nat", "-A", "PREROUTING", "-i", BRIDGE, "-d", f"{ip}/32", "-p", "tcp",
+                           "--dport", "443", "-m", "comment", "--comment", "kuberl: the API server for pods",
+                           "-j", "DNAT", "--to-destination", f"127.0.0.1:{api_port}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ClusterError(f"iptables could not redirect the kubernetes Service to the API server: {proc.stderr.strip()}")
+
+
 def _make_cgroups() -> None:
     """/CGROUP_ROOT in every v1 hierarchy (the kubelet's cgroupRoot must exist); a new cpuset
     starts with no CPUs or memory nodes, so it gets its parent's."""
@@ -170,10 +187,11 @@ def ensure_node_binaries() -> dict[str, Path]:
 
 
 def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path], kubectl: Callable[..., str],
-       *, pod_cidr: str, service_cidr: str, timeout: float = 120.0) -> NodeState:
+       *, api_port: int, pod_cidr: str, service_cidr: str, timeout: float = 120.0) -> NodeState:
     """Start the real node of the cluster in ``cluster_dir`` and wait until it is Ready.
     ``kubeconfig(who)`` writes a kubeconfig for a client identity of ``pki``;
-    ``kubectl(*args, check=...)`` runs the cluster's kubectl as its admin."""
+    ``kubectl(*args, check=...)`` runs the cluster's kubectl as its admin; ``api_port`` is the
+    API server's on 127.0.0.1, which pods reach as the ``kubernetes`` Service."""
     check_prerequisites()
     check_cidrs(pod_cidr, service_cidr)
     cluster_dir = Path(cluster_dir).absolute()
@@ -197,6 +215,7 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     _set_sysctl("net/ipv4/ip_forward", "1")
     _set_sysctl("net/bridge/bridge-nf-call-iptables", "1")
     _make_bridge(cluster_dir)
+    _api_server_for_pods(service_cidr, api_port)
     _make_cgroups()
     ipam = d / "cni" / "ipam"
     if ipam.is_dir():  # addresses of the last run's pods, whose namespaces are gone

@@ -54,6 +54,9 @@ SERVING_NAMES = (
     "DNS:kubernetes.default.svc",
     "DNS:kubernetes.default.svc.cluster.local",
     "IP:127.0.0.1",
+    # the `kubernetes` Service's ClusterIP (first address of the Service range): how pods on the
+    # real node reach the API server (cluster/node.py redirects it to 127.0.0.1)
+    "IP:10.96.0.1",
 )
 
 

@@ -1,6 +1,7 @@
 """A tiny image for the real-node tests: one static Go program, ``/server``, that serves HTTP on
 :8080 (``/healthz`` says ``ok``, ``/`` the pod's hostname), and as ``/server get URL`` fetches a URL
-(a pod calling a Service) and as ``/server echo WORDS`` prints them (exec and exec probes).
+(a pod calling a Service; an https URL as an in-cluster client, with the service account's CA
+and token) and as ``/server echo WORDS`` prints them (exec and exec probes).
 
 Built with the Go the control plane is built with, packed as a one-layer OCI archive, cached by
 the hash of its source.
@@ -20,6 +21,8 @@ TAG = "kuberl.local/node-test:1"
 SOURCE = """package main
 
 import (
+\t"crypto/tls"
+\t"crypto/x509"
 \t"fmt"
 \t"io"
 \t"net/http"
@@ -28,10 +31,22 @@ import (
 \t"time"
 )
 
+const sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+
 func main() {
 \tif len(os.Args) > 2 && os.Args[1] == "get" {
 \t\tclient := http.Client{Timeout: 5 * time.Second}
-\t\tresp, err := client.Get(os.Args[2])
+\t\treq, _ := http.NewRequest("GET", os.Args[2], nil)
+\t\tif strings.HasPrefix(os.Args[2], "https://") {
+\t\t\t// as an in-cluster client: the service account's CA and token
+\t\t\tpool := x509.NewCertPool()
+\t\t\tca, _ := os.ReadFile(sa + "/ca.crt")
+\t\t\tpool.AppendCertsFromPEM(ca)
+\t\t\tclient.Transport = &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}
+\t\t\ttoken, _ := os.ReadFile(sa + "/token")
+\t\t\treq.Header.Set("Authorization", "Bearer "+string(token))
+\t\t}
+\t\tresp, err := client.Do(req)
 \t\tif err != nil {
 \t\t\tfmt.Println(err)
 \t\t\tos.Exit(1)

@@ -4,7 +4,7 @@ host, beside one kwok GPU node, its pods run in containers.
 A pod of a tiny image (harness/node_test_image.py) runs under PodSecurity ``restricted``, gets an
 IP from the node's bridge, passes its kubelet-run httpGet and exec probes; ``kubectl logs`` and
 ``exec`` reach it; a ClusterIP Service routes to two such pods from the host and from a pod
-(kube-proxy, iptables); the kubelet's credentials are a node's; and ``down`` leaves the host as
+(kube-proxy, iptables); a pod calls the API server as an in-cluster client; the kubelet's credentials are a node's; and ``down`` leaves the host as
 it found it. Needs root, containerd, runc, the CNI plugins, iptables, conntrack and Go;
 without them the tests skip, except where ``KUBERL_REQUIRE_NODE=1`` (CI), where they fail.
 """
@@ -203,6 +203,16 @@ def test_a_cluster_ip_service_routes_from_the_host_and_from_a_pod(node: RealNode
     from_pod = {node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"http://{ip}/").stdout
                 for _ in range(12)}
     assert from_pod == {"web-0", "web-1"}
+
+
+def test_a_pod_calls_the_api_server_as_an_in_cluster_client(node: RealNode):
+    """The `kubernetes` Service's ClusterIP with the pod's service-account CA and token."""
+    ns = restricted_namespace(node.kube, "incluster")
+    node.kube.apply([server_pod("client", ns)])
+    wait_ready(node.kube, ns, "client")
+    ip = node.kube.json("get", "service", "kubernetes", "-n", "default")["spec"]["clusterIP"]
+    out = node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"https://{ip}/version").stdout
+    assert json.loads(out)["gitVersion"] == "v1.34.4"
 
 
 def _quietly(call):
