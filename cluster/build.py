@@ -145,7 +145,40 @@ KUBE_ROUTER_COMPONENT = Component(
     requires=(f"github.com/cloudnativelabs/kube-router/v2@{KUBE_ROUTER_VERSION}",),
     packages=("github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",),
 )
-NODE_COMPONENTS = (NODE_COMPONENT, KUBE_ROUTER_COMPONENT)
+COREDNS_VERSION = "v1.14.3"
+# CoreDNS with only the plugins the real node's cluster DNS uses (cluster/dns.py): built from a
+# main package of its own that sets the directive order, so none of the cloud providers'
+# plugins (and their SDKs) is downloaded or compiled.
+COREDNS_MAIN = """package main
+
+import (
+\t"github.com/coredns/coredns/core/dnsserver"
+\t"github.com/coredns/coredns/coremain"
+\t_ "github.com/coredns/coredns/plugin/bind"
+\t_ "github.com/coredns/coredns/plugin/cache"
+\t_ "github.com/coredns/coredns/plugin/errors"
+\t_ "github.com/coredns/coredns/plugin/forward"
+\t_ "github.com/coredns/coredns/plugin/health"
+\t_ "github.com/coredns/coredns/plugin/kubernetes"
+\t_ "github.com/coredns/coredns/plugin/loadbalance"
+\t_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+\tdnsserver.Directives = []string{"bind", "errors", "health", "ready", "cache", "loadbalance", "kubernetes", "forward"}
+}
+
+func main() { coremain.Run() }
+"""
+COREDNS_COMPONENT = Component(
+    name="coredns",
+    version=COREDNS_VERSION,
+    binaries=("coredns",),
+    requires=(f"github.com/coredns/coredns@{COREDNS_VERSION}",),
+    packages=(".",),
+    main_go=COREDNS_MAIN,
+)
+NODE_COMPONENTS = (NODE_COMPONENT, KUBE_ROUTER_COMPONENT, COREDNS_COMPONENT)
 
 
 def go_version(go: str) -> tuple[int, int]:

@@ -330,6 +330,7 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
     check_pod_cidr(pod_cidr)
     if real_node:
         real_node_mod.check_prerequisites()
+        real_node_mod.check_free(folder)
     folder = folder.absolute()
     if (state := running(folder)) is not None:
         return state
@@ -349,7 +350,7 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
         _start_all(state, pki, pools if pools is not None else default_pools(), timeout)
         if real_node:
             real_node_mod.up(folder, pki, lambda who: _component_kubeconfig(state, pki, who),
-                    lambda *args, check=True: kubectl(state, *args, check=check),
+                    lambda *args, check=True, input=None: kubectl(state, *args, check=check, input=input),
                     api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
     except BaseException:
         down(folder)

@@ -110,6 +110,12 @@ def empty_new_tables(before: str, now: str) -> list[str]:
             if name not in old and not t["rules"] and set(t["chains"]) <= BUILTIN_CHAINS]
 
 
+def ipsets() -> list[str]:
+    if shutil.which("ipset") is None:
+        return []
+    return sorted(subprocess.run(["ipset", "list", "-n"], capture_output=True, text=True).stdout.split())
+
+
 def dir_entries(path: str) -> list[str] | None:
     try:
         return sorted(os.listdir(path))
@@ -125,6 +131,7 @@ def snapshot() -> dict:
         "sysctls": read_sysctls(),
         "iptables": {family: iptables_save(saver) for family, saver, _ in SAVERS},
         "dirs": {d: dir_entries(d) for d in HOST_DIRS},
+        "ipsets": ipsets(),
     }
 
 
@@ -237,6 +244,11 @@ def restore(snap: dict) -> list[str]:
             done.append(f"{family}: removed the empty tables {', '.join(tables)}")
         elif tables:
             done.append(f"{family}: the empty tables {', '.join(tables)} stay (apt-get install nftables removes them)")
+    new_sets = [s for s in ipsets() if s not in snap.get("ipsets", [])]
+    for name in new_sets:  # after the rules that matched them
+        subprocess.run(["ipset", "destroy", name], capture_output=True)
+    if new_sets:
+        done.append(f"destroyed {len(new_sets)} ipsets")
     for name, value in snap["sysctls"].items():
         path = PROC_SYS / name
         with contextlib.suppress(OSError):

@@ -2,7 +2,8 @@
 
 ``up`` records the host (cluster/host_state.py), creates the bridge and the node's cgroup,
 starts containerd on its own socket, loads the pause image, then starts the kubelet (as
-``system:node:kuberl-node``) and kube-proxy (iptables mode) and waits until the node is Ready.
+``system:node:kuberl-node``), kube-proxy (iptables mode), kube-router's NetworkPolicy
+controller (cluster/netpol.py) and CoreDNS (cluster/dns.py), and waits until each is ready.
 ``down`` stops them, kills what the runtime left (containers, shims), unmounts, deletes the
 bridge and the cgroups, and undoes the host changes the record shows. Everything else lives in
 ``<cluster>/node/``; one real node runs on a host at a time (the bridge's alias names its cluster).
@@ -24,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from kuberl.cluster import containerd, host_state
-from kuberl.cluster.build import KUBERNETES_VERSION, NODE_COMPONENT, cache_root, ensure_binaries, find_go
+from kuberl.cluster import containerd, dns, host_state, netpol
+from kuberl.cluster.build import KUBERNETES_VERSION, NODE_COMPONENTS, cache_root, ensure_binaries, find_go
 from kuberl.cluster.errors import ClusterError
 from kuberl.cluster.node_config import (
     BRIDGE,
@@ -41,12 +42,12 @@ from kuberl.cluster.node_config import (
     missing_prerequisites,
 )
 from kuberl.cluster.pause_image import ensure_pause_archive
-from kuberl.cluster.pki import KUBE_PROXY, KUBELET, NODE_NAME, ClientIdentity, Pki
+from kuberl.cluster.pki import DNS, KUBE_PROXY, KUBELET, NETWORK_POLICY, NODE_NAME, ClientIdentity, Pki
 from kuberl.util.ports import free_port
 
 STATE_FILE = "node.json"
 HOST_RECORD = "host-before.json"
-PROGRAMS = ("containerd", "kubelet", "kube-proxy")  # start order; down stops in reverse
+PROGRAMS = ("containerd", "kubelet", "kube-proxy", "kube-router", "coredns")  # start order; down stops in reverse
 
 
 @dataclass
@@ -59,6 +60,9 @@ class NodeState:
     kubelet_healthz_port: int
     proxy_healthz_port: int
     proxy_metrics_port: int
+    netpol_health_port: int = 0
+    dns_health_port: int = 0
+    dns_ready_port: int = 0
     pids: dict[str, int] = field(default_factory=dict)
     started_s: dict[str, float] = field(default_factory=dict)
 
@@ -96,6 +100,15 @@ def bridge_owner() -> str | None:
         return None
     links = json.loads(proc.stdout or "[]")
     return (links[0].get("ifalias") if links else None) or "an unknown cluster"
+
+
+def check_free(cluster_dir: Path) -> None:
+    """ClusterError where another cluster's real node runs on this host (one at a time: they
+    would share the bridge, the iptables chains and the host folders)."""
+    owner = bridge_owner()
+    if owner is not None and owner != str(Path(cluster_dir).absolute()):
+        raise ClusterError(f"a real node already runs on this host (bridge {BRIDGE}, cluster {owner}): "
+                           f"`kuberl cluster down --dir {owner}` first, or --no-real-node")
 
 
 def _make_bridge(cluster_dir: Path) -> None:
@@ -173,14 +186,18 @@ def _tail(logs: Path, name: str, lines: int = 12) -> str:
     return ""
 
 
-def _healthz(port: int) -> bool:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=3) as resp:
+def _http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=3) as resp:
         return resp.status == 200
+
+
+def _healthz(port: int) -> bool:
+    return _http_ok(f"http://127.0.0.1:{port}/healthz")
 
 
 def ensure_node_binaries() -> dict[str, Path]:
     """kubelet and kube-proxy (built the first time, minutes) and the pause image's archive."""
-    paths = ensure_binaries(components=(NODE_COMPONENT,))
+    paths = ensure_binaries(components=NODE_COMPONENTS)
     gomodcache = subprocess.run([find_go(), "env", "GOMODCACHE"], capture_output=True, text=True).stdout.strip()
     paths["pause.tar"] = ensure_pause_archive(cache_root() / "pause-3.10", Path(gomodcache), KUBERNETES_VERSION)
     return paths
@@ -197,10 +214,7 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     cluster_dir = Path(cluster_dir).absolute()
     if bridge_owner() == str(cluster_dir):  # this cluster's node, left running by a crash
         down(cluster_dir)
-    owner = bridge_owner()
-    if owner is not None:
-        raise ClusterError(f"a real node already runs on this host (bridge {BRIDGE}, cluster {owner}): "
-                           f"`kuberl cluster down --dir {owner}` first, or --no-real-node")
+    check_free(cluster_dir)
     d = node_dir(cluster_dir)
     d.mkdir(parents=True, exist_ok=True)
     binaries = ensure_node_binaries()
@@ -208,7 +222,8 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     host_state.record(d / HOST_RECORD)
     state = NodeState(dir=str(d), binaries={k: str(v) for k, v in binaries.items()}, kubelet_port=free_port(),
                       kubelet_healthz_port=free_port(), proxy_healthz_port=free_port(),
-                      proxy_metrics_port=free_port())
+                      proxy_metrics_port=free_port(), netpol_health_port=free_port(),
+                      dns_health_port=free_port(), dns_ready_port=free_port())
     state.save()
     logs = cluster_dir / "logs"
     # Pods reach the host and the outside through it; Service replies on one bridge pass iptables.
@@ -234,7 +249,8 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     state.started_s["containerd"] = round(time.monotonic() - t0, 2)
     kubelet_yaml = d / "kubelet.yaml"
     kubelet_yaml.write_text(yaml.safe_dump(kubelet_config(
-        d, ca=pki.ca_cert, socket=cfg["socket"], port=state.kubelet_port, healthz_port=state.kubelet_healthz_port)))
+        d, ca=pki.ca_cert, socket=cfg["socket"], port=state.kubelet_port, healthz_port=state.kubelet_healthz_port,
+        cluster_dns=NODE_IP)))
     _spawn(state, logs, "kubelet", kubelet_args(state.binaries["kubelet"], d, kubelet_yaml,
                                                  kubeconfig(KUBELET)))
     proxy_yaml = d / "kube-proxy.yaml"
@@ -243,6 +259,16 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     _spawn(state, logs, "kube-proxy", [state.binaries["kube-proxy"], f"--config={proxy_yaml}", "--v=1"])
     _wait(state, logs, "kubelet", lambda: _healthz(state.kubelet_healthz_port) and _node_ready(kubectl), timeout)
     _wait(state, logs, "kube-proxy", lambda: _healthz(state.proxy_healthz_port), timeout)
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": netpol.rbac()}))
+    _spawn(state, logs, "kube-router", netpol.kube_router_args(state.binaries["kube-router"],
+                                                                kubeconfig(NETWORK_POLICY), service_cidr,
+                                                                state.netpol_health_port))
+    _wait(state, logs, "kube-router", lambda: _healthz(state.netpol_health_port), timeout)
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": dns.rbac()}))
+    corefile = d / "Corefile"
+    corefile.write_text(dns.corefile(NODE_IP, kubeconfig(DNS), state.dns_health_port, state.dns_ready_port))
+    _spawn(state, logs, "coredns", dns.coredns_args(state.binaries["coredns"], corefile))
+    _wait(state, logs, "coredns", lambda: _http_ok(f"http://127.0.0.1:{state.dns_ready_port}/ready"), timeout)
     state.started_s["ready"] = round(time.monotonic() - t0, 2)
     state.save()
     return state
@@ -292,7 +318,7 @@ def down(cluster_dir: Path, *, grace: float = 10.0) -> list[str]:
     done = []
     binaries = {"containerd": "containerd", **(state.binaries if state else {})}
     pids = state.pids if state else {}
-    for name in ("kube-proxy", "kubelet"):
+    for name in ("coredns", "kube-router", "kube-proxy", "kubelet"):
         if name in pids and _stop(pids[name], binaries[name], grace):
             done.append(name)
     if n := host_state.kill_cgroup(CGROUP_ROOT):

@@ -30,7 +30,7 @@ NODE_LABELS = {"kuberl.io/node-kind": "cpu", "kuberl.io/real-node": "true"}
 # command -> the Debian package that has it
 COMMANDS = {"containerd": "containerd", "containerd-shim-runc-v2": "containerd", "ctr": "containerd",
             "runc": "runc", "iptables": "iptables", "iptables-save": "iptables", "ip6tables": "iptables",
-            "conntrack": "conntrack", "ip": "iproute2", "umount": "mount", "gcc": "gcc"}
+            "conntrack": "conntrack", "ipset": "ipset", "ip": "iproute2", "umount": "mount", "gcc": "gcc"}
 
 
 def cni_bin_dir() -> str | None:
@@ -76,7 +76,8 @@ def cni_conflist(ipam_dir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def kubelet_config(node_dir: Path, *, ca: Path, socket: Path, port: int, healthz_port: int) -> dict[str, Any]:
+def kubelet_config(node_dir: Path, *, ca: Path, socket: Path, port: int, healthz_port: int,
+                   cluster_dns: str) -> dict[str, Any]:
     """cgroup v1 without systemd (cgroupfs, ``failCgroupV1: false``); pods' cgroups under
     /CGROUP_ROOT; x509 clients of the cluster CA and service-account tokens authenticated,
     authorized by the API server; disk-pressure eviction thresholds low (a build machine's disk is
@@ -94,7 +95,7 @@ def kubelet_config(node_dir: Path, *, ca: Path, socket: Path, port: int, healthz
         "enforceNodeAllocatable": ["pods"], "failCgroupV1": False, "failSwapOn": False,
         "protectKernelDefaults": False,
         "podLogsDir": str(node_dir / "pod-logs"), "volumePluginDir": str(node_dir / "volume-plugins"),
-        "clusterDomain": "cluster.local", "resolvConf": "/etc/resolv.conf",
+        "clusterDomain": "cluster.local", "clusterDNS": [cluster_dns], "resolvConf": "/etc/resolv.conf",
         "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%", "imagefs.available": "1%",
                          "nodefs.inodesFree": "1%"},
         "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,

@@ -45,7 +45,12 @@ KUBELET = ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes",
 KUBE_PROXY = ClientIdentity("kube-proxy", "system:kube-proxy")
 APISERVER_KUBELET_CLIENT = ClientIdentity("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
                                           ("system:masters",))
-CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK, KUBELET, KUBE_PROXY, APISERVER_KUBELET_CLIENT)
+# the node's NetworkPolicy controller (cluster/netpol.py), bound to a read-mostly ClusterRole
+NETWORK_POLICY = ClientIdentity("network-policy", "kuberl:network-policy")
+# the node's cluster DNS (cluster/dns.py)
+DNS = ClientIdentity("dns", "kuberl:dns")
+CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK, KUBELET, KUBE_PROXY, APISERVER_KUBELET_CLIENT,
+           NETWORK_POLICY, DNS)
 
 SERVING_NAMES = (
     "DNS:localhost",

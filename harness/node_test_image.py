@@ -1,5 +1,5 @@
 """A tiny image for the real-node tests: one static Go program, ``/server``, that serves HTTP on
-:8080 (``/healthz`` says ``ok``, ``/`` the pod's hostname), and as ``/server get URL`` fetches a URL
+:8080 (``/healthz`` says ``ok``, ``/`` the pod's hostname), and as ``/server get URL [TIMEOUT]`` fetches a URL
 (a pod calling a Service; an https URL as an in-cluster client, with the service account's CA
 and token) and as ``/server echo WORDS`` prints them (exec and exec probes).
 
@@ -35,7 +35,11 @@ const sa = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 func main() {
 \tif len(os.Args) > 2 && os.Args[1] == "get" {
-\t\tclient := http.Client{Timeout: 5 * time.Second}
+\t\ttimeout := 5 * time.Second
+\t\tif len(os.Args) > 3 {
+\t\t\ttimeout, _ = time.ParseDuration(os.Args[3])
+\t\t}
+\t\tclient := http.Client{Timeout: timeout}
 \t\treq, _ := http.NewRequest("GET", os.Args[2], nil)
 \t\tif strings.HasPrefix(os.Args[2], "https://") {
 \t\t\t// as an in-cluster client: the service account's CA and token

@@ -103,7 +103,7 @@ def test_the_node_range_may_not_overlap_the_simulated_pods():
 
 def test_the_kubelet_runs_as_this_host_needs(tmp_path: Path):
     cfg = node_config.kubelet_config(tmp_path, ca=tmp_path / "ca.crt", socket=tmp_path / "c.sock", port=1,
-                                     healthz_port=2)
+                                     healthz_port=2, cluster_dns="10.250.0.1")
     assert cfg["cgroupDriver"] == "cgroupfs" and cfg["failCgroupV1"] is False
     assert cfg["authentication"]["anonymous"]["enabled"] is False and cfg["authorization"]["mode"] == "Webhook"
     assert cfg["readOnlyPort"] == 0 and cfg["address"] == node_config.NODE_IP

@@ -4,7 +4,8 @@ host, beside one kwok GPU node, its pods run in containers.
 A pod of a tiny image (harness/node_test_image.py) runs under PodSecurity ``restricted``, gets an
 IP from the node's bridge, passes its kubelet-run httpGet and exec probes; ``kubectl logs`` and
 ``exec`` reach it; a ClusterIP Service routes to two such pods from the host and from a pod
-(kube-proxy, iptables); a pod calls the API server as an in-cluster client; the kubelet's credentials are a node's; and ``down`` leaves the host as
+(kube-proxy, iptables), and by its name (CoreDNS); a pod calls the API server as an in-cluster client; a SandboxPool's
+rendered NetworkPolicy is enforced (kube-router); the kubelet's credentials are a node's; and ``down`` leaves the host as
 it found it. Needs root, containerd, runc, the CNI plugins, iptables, conntrack and Go;
 without them the tests skip, except where ``KUBERL_REQUIRE_NODE=1`` (CI), where they fail.
 """
@@ -59,6 +60,7 @@ def host_view(folder: Path) -> dict:
         "links": sorted(x["ifname"] for x in links if x["ifname"] == BRIDGE or x["ifname"].startswith("veth")),
         "mounts": sorted(line for line in Path("/proc/mounts").read_text().splitlines()
                          if any(p in line for p in mine)),
+        "ipsets": host_state.ipsets(),
         "sysctls": host_state.read_sysctls(),
         "cgroups": [str(p) for p in host_state.cgroup_dirs(CGROUP_ROOT)],
         # a folder another program shares (another containerd's /run/containerd) is its business
@@ -150,6 +152,12 @@ def test_the_node_joins_ready_labelled_as_a_cpu_node(node: RealNode):
     print(f"real node Ready {node.start_s:.1f} s after `up` began (control plane included)")
 
 
+def test_a_second_real_node_on_the_host_is_refused(node: RealNode, tmp_path: Path):
+    with pytest.raises(ClusterError, match=f"a real node already runs on this host .*{node.folder}"):
+        up(tmp_path / "second", real_node=True)
+    assert not (tmp_path / "second" / "cluster.json").exists()  # refused before anything started
+
+
 def test_the_kubelet_holds_a_node_identity(node: RealNode):
     """Node authorizer + NodeRestriction: the kubelet's credentials reach its own node only."""
     kubelet = Kube(node.state, node.folder / "kubeconfigs" / f"{KUBELET.name}.yaml")
@@ -183,7 +191,7 @@ def test_podsecurity_restricted_refuses_a_privileged_pod(node: RealNode):
     assert refused.returncode != 0 and 'violates PodSecurity "restricted:latest"' in refused.stderr
 
 
-def test_a_cluster_ip_service_routes_from_the_host_and_from_a_pod(node: RealNode):
+def test_a_cluster_ip_service_routes_from_the_host_and_from_a_pod_by_ip_and_name(node: RealNode):
     ns = restricted_namespace(node.kube, "svc")
     node.kube.apply([server_pod(f"web-{i}", ns, {"app": "web"}) for i in range(2)] + [server_pod("client", ns)] + [{
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": ns},
@@ -203,6 +211,9 @@ def test_a_cluster_ip_service_routes_from_the_host_and_from_a_pod(node: RealNode
     from_pod = {node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"http://{ip}/").stdout
                 for _ in range(12)}
     assert from_pod == {"web-0", "web-1"}
+    # by name, through the cluster DNS (CoreDNS), as a trainer calls its pool: `NAME.NAMESPACE.svc`
+    by_name = node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"http://web.{ns}.svc/").stdout
+    assert by_name in {"web-0", "web-1"}
 
 
 def test_a_pod_calls_the_api_server_as_an_in_cluster_client(node: RealNode):
@@ -213,6 +224,36 @@ def test_a_pod_calls_the_api_server_as_an_in_cluster_client(node: RealNode):
     ip = node.kube.json("get", "service", "kubernetes", "-n", "default")["spec"]["clusterIP"]
     out = node.kube.run("exec", "client", "-n", ns, "--", "/server", "get", f"https://{ip}/version").stdout
     assert json.loads(out)["gitVersion"] == "v1.34.4"
+
+
+def test_the_sandbox_pools_policy_is_enforced(node: RealNode):
+    """The NetworkPolicy the operator renders for a SandboxPool (no egress; ingress on its port
+    from the job's trainers only), enforced by kube-router: a trainer's call gets through,
+    another pod's does not, and the pool's pod reaches neither another pod nor the API server.
+    The kubelet's probes from the node still pass."""
+    from kuberl.operator.render.isolation import sandbox_policy
+
+    ns = restricted_namespace(node.kube, "netpol")
+    pool, trainer = {"app": "pool"}, {"role": "trainer"}
+    policy = sandbox_policy({"name": "pool-deny-egress", "namespace": ns}, pool, IMAGE_PORT, trainers=trainer,
+                            annotations={})
+    node.kube.apply([server_pod("pool", ns, pool), server_pod("trainer", ns, trainer),
+                     server_pod("other", ns), policy])
+    pods = {name: wait_ready(node.kube, ns, name) for name in ("pool", "trainer", "other")}
+    ip = {name: p["status"]["podIP"] for name, p in pods.items()}
+    api = node.kube.json("get", "service", "kubernetes", "-n", "default")["spec"]["clusterIP"]
+
+    def call(src: str, url: str) -> subprocess.CompletedProcess:
+        return node.kube.run("exec", src, "-n", ns, "--", "/server", "get", url, "2s", check=False)
+
+    # kube-router applies the policy within its sync: until then the pool's pod reaches out
+    wait_for(lambda: call("pool", f"http://{ip['other']}:{IMAGE_PORT}/").returncode != 0, 60,
+             "the pool's egress denied")
+    assert call("trainer", f"http://{ip['pool']}:{IMAGE_PORT}/").stdout == "pool"
+    assert call("other", f"http://{ip['pool']}:{IMAGE_PORT}/").returncode != 0
+    assert call("pool", f"https://{api}/version").returncode != 0
+    assert call("other", f"http://{ip['trainer']}:{IMAGE_PORT}/").stdout == "trainer"  # unselected pods: open
+    assert running_ready(node.kube.json("get", "pod", "pool", "-n", ns))  # probes from the node pass
 
 
 def _quietly(call):
