@@ -555,11 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kuberl.cli_cluster import add_command as add_cluster
     from kuberl.cli_engines import add_commands
+    from kuberl.cli_images import add_command as add_images
     from kuberl.cli_status import add_command as add_status
 
     add_commands(sub, fmt)
     add_status(sub, fmt)
     add_cluster(sub, fmt)
+    add_images(sub, fmt)
     return p
 
 

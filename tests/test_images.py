@@ -62,6 +62,25 @@ def instructions(path: Path) -> list[tuple[str, str]]:
     return out
 
 
+def from_images(ins: list[tuple[str, str]]) -> list[str]:
+    """Each FROM's image with ``${ARG}``/``$ARG`` replaced by the default of an ARG declared before
+    the first FROM (``ARG BASE=python:3.11...`` + ``FROM ${BASE}``: users with a registry get the
+    default, ``kuberl images build`` passes its local base). An ARG without a default stays as
+    written, so the pinning rule reports it."""
+    defaults: dict[str, str] = {}
+    out = []
+    for word, args in ins:
+        if word == "ARG" and not out:
+            name, eq, value = args.partition("=")
+            if eq:
+                defaults[name.strip()] = value.strip().strip('"')
+        elif word == "FROM":
+            image = args.split()[0]
+            out.append(re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                              lambda m: defaults.get(m[1] or m[2], m[0]), image))
+    return out
+
+
 def base_python(image: str) -> Version | None:
     """The Python X.Y a base image's tag names (``python:3.11.11-slim``, ``..._py3.12_...``), if any."""
     name, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "")
@@ -125,11 +144,10 @@ def lint(path: Path) -> list[str]:
     for word, _ in ins:
         if word not in known:
             problems.append(f"unknown or disallowed instruction {word} (use COPY, not ADD)")
-    froms = [a for w, a in ins if w == "FROM"]
+    froms = from_images(ins)
     if not froms or ins[0][0] not in ("FROM", "ARG"):
         problems.append("must start with FROM")
-    for base in froms:
-        image = base.split()[0]
+    for image in froms:
         name, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "")
         if not tag or tag == "latest" or not re.search(r"\d", tag):
             problems.append(f"base image {image} is not pinned to a versioned tag")
@@ -221,6 +239,14 @@ def test_the_lint_catches_bad_dockerfiles(tmp_path):
     problems = " | ".join(lint(old))
     assert "has Python 3.10, but kuberl requires-python >=3.11" in problems
     assert "tokenizers has no version" in problems and "transformers" not in problems
+    unpinned_arg = tmp_path / "Dockerfile.arg"
+    unpinned_arg.write_text("ARG BASE\nFROM ${BASE}\nRUN pip install --no-cache-dir .\nUSER 65532\n"
+                            "ENTRYPOINT [\"kuberl\"]\n")
+    assert "base image ${BASE} is not pinned" in " | ".join(lint(unpinned_arg))
+    old_arg = tmp_path / "Dockerfile.oldarg"
+    old_arg.write_text(old.read_text().replace("FROM rocm/", "ARG BASE=rocm/").replace(
+        "\nRUN", "\nFROM $BASE\nRUN", 1))
+    assert "has Python 3.10" in " | ".join(lint(old_arg))
 
 
 def test_hadolint_catches_bad_dockerfiles(tmp_path):
@@ -260,7 +286,7 @@ def test_the_expected_images_exist():
     }
 
     def base(name: str) -> str:
-        return next(a for w, a in by[name] if w == "FROM")
+        return from_images(by[name])[0]
 
     assert base("trainer/Dockerfile.rocm").startswith("rocm/pytorch:rocm")
     assert "cuda" in base("trainer/Dockerfile.cuda")

@@ -1,0 +1,215 @@
+"""The shell around ``cluster/images.py``: debootstrap the base, build with buildah, load containerd.
+
+Images live in a buildah store of their own under ``$KUBERL_IMAGES_CACHE`` (default
+~/.cache/kuberl/images): ``storage/`` (overlay driver), ``run/`` and ``logs/<name>.log`` (the last
+build's output). Builds run with ``--isolation chroot`` (no systemd, cgroup v1 and a VM without
+user namespaces are all fine) and ``--layers`` (a source change keeps the dependency layer).
+Nothing needs a registry: the base is ``debootstrap``'s, and images reach a containerd as a
+``docker-archive`` through ``ctr images import``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kuberl.cluster.errors import ClusterError
+from kuberl.cluster.images import (
+    INPUTS_LABEL,
+    BaseRecipe,
+    ImageSpec,
+    build_args,
+    image_inputs_digest,
+    render_build_args,
+)
+
+# command -> the Debian package that provides it
+TOOLS = {"buildah": "buildah", "debootstrap": "debootstrap", "ctr": "containerd", "runc": "runc"}
+HOST_CAS = Path("/usr/local/share/ca-certificates")
+Log = Callable[[str], None]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KUBERL_IMAGES_CACHE") or Path.home() / ".cache" / "kuberl" / "images")
+
+
+def require_tools(commands: tuple[str, ...] = ("buildah", "debootstrap", "runc")) -> None:
+    """A ClusterError naming the apt packages to install when any of ``commands`` is missing."""
+    missing = [c for c in commands if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
+    if missing:
+        packages = " ".join(dict.fromkeys(TOOLS[c] for c in missing))
+        raise ClusterError(f"{', '.join(missing)} not found: `apt-get install -y {packages}` "
+                           "(Debian's packages; building kuberl's images needs no registry)")
+    if os.geteuid() != 0:
+        raise ClusterError("kuberl images build runs buildah and debootstrap as root (run it with sudo)")
+
+
+def host_extra_cas(folder: Path = HOST_CAS) -> tuple[tuple[str, str], ...]:
+    """The CA certificates this host adds to Debian's list (``update-ca-certificates`` reads them)."""
+    if not folder.is_dir():
+        return ()
+    return tuple((p.relative_to(folder).as_posix(), p.read_text())
+                 for p in sorted(folder.rglob("*.crt")) if p.is_file())
+
+
+def default_base() -> BaseRecipe:
+    return BaseRecipe(extra_cas=host_extra_cas())
+
+
+def _run(cmd: list[str], log_file: Path | None = None, timeout: float = 3600, **kw) -> str:
+    """Run ``cmd``; its output goes to ``log_file`` (appended) or is returned. A failure raises a
+    ClusterError with the output's tail."""
+    if log_file is not None:
+        with log_file.open("a") as out:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            res = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, timeout=timeout, **kw)
+        if res.returncode != 0:
+            tail = "".join(log_file.read_text().splitlines(keepends=True)[-25:])
+            raise ClusterError(f"`{' '.join(cmd[:6])} ...` failed ({res.returncode}); the end of "
+                               f"{log_file}:\n{tail}")
+        return ""
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+    if res.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd[:6])} ...` failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+    return res.stdout
+
+
+@dataclass(frozen=True)
+class Buildah:
+    """buildah on the store under ``cache``."""
+
+    cache: Path
+
+    def cmd(self, *args: str) -> list[str]:
+        return ["buildah", "--root", str(self.cache / "storage"), "--runroot", str(self.cache / "run"),
+                "--storage-driver", "overlay", *args]
+
+    def inspect(self, ref: str) -> dict | None:
+        """The image's buildah inspect JSON, None when the store has no such image."""
+        res = subprocess.run(self.cmd("inspect", "--type", "image", ref), capture_output=True, text=True,
+                             timeout=120)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def label(self, ref: str, key: str = INPUTS_LABEL) -> str | None:
+        found = self.inspect(ref)
+        return ((found or {}).get("OCIv1", {}).get("config", {}).get("Labels") or {}).get(key)
+
+    def image_id(self, ref: str) -> str | None:
+        found = self.inspect(ref)
+        return found["FromImageID"] if found else None
+
+    def layers(self, ref: str) -> list[str]:
+        """The image's layer diff ids, base first."""
+        found = self.inspect(ref)
+        return list(found["OCIv1"]["rootfs"]["diff_ids"]) if found else []
+
+
+@dataclass(frozen=True)
+class Built:
+    name: str
+    ref: str
+    image_id: str
+    cached: bool  # the store already had this image with the same inputs digest
+    seconds: float
+
+
+def ensure_base(buildah: Buildah, recipe: BaseRecipe, log: Log = lambda _: None) -> Built:
+    """``recipe.ref`` in the store, debootstrapped only when no image carries its recipe's digest."""
+    t0 = time.monotonic()
+    digest = recipe.digest()
+    if buildah.label(recipe.ref) == digest:
+        return Built("base", recipe.ref, buildah.image_id(recipe.ref) or "", True, time.monotonic() - t0)
+    logs = buildah.cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_file = logs / "base.log"
+    log_file.write_text("")
+    log(f"base: debootstrap {recipe.variant} {recipe.suite} + {', '.join(recipe.packages)} (about a minute) ...")
+    with tempfile.TemporaryDirectory(prefix="base-", dir=buildah.cache) as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        _run(recipe.debootstrap_args(rootfs), log_file)
+        if recipe.extra_cas:
+            for name, pem in recipe.extra_cas:
+                dest = rootfs / "usr/local/share/ca-certificates" / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(pem)
+            _run(["chroot", str(rootfs), "update-ca-certificates"], log_file)
+        for cache in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for p in (rootfs / cache).glob("*"):
+                if p.is_file():
+                    p.unlink()
+        tarball = Path(tmp) / "rootfs.tar"
+        _run(["tar", "-C", str(rootfs), "--numeric-owner", "-cf", str(tarball), "."], log_file)
+        container = _run(buildah.cmd("from", "scratch")).strip()
+        try:
+            _run(buildah.cmd("add", container, str(tarball), "/"), log_file)
+            env = [w for k, v in recipe.env for w in ("--env", f"{k}={v}")]
+            _run(buildah.cmd("config", *env, "--cmd", "/bin/bash", "--label", f"{INPUTS_LABEL}={digest}",
+                             container), log_file)
+            _run(buildah.cmd("commit", "--rm", container, recipe.ref), log_file)
+        except ClusterError:
+            subprocess.run(buildah.cmd("rm", container), capture_output=True, timeout=120)
+            raise
+    return Built("base", recipe.ref, buildah.image_id(recipe.ref) or "", False, time.monotonic() - t0)
+
+
+def build_image(buildah: Buildah, spec: ImageSpec, context: Path, recipe: BaseRecipe,
+                ref: str | None = None, log: Log = lambda _: None) -> Built:
+    """``spec`` built from ``context`` and tagged ``ref`` (default: the name pods use), or left as it
+    is when the store's image under that name carries the same inputs digest."""
+    t0 = time.monotonic()
+    ref = ref or spec.ref
+    digest = image_inputs_digest(context, spec, recipe)
+    if buildah.label(ref) == digest:
+        return Built(spec.name, ref, buildah.image_id(ref) or "", True, time.monotonic() - t0)
+    logs = buildah.cache / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_file = logs / f"{spec.name}.log"
+    log_file.write_text("")
+    log(f"{spec.name}: building {ref} from {spec.dockerfile} (log: {log_file}) ...")
+    _run(buildah.cmd("bud", "--layers", "--isolation", "chroot", "--format", "docker",
+                     "-f", str(context / spec.dockerfile), "-t", ref, "--label", f"{INPUTS_LABEL}={digest}",
+                     *render_build_args(build_args(spec, recipe.ref)), str(context)), log_file)
+    return Built(spec.name, ref, buildah.image_id(ref) or "", False, time.monotonic() - t0)
+
+
+def containerd_image_id(address: str, namespace: str, ref: str) -> str | None:
+    """The config digest (the image id, without ``sha256:``) of ``ref`` in that containerd, if any."""
+    ctr = ["ctr", "--address", address, "-n", namespace]
+    res = subprocess.run([*ctr, "images", "ls", f"name=={ref}"], capture_output=True, text=True, timeout=60)
+    if res.returncode != 0:
+        raise ClusterError(f"cannot reach containerd at {address}: {res.stderr.strip()}")
+    rows = [line.split() for line in res.stdout.splitlines()[1:] if line.split()[:1] == [ref]]
+    if not rows:
+        return None
+    manifest = json.loads(_run([*ctr, "content", "get", rows[0][2]]))
+    if "manifests" in manifest:  # an index: take the first platform's manifest
+        manifest = json.loads(_run([*ctr, "content", "get", manifest["manifests"][0]["digest"]]))
+    return manifest["config"]["digest"].removeprefix("sha256:")
+
+
+def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io",
+              log: Log = lambda _: None) -> bool:
+    """Import ``ref`` from the store into the containerd at ``address``; False (nothing done) where
+    that containerd already has the same image id under that name."""
+    want = buildah.image_id(ref)
+    if want is None:
+        raise ClusterError(f"no image {ref} in {buildah.cache}: build it first (`kuberl images build`)")
+    if containerd_image_id(address, namespace, ref) == want:
+        return False
+    log(f"loading {ref} into containerd {address} (namespace {namespace}) ...")
+    with tempfile.TemporaryDirectory(prefix="load-", dir=buildah.cache) as tmp:
+        archive = Path(tmp) / "image.tar"
+        _run(buildah.cmd("push", "--quiet", ref, f"docker-archive:{archive}:{ref}"))
+        _run(["ctr", "--address", address, "-n", namespace, "images", "import", str(archive)])
+    got = containerd_image_id(address, namespace, ref)
+    if got != want:
+        raise ClusterError(f"containerd at {address} has {ref} as {got} after the import, not {want}")
+    return True
