@@ -4,7 +4,7 @@ host), the pool's Deployment gets real pods from ``ghcr.io/kuberl/sandbox:0.1.0`
 kubelet-run probes pass; they keep the securityContext ``kuberl render`` gives; ``/readyz``
 through the pool's ClusterIP Service says which containment layers are active inside the pod;
 ``kubectl scale sandboxpool/NAME --replicas=3`` gives 3 serving pods, and calls through the
-ClusterIP spread over them. Needs what the real node needs and buildah + debootstrap (the image
+ClusterIP spread over them; the operator's deny-egress NetworkPolicy holds inside the pod. Needs what the real node needs and buildah + debootstrap (the image
 is built the first time, minutes; cached by its inputs after).
 """
 
@@ -154,3 +154,30 @@ def test_kubectl_scale_gives_three_serving_pods_and_calls_spread(node: RealNode,
     assert all(a["outcome"] == "stdout" for a in answered), answered[:3]
     hosts = {a["output"].strip() for a in answered}
     assert hosts == names, (hosts, names)
+
+
+CONNECT = """import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).close()
+    print("connected")
+except OSError as err:
+    print(type(err).__name__)
+"""
+
+
+def test_the_operators_deny_egress_policy_holds_in_the_pod(node: RealNode, pool: str):
+    """From inside a pool's pod (its own process, not a sandboxed call) neither another pod of the
+    pool nor the API server can be reached; the same pod's port answers the node."""
+    assert node.kube.run("get", "networkpolicy", f"{POOL}-deny-egress", "-n", pool, check=False).returncode == 0
+    pods = serving(node, pool)
+    source, target = pods[0]["metadata"]["name"], pods[1]["status"]["podIP"]
+    api = node.kube.json("get", "service", "kubernetes", "-n", "default")["spec"]["clusterIP"]
+
+    def connect(host: str, port: int) -> str:
+        return node.kube.run("exec", source, "-n", pool, "--", "python3", "-c", CONNECT, host, str(port)).stdout.strip()
+
+    with urllib.request.urlopen(f"http://{target}:8080/healthz", timeout=10) as resp:
+        assert resp.status == 200  # the target serves (the node may call it)
+    # refused or timed out by the policy (an exception's name), not connected
+    assert connect(target, 8080).endswith("Error")
+    assert connect(api, 443).endswith("Error")
