@@ -35,6 +35,7 @@ from kuberl.cluster import node as real_node_mod
 from kuberl.cluster import nodes
 from kuberl.cluster.build import ensure_binaries, kwok_stages
 from kuberl.cluster.errors import ClusterError
+from kuberl.cluster.node_config import host_port
 from kuberl.cluster.nodes import KWOK_NODE_ANNOTATION, NodePool, default_pools, node_manifests
 from kuberl.cluster.pki import (
     ADMIN,
@@ -46,7 +47,6 @@ from kuberl.cluster.pki import (
     Pki,
     make_pki,
 )
-from kuberl.util.ports import free_port
 
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
@@ -363,7 +363,7 @@ PORT_FIELDS = ("api_port", "etcd_port", "etcd_peer_port", "controller_manager_po
 
 def _ports(previous: ClusterState | None) -> dict[str, int]:
     if previous is None:
-        return {f: free_port() for f in PORT_FIELDS}
+        return {f: host_port() for f in PORT_FIELDS}
     ports = {f: getattr(previous, f) for f in PORT_FIELDS}
     for name, port in ports.items():
         with socket.socket() as s:

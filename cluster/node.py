@@ -36,6 +36,7 @@ from kuberl.cluster.node_config import (
     check_cidrs,
     cni_bin_dir,
     cni_conflist,
+    host_port,
     kube_proxy_config,
     kubelet_args,
     kubelet_config,
@@ -43,7 +44,6 @@ from kuberl.cluster.node_config import (
 )
 from kuberl.cluster.pause_image import ensure_pause_archive
 from kuberl.cluster.pki import DNS, KUBE_PROXY, KUBELET, NETWORK_POLICY, NODE_NAME, ClientIdentity, Pki
-from kuberl.util.ports import free_port
 
 STATE_FILE = "node.json"
 HOST_RECORD = "host-before.json"
@@ -220,10 +220,10 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     binaries = ensure_node_binaries()
     t0 = time.monotonic()
     host_state.record(d / HOST_RECORD)
-    state = NodeState(dir=str(d), binaries={k: str(v) for k, v in binaries.items()}, kubelet_port=free_port(),
-                      kubelet_healthz_port=free_port(), proxy_healthz_port=free_port(),
-                      proxy_metrics_port=free_port(), netpol_health_port=free_port(),
-                      dns_health_port=free_port(), dns_ready_port=free_port())
+    state = NodeState(dir=str(d), binaries={k: str(v) for k, v in binaries.items()}, kubelet_port=host_port(),
+                      kubelet_healthz_port=host_port(), proxy_healthz_port=host_port(),
+                      proxy_metrics_port=host_port(), netpol_health_port=host_port(),
+                      dns_health_port=host_port(), dns_ready_port=host_port())
     state.save()
     logs = cluster_dir / "logs"
     # Pods reach the host and the outside through it; Service replies on one bridge pass iptables.

@@ -16,6 +16,7 @@ from typing import Any
 
 from kuberl.cluster.errors import ClusterError
 from kuberl.cluster.pki import NODE_NAME
+from kuberl.util.ports import free_port
 
 NODE_CIDR = "10.250.0.0/24"
 NODE_IP = "10.250.0.1"
@@ -31,6 +32,18 @@ NODE_LABELS = {"kuberl.io/node-kind": "cpu", "kuberl.io/real-node": "true"}
 COMMANDS = {"containerd": "containerd", "containerd-shim-runc-v2": "containerd", "ctr": "containerd",
             "runc": "runc", "iptables": "iptables", "iptables-save": "iptables", "ip6tables": "iptables",
             "conntrack": "conntrack", "ipset": "ipset", "ip": "iproute2", "umount": "mount", "gcc": "gcc"}
+
+
+NODE_PORT_RANGE = range(30000, 32768)  # the API server's default --service-node-port-range
+
+
+def host_port() -> int:
+    """A free port outside the NodePort range: kube-router lets every pod reach the node's
+    NodePorts whatever its policy, so a port of the cluster's own (the API server's, which pods
+    reach through the `kubernetes` Service's redirect; the kubelet's) must not fall in it."""
+    while (port := free_port()) in NODE_PORT_RANGE:
+        pass
+    return port
 
 
 def cni_bin_dir() -> str | None:

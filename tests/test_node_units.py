@@ -112,3 +112,11 @@ def test_the_kubelet_runs_as_this_host_needs(tmp_path: Path):
     conf = node_config.cni_conflist(tmp_path / "ipam")
     assert [p["type"] for p in conf["plugins"]] == ["bridge", "portmap"]
     assert conf["plugins"][0]["ipam"]["ranges"] == [[{"subnet": "10.250.0.0/24", "gateway": "10.250.0.1"}]]
+
+
+def test_cluster_ports_stay_out_of_the_node_port_range(monkeypatch):
+    """kube-router lets any pod reach the node's NodePort range: the API server's port (pods reach
+    it through the kubernetes Service's redirect) must not be there."""
+    picks = iter([30000, 32767, 30179, 29999])
+    monkeypatch.setattr(node_config, "free_port", lambda: next(picks))
+    assert node_config.host_port() == 29999
