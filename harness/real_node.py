@@ -54,9 +54,9 @@ def host_view(folder: Path) -> dict:
         "ipsets": host_state.ipsets(),
         "sysctls": host_state.read_sysctls(),
         "cgroups": [str(p) for p in host_state.cgroup_dirs(CGROUP_ROOT)],
-        # a folder another program shares (another containerd's /run/containerd) is its business
-        "dirs": {d: host_state.dir_entries(d) for d in host_state.HOST_DIRS
-                 if not (d in host_state.SHARED_DIRS and host_state.processes_named(host_state.SHARED_DIRS[d]))},
+        # not a folder other programs share (any containerd's /run/containerd): another one may
+        # come and go during the test (down removes it only where no other containerd runs)
+        "dirs": {d: host_state.dir_entries(d) for d in host_state.HOST_DIRS if d not in host_state.SHARED_DIRS},
         "shims": containerd.shim_pids(node_dir(folder)),
     }
 
