@@ -28,6 +28,7 @@ KWOK_VERSION = "v0.7.0"  # supports Kubernetes 1.34's APIs
 GO_MINIMUM = (1, 26)  # etcd 3.6.16's go.mod asks for go 1.26
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+NODE_COMMANDS = ("kubelet", "kube-proxy")  # the real node's (cluster/node.py); built only where it runs
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,61 @@ COMPONENTS = (
 )
 
 
+NODE_COMPONENT = Component(
+    name="kubernetes-node",
+    version=KUBERNETES_VERSION,
+    binaries=NODE_COMMANDS,
+    requires=(f"k8s.io/kubernetes@{KUBERNETES_VERSION}",),
+    packages=tuple(f"k8s.io/kubernetes/cmd/{c}" for c in NODE_COMMANDS),
+    ldflags=kubernetes_ldflags(KUBERNETES_VERSION),
+)
+
+
+KUBE_ROUTER_VERSION = "v2.1.0"
+# The real node's NetworkPolicy enforcement (iptables + ipset; its router and service proxy off).
+KUBE_ROUTER_COMPONENT = Component(
+    name="kube-router",
+    version=KUBE_ROUTER_VERSION,
+    binaries=("kube-router",),
+    requires=(f"github.com/cloudnativelabs/kube-router/v2@{KUBE_ROUTER_VERSION}",),
+    packages=("github.com/cloudnativelabs/kube-router/v2/cmd/kube-router",),
+)
+COREDNS_VERSION = "v1.14.3"
+# CoreDNS with only the plugins the real node's cluster DNS uses (cluster/dns.py): built from a
+# main package of its own that sets the directive order, so none of the cloud providers'
+# plugins (and their SDKs) is downloaded or compiled.
+COREDNS_MAIN = """package main
+
+import (
+\t"github.com/coredns/coredns/core/dnsserver"
+\t"github.com/coredns/coredns/coremain"
+\t_ "github.com/coredns/coredns/plugin/bind"
+\t_ "github.com/coredns/coredns/plugin/cache"
+\t_ "github.com/coredns/coredns/plugin/errors"
+\t_ "github.com/coredns/coredns/plugin/forward"
+\t_ "github.com/coredns/coredns/plugin/health"
+\t_ "github.com/coredns/coredns/plugin/kubernetes"
+\t_ "github.com/coredns/coredns/plugin/loadbalance"
+\t_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+\tdnsserver.Directives = []string{"bind", "errors", "health", "ready", "cache", "loadbalance", "kubernetes", "forward"}
+}
+
+func main() { coremain.Run() }
+"""
+COREDNS_COMPONENT = Component(
+    name="coredns",
+    version=COREDNS_VERSION,
+    binaries=("coredns",),
+    requires=(f"github.com/coredns/coredns@{COREDNS_VERSION}",),
+    packages=(".",),
+    main_go=COREDNS_MAIN,
+)
+NODE_COMPONENTS = (NODE_COMPONENT, KUBE_ROUTER_COMPONENT, COREDNS_COMPONENT)
+
+
 def go_version(go: str) -> tuple[int, int]:
     out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True).stdout.strip()
     m = re.match(r"go(\d+)\.(\d+)", out)
@@ -186,7 +242,8 @@ def build(component: Component, go: str, root: Path) -> Path:
     src.mkdir(parents=True, exist_ok=True)
     builder = _Builder(go, home / "build.log")
     requires = [tuple(r.split("@")) for r in component.requires]
-    replaces = _kubernetes_replaces(builder, component.version, src) if component.name == "kubernetes" else []
+    kube = component.requires[0].startswith("k8s.io/kubernetes@")
+    replaces = _kubernetes_replaces(builder, component.version, src) if kube else []
     (src / "go.mod").write_text(go_mod(f"kuberl.local/{component.name}", "1.24.0", requires, replaces))
     if component.main_go:
         (src / "main.go").write_text(component.main_go)
@@ -231,13 +288,14 @@ def kwok_stages(bin_dir: Path) -> list[Path]:
     return [bin_dir / "stages" / Path(rel).name for rel in KWOK_STAGES]
 
 
-def ensure_binaries(root: Path | None = None) -> dict[str, Path]:
-    """Every control-plane program by name, building what the cache lacks (minutes the first time)."""
+def ensure_binaries(root: Path | None = None, components: tuple[Component, ...] = COMPONENTS) -> dict[str, Path]:
+    """Every control-plane program by name (or those of ``components``), building what the cache
+    lacks (minutes the first time)."""
     root = root or cache_root()
-    missing = [c for c in COMPONENTS if not _complete(root / f"{c.name}-{c.version}" / "bin", c)]
+    missing = [c for c in components if not _complete(root / f"{c.name}-{c.version}" / "bin", c)]
     go = find_go() if missing else ""
     paths: dict[str, Path] = {}
-    for component in COMPONENTS:
+    for component in components:
         bin_dir = build(component, go, root)
         paths.update({b: bin_dir / b for b in component.binaries})
     return paths

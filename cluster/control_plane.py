@@ -31,12 +31,22 @@ from pathlib import Path
 
 import yaml
 
+from kuberl.cluster import node as real_node_mod
 from kuberl.cluster import nodes
 from kuberl.cluster.build import ensure_binaries, kwok_stages
 from kuberl.cluster.errors import ClusterError
+from kuberl.cluster.node_config import host_port
 from kuberl.cluster.nodes import KWOK_NODE_ANNOTATION, NodePool, default_pools, node_manifests
-from kuberl.cluster.pki import ADMIN, CONTROLLER_MANAGER, KWOK, SCHEDULER, ClientIdentity, Pki, make_pki
-from kuberl.util.ports import free_port
+from kuberl.cluster.pki import (
+    ADMIN,
+    APISERVER_KUBELET_CLIENT,
+    CONTROLLER_MANAGER,
+    KWOK,
+    SCHEDULER,
+    ClientIdentity,
+    Pki,
+    make_pki,
+)
 
 SERVICE_CIDR = "10.96.0.0/16"
 POD_CIDR = "10.244.0.0/16"
@@ -141,7 +151,12 @@ def apiserver_args(state: ClusterState, pki: Pki) -> list[str]:
         f"--client-ca-file={pki.ca_cert}",
         f"--service-account-issuer={ISSUER}", f"--api-audiences={ISSUER}",
         f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
-        "--authorization-mode=RBAC", "--anonymous-auth=false",
+        # Node,RBAC and NodeRestriction: a kubelet (cluster/node.py) reads and writes only its own
+        # node and its pods; the API server reaches kubelets at their InternalIP for logs and exec.
+        "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction", "--anonymous-auth=false",
+        f"--kubelet-client-certificate={pki.client_cert(APISERVER_KUBELET_CLIENT)}",
+        f"--kubelet-client-key={pki.client_key(APISERVER_KUBELET_CLIENT)}",
+        "--kubelet-preferred-address-types=InternalIP",
         f"--service-cluster-ip-range={SERVICE_CIDR}", "--allow-privileged=true",
         f"--cert-dir={Path(state.dir) / 'apiserver'}", "--profiling=false", "--v=1",
     ] + (_audit_args(state) if state.audit else [])  # fmt: skip
@@ -303,14 +318,19 @@ def running(folder: Path) -> ClusterState | None:
 
 
 def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 120.0,
-       binaries: dict[str, Path] | None = None, audit: bool = False, pod_cidr: str = POD_CIDR) -> ClusterState:
+       binaries: dict[str, Path] | None = None, audit: bool = False, pod_cidr: str = POD_CIDR,
+       real_node: bool = False) -> ClusterState:
     """Start a control plane in ``folder`` (building the programs first if the cache lacks them)
     and wait until its nodes are Ready; a cluster already running there is returned as it is.
     ``audit``: the API server logs every request it answers (``ClusterState.audit_log``).
     ``pod_cidr``: where kwok takes the simulated pods' IPs from. Routed to this host (``ip route
     add local CIDR dev lo``, in a network namespace of one's own), a pod's IP reaches a local
-    process that serves in the pod's place."""
+    process that serves in the pod's place. ``real_node``: also one real node (cluster/node.py)
+    whose kubelet runs pods in containers."""
     check_pod_cidr(pod_cidr)
+    if real_node:
+        real_node_mod.check_prerequisites()
+        real_node_mod.check_free(folder)
     folder = folder.absolute()
     if (state := running(folder)) is not None:
         return state
@@ -328,6 +348,10 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
     state.save()
     try:
         _start_all(state, pki, pools if pools is not None else default_pools(), timeout)
+        if real_node:
+            real_node_mod.up(folder, pki, lambda who: _component_kubeconfig(state, pki, who),
+                    lambda *args, check=True, input=None: kubectl(state, *args, check=check, input=input),
+                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
     except BaseException:
         down(folder)
         raise
@@ -339,7 +363,7 @@ PORT_FIELDS = ("api_port", "etcd_port", "etcd_peer_port", "controller_manager_po
 
 def _ports(previous: ClusterState | None) -> dict[str, int]:
     if previous is None:
-        return {f: free_port() for f in PORT_FIELDS}
+        return {f: host_port() for f in PORT_FIELDS}
     ports = {f: getattr(previous, f) for f in PORT_FIELDS}
     for name, port in ports.items():
         with socket.socket() as s:
@@ -411,7 +435,7 @@ def down(folder: Path, *, grace: float = 10.0) -> list[str]:
     state = ClusterState.load(folder.absolute())
     if state is None:
         return []
-    stopped = []
+    stopped = ["real node: " + ", ".join(undone)] if (undone := real_node_mod.down(folder, grace=grace)) else []
     for name in reversed(PROGRAMS):
         pid = state.pids.get(name)
         if pid is None or not _running(pid, state.binaries[name]):

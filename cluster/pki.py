@@ -37,7 +37,20 @@ SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
 # kwok plays every kubelet: it writes node and pod status, which only a node's own identity or an
 # admin may; it runs as a member of system:masters like kubeadm's own tooling.
 KWOK = ClientIdentity("kwok", "kwok-controller", ("system:masters",))
-CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK)
+# The real node (cluster/node.py): its kubelet as the Node authorizer's node user, kube-proxy as
+# the user the built-in system:node-proxier binding names, and the API server's own client
+# certificate for the kubelets (logs, exec, port-forward).
+NODE_NAME = "kuberl-node"
+KUBELET = ClientIdentity("kubelet", f"system:node:{NODE_NAME}", ("system:nodes",))
+KUBE_PROXY = ClientIdentity("kube-proxy", "system:kube-proxy")
+APISERVER_KUBELET_CLIENT = ClientIdentity("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
+                                          ("system:masters",))
+# the node's NetworkPolicy controller (cluster/netpol.py), bound to a read-mostly ClusterRole
+NETWORK_POLICY = ClientIdentity("network-policy", "kuberl:network-policy")
+# the node's cluster DNS (cluster/dns.py)
+DNS = ClientIdentity("dns", "kuberl:dns")
+CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, KWOK, KUBELET, KUBE_PROXY, APISERVER_KUBELET_CLIENT,
+           NETWORK_POLICY, DNS)
 
 SERVING_NAMES = (
     "DNS:localhost",
@@ -46,6 +59,9 @@ SERVING_NAMES = (
     "DNS:kubernetes.default.svc",
     "DNS:kubernetes.default.svc.cluster.local",
     "IP:127.0.0.1",
+    # the `kubernetes` Service's ClusterIP (first address of the Service range): how pods on the
+    # real node reach the API server (cluster/node.py redirects it to 127.0.0.1)
+    "IP:10.96.0.1",
 )
 
 
