@@ -5,18 +5,20 @@ AdmissionReview's warnings, which kubectl prints the same way.
 * the API server's own warnings on the children kuberl renders (``podwarnings``);
 * capacity kuberl can compute: the sandbox workers against the tool-calling rollouts in flight,
   and, where the model's name gives its size (``Qwen/Qwen3-14B``), the trainer's and the
-  engines' accelerator memory against it.
+  engines' accelerator memory against it, and the fleet's KV cache against the rollouts in
+  flight (``kvcache``).
 """
 
 from __future__ import annotations
-
-import re
 
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, parse_resource
 from kuberl.api.group import API_VERSION
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.builders import build_for
+from kuberl.operator.render.job_builder import uses_fleet
+from kuberl.operator.validate.kvcache import kv_cache_warnings
+from kuberl.operator.validate.models import ACCELERATOR_MEMORY_GB, ENGINE_DTYPE_BYTES, model_parameters
 from kuberl.operator.validate.podwarnings import object_warnings
 
 ROLLOUTS_PER_WORKER = 256
@@ -25,26 +27,12 @@ The paper's recipe (examples/rstar2-mi300x.yaml) runs 64; four times that is far
 than the rollouts call for."""
 
 
-ACCELERATOR_MEMORY_GB = {"mi300x": 192, "h100": 80}
-"""Memory of one accelerator of each GPU profile."""
 TRAINER_BYTES_PER_PARAMETER = 16
 """float32 weights, gradients and both AdamW moments (trainer.precision keeps all four float32)."""
 TRAINER_STATE_SHARE = 0.8
 """Share of each accelerator the sharded training state may take: activations need the rest."""
-ENGINE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
-"""Bytes per weight as an engine serves them (auto: the checkpoint's own, bf16 for current models)."""
 ENGINE_WEIGHTS_SHARE = 0.9
 """Share of the engine's memory (memFractionStatic) its weights may take: the KV cache needs the rest."""
-_SIZE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)([BM])(?![a-z])", re.IGNORECASE)
-
-
-def model_parameters(name: str) -> float | None:
-    """Parameters of a model its name counts (``Qwen3-14B``: 14e9, ``SmolLM2-135M``: 135e6;
-    ``Qwen3-235B-A22B``: 235e9, every expert), or None where the name says nothing."""
-    m = _SIZE.search(name.rsplit("/", 1)[-1])
-    if m is None:
-        return None
-    return float(m[1]) * (1e9 if m[2].upper() == "B" else 1e6)
 
 
 def trainer_memory_warnings(job: AgenticRLJob) -> list[str]:
@@ -127,6 +115,41 @@ def sandbox_warnings(job: AgenticRLJob, pool: SandboxPoolSpec, where: str) -> li
     ]
 
 
+def schedule_warnings(job: AgenticRLJob) -> list[str]:
+    """A checkpoint interval no step of the run reaches, and tools the turn limit never lets the
+    model read back."""
+    spec = job.spec
+    out = []
+    total = sum(s.steps for s in spec.stages)
+    if total > 1 and spec.checkpoint.every_steps >= total:
+        out.append(
+            f"spec.checkpoint.everySteps: {spec.checkpoint.every_steps} is not below the run's {total} steps "
+            "(all stages), so no checkpoint is written before the end: a trainer that fails or is evicted "
+            f"restarts (trainer.maxRestarts) from step 0; set everySteps below {total}"
+        )
+    turns = [s.name for s in spec.stages if s.type == "rl" and spec.stage_max_turns(s) == 1]
+    if spec.rollout.tools and turns:
+        out.append(
+            f"spec.rollout.maxTurns: 1 turn for RL stage{'s' if len(turns) > 1 else ''} "
+            f"{', '.join(map(repr, turns))}: a tool call's output comes back in the next turn, which never "
+            "comes, so the rollouts cannot use spec.rollout.tools (the paper's multi-turn rollouts take up to "
+            "10-15); raise maxTurns or set tools: []"
+        )
+    return out
+
+
+def _job_kv_warnings(job: AgenticRLJob, referenced: RolloutFleetSpec | None) -> list[str]:
+    """The KV cache of the fleet ``job`` rolls out on (inline, or ``referenced`` by fleetRef)."""
+    inline = job.spec.rollout.fleet
+    if inline is not None:
+        model = inline.model.uri if inline.model is not None else job.spec.model.base
+        return kv_cache_warnings(job, inline, "spec.rollout.fleet.", model, rollouts_in_flight(job))
+    if referenced is None or referenced.model is None:
+        return []
+    where = f"RolloutFleet {job.spec.rollout.fleet_ref} (spec.rollout.fleetRef) spec."
+    return kv_cache_warnings(job, referenced, where, referenced.model.uri, rollouts_in_flight(job))
+
+
 def resource_warnings(
     resource: Resource,
     namespace: str = "default",
@@ -139,10 +162,13 @@ def resource_warnings(
         out += engine_memory_warnings(resource.spec, "spec.", resource.spec.model.uri)
     if isinstance(resource, AgenticRLJob):
         out += trainer_memory_warnings(resource)
+        out += schedule_warnings(resource)
         inline = resource.spec.rollout.fleet
         if inline is not None:  # serves the job's model unless it names its own
             model = inline.model.uri if inline.model is not None else resource.spec.model.base
             out += engine_memory_warnings(inline, "spec.rollout.fleet.", model)
+        if uses_fleet(resource):
+            out += _job_kv_warnings(resource, fleet)
     if isinstance(resource, AgenticRLJob) and any(s.type == "rl" for s in resource.spec.stages):
         if resource.spec.sandbox.pool is not None:
             pool = (resource.spec.sandbox.pool, "spec.sandbox.pool")

@@ -7,8 +7,10 @@ accelerators: one rule set for `kuberl validate` (``checks``) and the admission 
 * topology: one engine runs per pod (``--tp``), so a pod with more accelerators than
   ``engine.tensorParallel`` leaves the rest idle for the whole run;
 * documents read together: a job and the fleet it rolls out on (inline, in the same file or
-  live) must agree on the engine, and the fleet needs ``weightSync`` for policy updates to
-  reach its engines. The trainer refuses both at start, hours of queueing later.
+  live) must agree on the engine and the model, the fleet needs ``weightSync`` for policy
+  updates to reach its engines, and a fleet or sandbox pool held at zero replicas (no
+  autoscaling to grow it) never serves the job. The trainer refuses or waits at start, hours
+  of queueing later.
 
 Each function returns messages that begin with the full field path; ``[]`` means nothing wrong.
 """
@@ -17,10 +19,45 @@ from __future__ import annotations
 
 from kuberl.api import AgenticRLJob, Resource, RolloutFleet
 from kuberl.api.rollout_fleet import RolloutFleetSpec
+from kuberl.api.sandbox_pool import SandboxPoolSpec
+
+NEAR_GREEDY_TEMPERATURE = 0.1
+"""At or below it, logits are scaled by 10 or more: a gap of 1 nat between the top two tokens
+becomes e^-10, so a group's rollouts are (near-)identical, as with temperature 0."""
+NEAR_GREEDY_TOP_P = 0.1
+"""At or below it, the nucleus is the top token alone whenever that token is 10 % likely, which
+is nearly every token of an LLM's answer: sampling is greedy in effect."""
+MIN_LEARNING_RATE = 1e-10
+"""An AdamW step moves each weight by about the learning rate; below this it is under half of
+float32's spacing for every weight above 0.002 in magnitude (2.3e-10 there; LLM weights are
+typically ~0.02), so float32 rounds the update away and the weights never change."""
+MIN_TOOL_RESPONSE_TOKENS = 64
+"""Tokens of the shortest rollout with a tool call: the call (``<tool_call>{"name":
+"execute_python_code_with_standard_io", "arguments": {"code": ..., "input": ""}}</tool_call>``,
+about 40 tokens) and an ``<answer>`` block (about 10), with a few tokens of code."""
+MIN_ANSWER_TOKENS = 16
+"""Tokens of the shortest rollout without tools: an ``<answer>`` block with a short reasoning."""
 
 
 def _rl_stages(job: AgenticRLJob) -> list[int]:
     return [i for i, s in enumerate(job.spec.stages) if s.type == "rl"]
+
+
+def learning_rate_problems(job: AgenticRLJob) -> list[str]:
+    """Learning rates whose updates float32 rounds away: the stages train nothing."""
+    spec = job.spec
+    rates = [(f"spec.stages[{i}].learningRate", s.learning_rate, [s.name]) for i, s in enumerate(spec.stages) if s.learning_rate]
+    shared = [s.name for s in spec.stages if not s.learning_rate]
+    if shared:
+        rates.append(("spec.algorithm.learningRate", spec.algorithm.learning_rate, shared))
+    return [
+        f"{where}: {lr:g} for stage{'s' if len(names) > 1 else ''} {', '.join(map(repr, names))} moves each "
+        f"weight by about {lr:g} per AdamW step, under half of float32's spacing for any weight above 0.002 "
+        "in magnitude: the update rounds away and the policy never changes; use 1e-6 (the paper's) or at "
+        "least 1e-9"
+        for where, lr, names in rates
+        if lr < MIN_LEARNING_RATE
+    ]
 
 
 def learning_problems(job: AgenticRLJob) -> list[str]:
@@ -37,6 +74,20 @@ def learning_problems(job: AgenticRLJob) -> list[str]:
             f"{a.rollouts_per_prompt} rollouts of a group are the same and get the same reward: every "
             "GRPO advantage is zero and the RL stages learn nothing; sample (the paper uses 1.0)"
         )
+    if 0 < spec.rollout.temperature <= NEAR_GREEDY_TEMPERATURE:
+        problems.append(
+            f"spec.rollout.temperature: {spec.rollout.temperature:g} is near-greedy decoding (logits x "
+            f"{1 / spec.rollout.temperature:g}), so the {a.rollouts_per_prompt} rollouts of a group come out "
+            "(nearly) the same and tie on reward: GRPO's advantages are zero and the RL stages learn "
+            "nothing; sample (the paper uses 1.0)"
+        )
+    if spec.rollout.top_p <= NEAR_GREEDY_TOP_P:
+        problems.append(
+            f"spec.rollout.topP: {spec.rollout.top_p:g} keeps only the top token whenever it is "
+            f"{spec.rollout.top_p:.0%} likely, which is nearly always: sampling is greedy in effect, the "
+            f"{a.rollouts_per_prompt} rollouts of a group tie on reward and every GRPO advantage is zero; "
+            "use topP 1.0 (the paper's) or at least 0.9"
+        )
     if a.name == "grpo-roc" and a.rollouts_per_prompt <= a.group_size:
         problems.append(
             f"spec.algorithm.oversample: {a.oversample:g} x groupSize {a.group_size} draws only "
@@ -51,6 +102,29 @@ def learning_problems(job: AgenticRLJob) -> list[str]:
                 f"spec.algorithm.miniBatches ({a.mini_batches}) optimizer steps: some steps would have no "
                 "rollouts; raise the stage's batchSize or lower miniBatches"
             )
+        problems += _stage_budget_problems(job, i)
+    return problems
+
+
+def _stage_budget_problems(job: AgenticRLJob, i: int) -> list[str]:
+    """An RL stage whose response budget cuts every rollout before its answer."""
+    spec, stage = job.spec, job.spec.stages[i]
+    problems = []
+    budget = spec.stage_max_response_tokens(stage)
+    field = f"spec.stages[{i}].maxResponseTokens" if stage.max_response_tokens else "spec.rollout.maxResponseTokens"
+    need = MIN_TOOL_RESPONSE_TOKENS if spec.rollout.tools else MIN_ANSWER_TOKENS
+    if budget < need:
+        what = (
+            "a tool call (<tool_call>{\"name\": \"execute_python_code_with_standard_io\", ...}</tool_call>, "
+            "about 40 tokens) and an <answer> block"
+            if spec.rollout.tools
+            else "an <answer> block after any reasoning"
+        )
+        problems.append(
+            f"{field}: {budget} tokens for stage '{stage.name}' cannot hold {what} (at least {need} tokens): "
+            "every rollout is cut before its answer, all rewards tie at 0 and every GRPO advantage is zero; "
+            f"raise it to {need} or more (the paper uses 8192)"
+        )
     return problems
 
 
@@ -95,7 +169,36 @@ def fleet_problems(job: AgenticRLJob, fleet: RolloutFleetSpec, where: str, inlin
             "would come from the initial model and the trainer refuses to start; give the fleet "
             "weightSync (a ReadWriteMany PVC the trainer writes and the engines load)"
         )
+    if fleet.replicas == 0 and fleet.autoscaling is None:
+        problems.append(
+            f"{where}replicas is 0 and the fleet has no autoscaling, so no engine ever runs: the job's "
+            "rollouts wait forever and no RL step completes; set replicas to 1 or more, or give the fleet "
+            "autoscaling (minReplicas >= 1)"
+        )
+    trained, served = job.spec.model.base, fleet.model.uri if fleet.model is not None else None
+    if served is not None and _model_name(served) != _model_name(trained):
+        problems.append(
+            f"{where}model.uri is {served} but spec.model.base is {trained}: the engines sample from another "
+            "model than the trainer updates, so the importance ratios compare two different policies and a "
+            "weight push of one into the other fails; serve the job's model"
+        )
     return problems
+
+
+def _model_name(uri: str) -> str:
+    """A model's name wherever it is stored: ``Qwen/Qwen3-14B`` and ``s3://b/qwen3-14b/`` agree."""
+    return uri.rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def pool_problems(job: AgenticRLJob, pool: SandboxPoolSpec, where: str) -> list[str]:
+    """A sandbox pool that never runs a worker behind a job whose rollouts call tools."""
+    if not job.spec.rollout.tools or not _rl_stages(job) or pool.replicas or pool.autoscaling is not None:
+        return []
+    return [
+        f"{where}replicas is 0 and the pool has no autoscaling, so no sandbox worker ever runs: every "
+        f"python tool call (spec.rollout.tools) of every rollout fails or waits, and the multi-turn rollouts "
+        "learn nothing from tools; set replicas to 1 or more, or give the pool autoscaling"
+    ]
 
 
 def partial_rollout_problems(job: AgenticRLJob) -> list[str]:
@@ -126,7 +229,9 @@ def resource_problems(resource: Resource) -> list[str]:
         return topology_problems(resource.spec, "spec.")
     if not isinstance(resource, AgenticRLJob):
         return []
-    problems = learning_problems(resource) + partial_rollout_problems(resource)
+    problems = learning_problems(resource) + learning_rate_problems(resource) + partial_rollout_problems(resource)
+    if resource.spec.sandbox.pool is not None:
+        problems += pool_problems(resource, resource.spec.sandbox.pool, "spec.sandbox.pool.")
     fleet = resource.spec.rollout.fleet
     if fleet is not None and resource.spec.rollout.engine != "local":
         problems += topology_problems(fleet, "spec.rollout.fleet.")
