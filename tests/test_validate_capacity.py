@@ -135,3 +135,45 @@ def test_a_warm_up_longer_than_a_stage_is_noted(tmp_path: Any, capsys: Any) -> N
     job["spec"]["algorithm"]["warmupSteps"] = 10
     rc, out, _ = _validate(tmp_path, capsys, job, flags=("--strict",))
     assert rc == 0 and "warmupSteps" not in out
+
+
+def test_a_trainer_on_cpu_holding_gpus_warns(tmp_path: Any, capsys: Any) -> None:
+    job = builders.job_manifest(of=KV_JOB)
+    job["spec"]["rollout"]["fleet"]["replicas"] = 16
+    job["spec"]["trainer"]["device"] = "cpu"
+    rc, _, err = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert "spec.trainer.device: cpu on h100 pods: the trainer computes on CPUs while its 16 GPUs" in err
+    job["spec"]["trainer"]["device"] = "auto"
+    assert _validate(tmp_path, capsys, job, flags=("--strict",))[0] == 0
+
+
+@pytest.mark.parametrize(("workers", "cpu", "warned"), [(32, "2", True), (8, "2", False), (9, "2", True), (64, "16", False)])
+def test_sandbox_workers_far_over_their_cpus_warn(tmp_path: Any, capsys: Any, workers: int, cpu: str, warned: bool) -> None:
+    pool = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "metadata": {"name": "tools"},
+            "spec": {"workersPerPod": workers, "limits": {"memoryMB": 64},
+                     "resources": {"requests": {"cpu": cpu, "memory": "8Gi"}, "limits": {"cpu": cpu, "memory": "8Gi"}}}}
+    rc, _, err = _validate(tmp_path, capsys, pool)
+    assert rc == 0
+    said = f"spec.workersPerPod: {workers} workers share the sandbox container's {cpu} CPUs (resources limits.cpu)"
+    assert (said in err) is warned, err
+    # the same pool inline in a job
+    job = builders.job_manifest(of=KV_JOB, sandbox={"pool": pool["spec"]})
+    job["spec"]["rollout"]["fleet"]["replicas"] = 16
+    assert (f"spec.sandbox.pool.workersPerPod: {workers} workers share" in _validate(tmp_path, capsys, job)[2]) is warned
+
+
+def test_a_response_budget_too_short_for_a_tool_call_warns(tmp_path: Any, capsys: Any) -> None:
+    """A rollout can still answer without tools in 24 tokens (refused under 16), but no tool call
+    and its output fit: it learns no tool use."""
+    job = builders.job_manifest(of=KV_JOB)
+    job["spec"]["rollout"]["fleet"]["replicas"] = 16
+    job["spec"]["stages"][0]["maxResponseTokens"] = 24
+    rc, _, err = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert "spec.stages[0].maxResponseTokens: 24 tokens for stage 'rl' cannot hold a tool call" in err
+    job["spec"]["rollout"]["tools"] = []
+    assert "cannot hold a tool call" not in _validate(tmp_path, capsys, job)[2]
+    job["spec"]["rollout"]["tools"] = ["python"]
+    job["spec"]["stages"][0]["maxResponseTokens"] = 64
+    assert "cannot hold a tool call" not in _validate(tmp_path, capsys, job)[2]

@@ -3,7 +3,10 @@ accelerators: one rule set for `kuberl validate` (``checks``) and the admission 
 (``admission``), so `kubectl apply` refuses what validate refuses, with the same words.
 
 * learning: GRPO's advantage is a reward minus its group's mean; a setting that makes every
-  rollout of a group alike (greedy decoding) gives every advantage zero, so nothing is learned;
+  rollout of a group alike (greedy or near-greedy decoding) or every reward tie (a response budget
+  that cuts each rollout before its answer) gives every advantage zero, and a learning rate under
+  float32's spacing changes no weight, so nothing is learned;
+* starting: a builtin model sent to inference servers, a cuda trainer on cpu pods;
 * topology: one engine runs per pod (``--tp``), so a pod with more accelerators than
   ``engine.tensorParallel`` leaves the rest idle for the whole run;
 * documents read together: a job and the fleet it rolls out on (inline, in the same file or
@@ -31,10 +34,6 @@ MIN_LEARNING_RATE = 1e-10
 """An AdamW step moves each weight by about the learning rate; below this it is under half of
 float32's spacing for every weight above 0.002 in magnitude (2.3e-10 there; LLM weights are
 typically ~0.02), so float32 rounds the update away and the weights never change."""
-MIN_TOOL_RESPONSE_TOKENS = 64
-"""Tokens of the shortest rollout with a tool call: the call (``<tool_call>{"name":
-"execute_python_code_with_standard_io", "arguments": {"code": ..., "input": ""}}</tool_call>``,
-about 40 tokens) and an ``<answer>`` block (about 10), with a few tokens of code."""
 MIN_ANSWER_TOKENS = 16
 """Tokens of the shortest rollout without tools: an ``<answer>`` block with a short reasoning."""
 
@@ -109,23 +108,15 @@ def learning_problems(job: AgenticRLJob) -> list[str]:
 def _stage_budget_problems(job: AgenticRLJob, i: int) -> list[str]:
     """An RL stage whose response budget cuts every rollout before its answer."""
     spec, stage = job.spec, job.spec.stages[i]
-    problems = []
     budget = spec.stage_max_response_tokens(stage)
+    if budget >= MIN_ANSWER_TOKENS:
+        return []
     field = f"spec.stages[{i}].maxResponseTokens" if stage.max_response_tokens else "spec.rollout.maxResponseTokens"
-    need = MIN_TOOL_RESPONSE_TOKENS if spec.rollout.tools else MIN_ANSWER_TOKENS
-    if budget < need:
-        what = (
-            "a tool call (<tool_call>{\"name\": \"execute_python_code_with_standard_io\", ...}</tool_call>, "
-            "about 40 tokens) and an <answer> block"
-            if spec.rollout.tools
-            else "an <answer> block after any reasoning"
-        )
-        problems.append(
-            f"{field}: {budget} tokens for stage '{stage.name}' cannot hold {what} (at least {need} tokens): "
-            "every rollout is cut before its answer, all rewards tie at 0 and every GRPO advantage is zero; "
-            f"raise it to {need} or more (the paper uses 8192)"
-        )
-    return problems
+    return [
+        f"{field}: {budget} tokens for stage '{stage.name}' cannot hold an <answer> block after any reasoning "
+        f"(at least {MIN_ANSWER_TOKENS} tokens): every rollout is cut before its answer, all rewards tie at 0 "
+        f"and every GRPO advantage is zero; raise it to {MIN_ANSWER_TOKENS} or more (the paper uses 8192)"
+    ]
 
 
 def topology_problems(fleet: RolloutFleetSpec, where: str) -> list[str]:
@@ -201,6 +192,41 @@ def pool_problems(job: AgenticRLJob, pool: SandboxPoolSpec, where: str) -> list[
     ]
 
 
+def builtin_model_problems(job: AgenticRLJob) -> list[str]:
+    """A builtin model (``builtin:tiny-gpt``) sent to inference servers, which serve Hugging Face
+    models only: the trainer refuses it at start. ``kuberl run`` serves an inline cpu fleet's
+    job on its local engine, so only a fleet that exists on a cluster alone counts."""
+    spec = job.spec
+    base, engine, fleet = spec.model.base, spec.rollout.engine, spec.rollout.fleet
+    if not base.startswith("builtin:"):
+        return []
+    if engine in ("sglang", "vllm"):
+        why = f"spec.rollout.engine is {engine}"
+    elif engine == "auto" and spec.rollout.fleet_ref:
+        why = f"spec.rollout.fleetRef rolls out on RolloutFleet {spec.rollout.fleet_ref}"
+    elif engine == "auto" and fleet is not None and fleet.accelerator.profile != "cpu":
+        why = f"spec.rollout.fleet is a {fleet.accelerator.profile} fleet"
+    else:
+        return []
+    return [
+        f"spec.model.base: {base} runs on the local engine only, but {why}: inference servers (SGLang, "
+        "vLLM) serve Hugging Face models, so the engines cannot load it and the trainer refuses to start; "
+        "set spec.rollout.engine: local, or train a Hugging Face model"
+    ]
+
+
+def trainer_problems(job: AgenticRLJob) -> list[str]:
+    """A trainer told to compute on a device its pods are not given."""
+    t = job.spec.trainer
+    if t.device != "cuda" or t.accelerator.profile != "cpu":
+        return []
+    return [
+        "spec.trainer.device: cuda but spec.trainer.accelerator.profile is cpu: the trainer pods get no GPU, "
+        "so the trainer stops at start (no CUDA device is available); set device: auto (or cpu), or a GPU "
+        "profile (mi300x, h100)"
+    ]
+
+
 def partial_rollout_problems(job: AgenticRLJob) -> list[str]:
     """``algorithm.partialRollouts`` where it can do nothing: a synchronous run pushes while
     nothing generates, and SGLang's client cannot keep a generation across a push."""
@@ -230,6 +256,7 @@ def resource_problems(resource: Resource) -> list[str]:
     if not isinstance(resource, AgenticRLJob):
         return []
     problems = learning_problems(resource) + learning_rate_problems(resource) + partial_rollout_problems(resource)
+    problems += trainer_problems(resource) + builtin_model_problems(resource)
     if resource.spec.sandbox.pool is not None:
         problems += pool_problems(resource, resource.spec.sandbox.pool, "spec.sandbox.pool.")
     fleet = resource.spec.rollout.fleet
