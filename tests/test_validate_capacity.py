@@ -177,3 +177,19 @@ def test_a_response_budget_too_short_for_a_tool_call_warns(tmp_path: Any, capsys
     job["spec"]["rollout"]["tools"] = ["python"]
     job["spec"]["stages"][0]["maxResponseTokens"] = 64
     assert "cannot hold a tool call" not in _validate(tmp_path, capsys, job)[2]
+
+
+def test_trackers_a_trainer_pod_cannot_log_to_are_noted(tmp_path: Any, capsys: Any) -> None:
+    job = builders.job_manifest(of=KV_JOB, tracking={"wandb": {"project": "p"}, "mlflow": {}})
+    job["spec"]["rollout"]["fleet"]["replicas"] = 16
+    rc, out, _ = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert "not checked: spec.tracking.wandb logs online but names no apiKeySecret" in out
+    assert "warning: spec.tracking.mlflow has no trackingUri: its file store (mlruns/ in the run folder)" in out
+    assert _validate(tmp_path, capsys, job, flags=("--strict",))[0] == 1
+    job["spec"]["tracking"] = {"wandb": {"project": "p", "apiKeySecret": {"name": "wandb"}},
+                               "mlflow": {"trackingUri": "http://mlflow:5000"}}
+    rc, out, _ = _validate(tmp_path, capsys, job, flags=("--strict",))
+    assert rc == 0 and "tracking" not in out
+    job["spec"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}}
+    assert "tracking" not in _validate(tmp_path, capsys, job)[1]

@@ -122,6 +122,31 @@ def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
     return []
 
 
+def _tracking_notes(job: AgenticRLJob) -> list[str]:
+    """Trackers a trainer pod cannot log to as configured: W&B online without an API key, and an
+    MLflow file store in the run folder, which goes with the pod."""
+    tracking = job.spec.tracking
+    if tracking is None:
+        return []
+    out = []
+    tpl = job.spec.trainer.pod_template
+    trainer = [c for c in (tpl.spec if tpl is not None else {}).get("containers") or [] if c.get("name") == "trainer"]
+    env = {e.get("name") for c in trainer for e in c.get("env") or []}
+    has_from = any(c.get("envFrom") for c in trainer)
+    wandb = tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.api_key_secret is None and "WANDB_API_KEY" not in env and not has_from:
+        out.append(
+            "not checked: spec.tracking.wandb logs online but names no apiKeySecret: the trainer pods need "
+            "WANDB_API_KEY (apiKeySecret, or trainer.podTemplate env/envFrom), or W&B refuses the run's login"
+        )
+    if tracking.mlflow is not None and not tracking.mlflow.tracking_uri:
+        out.append(
+            "warning: spec.tracking.mlflow has no trackingUri: its file store (mlruns/ in the run folder) goes "
+            "with the trainer pod, and every logged metric with it; name an http(s):// tracking server"
+        )
+    return out
+
+
 def _warmup_notes(job: AgenticRLJob) -> list[str]:
     """Stages that end before their learning-rate warm-up does (it restarts in every stage)."""
     warm = job.spec.algorithm.warmup_steps
@@ -230,7 +255,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
             if r.spec.sandbox.pool is not None:
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
-            v.notes += _algorithm_notes(r) + _warmup_notes(r)
+            v.notes += _algorithm_notes(r) + _warmup_notes(r) + _tracking_notes(r)
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += resource_problems(r)
