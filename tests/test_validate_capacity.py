@@ -193,3 +193,17 @@ def test_trackers_a_trainer_pod_cannot_log_to_are_noted(tmp_path: Any, capsys: A
     assert rc == 0 and "tracking" not in out
     job["spec"]["tracking"] = {"wandb": {"project": "p", "mode": "offline"}}
     assert "tracking" not in _validate(tmp_path, capsys, job)[1]
+
+
+def test_a_context_length_without_room_for_the_prompt_warns(tmp_path: Any, capsys: Any) -> None:
+    """contextLength 8300 passes the schema's rule (above maxResponseTokens 8192) but leaves 108
+    tokens of a ~1024-token rStar2 prompt."""
+    job = builders.job_manifest(of=KV_JOB)
+    job["spec"]["rollout"]["fleet"].update(replicas=16, engine={"contextLength": 8300})
+    job["spec"]["stages"][0]["maxResponseTokens"] = 8192
+    rc, _, err = _validate(tmp_path, capsys, job)
+    assert rc == 0
+    assert "spec.rollout.fleet.engine.contextLength: 8300 leaves stage 'rl' 108 tokens for the prompt" in err
+    assert "raise contextLength to 9216 or more" in err
+    job["spec"]["rollout"]["fleet"]["engine"]["contextLength"] = 9216
+    assert "contextLength" not in _validate(tmp_path, capsys, job)[2]

@@ -18,7 +18,7 @@ from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.builders import build_for
 from kuberl.operator.render.job_builder import uses_fleet
-from kuberl.operator.validate.kvcache import kv_cache_warnings
+from kuberl.operator.validate.kvcache import context_warnings, kv_cache_warnings
 from kuberl.operator.validate.models import ACCELERATOR_MEMORY_GB, ENGINE_DTYPE_BYTES, model_parameters
 from kuberl.operator.validate.podwarnings import object_warnings
 
@@ -197,11 +197,14 @@ def _job_kv_warnings(job: AgenticRLJob, referenced: RolloutFleetSpec | None) -> 
     inline = job.spec.rollout.fleet
     if inline is not None:
         model = inline.model.uri if inline.model is not None else job.spec.model.base
-        return kv_cache_warnings(job, inline, "spec.rollout.fleet.", model, rollouts_in_flight(job))
+        where = "spec.rollout.fleet."
+        return context_warnings(job, inline, where) + kv_cache_warnings(job, inline, where, model, rollouts_in_flight(job))
     if referenced is None or referenced.model is None:
         return []
     where = f"RolloutFleet {job.spec.rollout.fleet_ref} (spec.rollout.fleetRef) spec."
-    return kv_cache_warnings(job, referenced, where, referenced.model.uri, rollouts_in_flight(job))
+    return context_warnings(job, referenced, where) + kv_cache_warnings(
+        job, referenced, where, referenced.model.uri, rollouts_in_flight(job)
+    )
 
 
 def resource_warnings(

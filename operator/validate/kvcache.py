@@ -46,6 +46,27 @@ def _engine_kv_tokens(fleet: RolloutFleetSpec, model: str, memory_gb: float) -> 
     return free / per_token, per_token
 
 
+def context_warnings(job: AgenticRLJob, fleet: RolloutFleetSpec, where: str) -> list[str]:
+    """An ``engine.contextLength`` above a stage's response budget (what the schema and the
+    webhook require) but without room for the prompt too: the longest rollouts of the stage get
+    HTTP 400 from SGLang (prompt + max_new_tokens past the context) or are cut short."""
+    ctx = fleet.engine.context_length
+    if ctx is None:
+        return []
+    prompt = PROMPT_TOKENS[job.spec.rollout.prompt_template]
+    out = []
+    for stage in job.spec.stages:
+        budget = job.spec.stage_max_response_tokens(stage)
+        if stage.type == "rl" and budget < ctx < budget + prompt:
+            out.append(
+                f"{where}engine.contextLength: {ctx} leaves stage '{stage.name}' {ctx - budget} tokens for the "
+                f"prompt beside its {budget} maxResponseTokens, under the {job.spec.rollout.prompt_template} "
+                f"template's ~{prompt}: its longest rollouts get HTTP 400 (prompt + max_new_tokens past the "
+                f"context) or are cut short; raise contextLength to {budget + prompt} or more"
+            )
+    return out
+
+
 def kv_cache_warnings(job: AgenticRLJob, fleet: RolloutFleetSpec, where: str, model: str, rollouts: int) -> list[str]:
     """The fleet's KV cache against ``rollouts`` in flight of ``job``'s longest RL stage."""
     memory = ACCELERATOR_MEMORY_GB.get(fleet.accelerator.profile)
