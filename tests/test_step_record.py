@@ -18,7 +18,7 @@ from kuberl.trainer.metrics import MetricsSink
 from kuberl.trainer.progress import LogProgress, format_step, step_figures
 from kuberl.trainer.report import build_charts, load_run, render_html, summary_rows
 from kuberl.trainer.stage_host import RunResult
-from kuberl.trainer.step_record import StepRecord
+from kuberl.trainer.step_record import StepRecord, figure_fields
 from kuberl.trainer.tracking import SERIES, SKIP, tracker_metrics
 
 _VALUES = {
@@ -80,12 +80,27 @@ def test_a_bad_record_says_what_is_missing_or_unknown():
         StepRecord.from_json({"type": "rl", "stage": "rl", "reward_mean": 0.5})
     with pytest.raises(ValueError, match="without 'type', 'step'"):
         StepRecord.from_json({"stage": "rl"})
-    with pytest.raises(ValueError, match="'reward_avg' is no figure of a step record"):
-        StepRecord.from_json({"type": "rl", "step": 1, "reward_avg": 0.5})
     with pytest.raises(ValueError, match="unknown type 'ppo'"):
         StepRecord.from_json({"type": "ppo", "step": 1})
+    # a writer's typo is caught where the record is made
+    with pytest.raises(ValueError, match="'reward_avg' is no figure of a step record"):
+        figure_fields({"reward_avg": 0.5})
     with pytest.raises(ValueError, match="'staleness_x' is no figure"):
-        StepRecord.from_json({"type": "rl", "step": 1, "staleness_x": 1.0})
+        figure_fields({"staleness_x": 1.0})
+
+
+def test_a_record_from_a_newer_kuberl_reads_back_with_the_figures_this_one_knows():
+    """metrics.jsonl outlives the kuberl that wrote it: `kuberl status` and the report of a run
+    written by a newer version skip the figures added since, and keep the rest."""
+    newer = {"type": "rl", "step": 3, "stage": "rl", "reward_mean": 0.5, "staleness_1": 0.25,
+             "kv_evictions": 7.0, "staleness_x": 1.0, "tool_calls_stdout": 2.0}
+    rec = StepRecord.from_json(newer)
+    assert (rec.type, rec.step, rec.stage, rec.reward_mean) == ("rl", 3, "rl", 0.5)
+    assert rec.staleness == {1: 0.25} and rec.tool_calls == {"stdout": 2.0}
+    assert "kv_evictions" not in rec.to_json()
+    # what identifies a record is still required
+    with pytest.raises(ValueError, match="without 'step'"):
+        StepRecord.from_json({"type": "rl", "kv_evictions": 7.0})
 
 
 def test_a_run_folder_is_read_back_as_records(tmp_path):
@@ -97,9 +112,14 @@ def test_a_run_folder_is_read_back_as_records(tmp_path):
     assert [dataclasses.replace(r, time=None) for r in back] == [
         dataclasses.replace(r, time=None) for r in recs
     ]
-    (tmp_path / "metrics.jsonl").write_text('{"type": "rl", "step": 1, "mean_reward": 0.5}\n')
-    with pytest.raises(ValueError, match="record 1: 'mean_reward' is no figure"):
+    # a newer kuberl's figure is skipped; a record without its step is still named
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"type": "rl", "step": 1, "reward_mean": 0.5, "mean_reward_v2": 0.5}\n{"type": "rl"}\n'
+    )
+    with pytest.raises(ValueError, match="record 2: step record without 'step'"):
         load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"type": "rl", "step": 1, "reward_mean": 0.5, "mean_reward_v2": 0.5}\n')
+    assert [r.reward_mean for r in load_run(tmp_path)[0]] == [0.5]
 
 
 def test_every_reader_reads_every_record_type():

@@ -4,7 +4,7 @@ Every reader (the gauges, the trackers, the progress lines, the run report, ``ku
 the run summary) reads it by attribute, so a renamed figure is an AttributeError where it is
 read rather than a silently empty curve. Its persisted form is the flat JSON object of
 metrics.jsonl: :meth:`StepRecord.to_json` writes it and :meth:`StepRecord.from_json` reads it
-back, with a clear error for a missing identity field or a figure the record does not know.
+back, with a clear error for a missing identity field; figures a newer kuberl added are skipped.
 
 Figures that come in families are maps here and flat keys on disk: ``staleness_<age>``,
 ``tool_calls_<outcome>``, ``tool_latency_<quantile>``, ``length_gap_t<target>`` and
@@ -122,7 +122,9 @@ class StepRecord:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> StepRecord:
         """A record from its metrics.jsonl object; ValueError naming a missing identity field or
-        a key that is no figure of the record."""
+        an unknown record type. Keys that are no figure of this record are skipped: a newer
+        kuberl's metrics.jsonl (figures added since) still reads back, for `kuberl status` and
+        the report of an old run, with the figures this version knows."""
         if not isinstance(obj, dict):
             raise ValueError(f"a step record is a JSON object, not {type(obj).__name__}")
         missing = [k for k in REQUIRED if obj.get(k) is None]
@@ -130,7 +132,7 @@ class StepRecord:
             raise ValueError(f"step record without {', '.join(map(repr, missing))}: {sorted(obj)}")
         if obj["type"] not in ("sft", "rl", "eval"):
             raise ValueError(f"step record of unknown type {obj['type']!r} (sft, rl or eval)")
-        return cls(**figure_fields(obj))
+        return cls(**figure_fields(obj, known_only=True))
 
 
 _FAMILY_PREFIX = {
@@ -148,10 +150,11 @@ _SCALARS = {
 }
 
 
-def figure_fields(flat: dict[str, Any]) -> dict[str, Any]:
+def figure_fields(flat: dict[str, Any], known_only: bool = False) -> dict[str, Any]:
     """Keyword arguments of :class:`StepRecord` from flat figure names (``reward_mean``,
     ``staleness_1``, ``tool_calls_stdout``...); None values are left out. ValueError for a
-    name that is no figure of the record."""
+    name that is no figure of the record (a writer's typo), unless ``known_only``: then such
+    names are skipped (a record written by a newer kuberl)."""
     out: dict[str, Any] = {}
     for key, value in flat.items():
         if value is None:
@@ -161,7 +164,12 @@ def figure_fields(flat: dict[str, Any]) -> dict[str, Any]:
         elif key == "engine_logprob_gap":
             out[key] = dict(value)
         else:
-            name, sub = _family_of(key)
+            try:
+                name, sub = _family_of(key)
+            except ValueError:
+                if known_only:
+                    continue
+                raise
             out.setdefault(name, {})[sub] = value
     return out
 

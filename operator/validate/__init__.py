@@ -12,6 +12,8 @@ Imports ``validate`` and ``render``, never ``decide`` or ``runtime``.
   children (``kuberl validate``, the operator's pre-flight);
 * ``podwarnings`` -- what the API server warns about in the pods kuberl renders; ``advisories``
   -- those and the capacity warnings, printed by ``kuberl validate`` and returned by the webhook;
+  ``kvcache`` -- the fleet's KV cache against the batch; ``models`` -- a model's size and KV
+  shape from its name or its local config.json;
 * ``server_dry_run`` -- ``kuberl validate --server``: the API server's own dry run (the one
   module here that talks to a cluster, through the kubernetes client it imports when called).
 """

@@ -27,7 +27,7 @@ from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, p
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
-from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
+from kuberl.operator.validate.feasibility import fleet_problems, pool_problems, resource_problems
 
 # (kind, namespace, name) -> the live object, or None if it does not exist
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
@@ -102,6 +102,15 @@ def _referenced_fleet_problems(job: AgenticRLJob, fleet: dict[str, Any], name: s
     return fleet_problems(job, spec, f"RolloutFleet {name} (spec.rollout.fleetRef) spec.", inline=False)
 
 
+def _referenced_pool_problems(job: AgenticRLJob, pool: dict[str, Any], name: str) -> list[str]:
+    """``feasibility.pool_problems`` of a live pool (one the schema let in parses)."""
+    try:
+        spec = SandboxPoolSpec.model_validate(pool.get("spec") or {})
+    except ValueError:
+        return []  # the pool's own admission judged it
+    return pool_problems(job, spec, f"SandboxPool {name} (spec.sandbox.poolRef) spec.")
+
+
 async def validation_errors(
     body: dict[str, Any], lookup: Lookup | None, old: dict[str, Any] | None = None
 ) -> list[str]:
@@ -136,12 +145,12 @@ async def validation_errors(
                     for problem in context_length_problems(res, fleet)
                 ]
                 errors += _referenced_fleet_problems(res, fleet, f"{ns}/{rollout.fleet_ref}")
-        if (
-            sandbox.pool_ref
-            and "poolRef" in changed
-            and await lookup("SandboxPool", ns, sandbox.pool_ref) is None
-        ):
-            errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
+        if sandbox.pool_ref and "poolRef" in changed:
+            pool = await lookup("SandboxPool", ns, sandbox.pool_ref)
+            if pool is None:
+                errors.append(f"spec.sandbox.poolRef: SandboxPool {ns}/{sandbox.pool_ref} does not exist")
+            else:
+                errors += _referenced_pool_problems(res, pool, f"{ns}/{sandbox.pool_ref}")
     return errors
 
 
@@ -164,7 +173,14 @@ async def validation_warnings(body: dict[str, Any], lookup: Lookup | None) -> li
                 pool = (spec, f"SandboxPool {res.spec.sandbox.pool_ref} (spec.sandbox.poolRef) spec")
         except ValueError:
             pool = None
-    return resource_warnings(res, ns, pool=pool)
+    fleet = None
+    if isinstance(res, AgenticRLJob) and res.spec.rollout.fleet_ref and lookup is not None:
+        live_fleet = await lookup("RolloutFleet", ns, res.spec.rollout.fleet_ref)
+        try:
+            fleet = RolloutFleetSpec.model_validate(live_fleet.get("spec") or {}) if live_fleet else None
+        except ValueError:
+            fleet = None
+    return resource_warnings(res, ns, fleet=fleet, pool=pool)
 
 
 def mutation(body: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from kuberl.operator.render.job_builder import uses_fleet
 from kuberl.operator.validate.admission import context_length_problems
 from kuberl.operator.validate.advisories import resource_warnings
 from kuberl.operator.validate.apirules import children_problems, restricted_problems
-from kuberl.operator.validate.feasibility import fleet_problems, resource_problems
+from kuberl.operator.validate.feasibility import fleet_problems, pool_problems, resource_problems
 
 
 def rendered_problems(
@@ -122,6 +122,43 @@ def _checkpoint_notes(job: AgenticRLJob) -> list[str]:
     return []
 
 
+def _tracking_notes(job: AgenticRLJob) -> list[str]:
+    """Trackers a trainer pod cannot log to as configured: W&B online without an API key, and an
+    MLflow file store in the run folder, which goes with the pod."""
+    tracking = job.spec.tracking
+    if tracking is None:
+        return []
+    out = []
+    tpl = job.spec.trainer.pod_template
+    trainer = [c for c in (tpl.spec if tpl is not None else {}).get("containers") or [] if c.get("name") == "trainer"]
+    env = {e.get("name") for c in trainer for e in c.get("env") or []}
+    has_from = any(c.get("envFrom") for c in trainer)
+    wandb = tracking.wandb
+    if wandb is not None and wandb.mode == "online" and wandb.api_key_secret is None and "WANDB_API_KEY" not in env and not has_from:
+        out.append(
+            "not checked: spec.tracking.wandb logs online but names no apiKeySecret: the trainer pods need "
+            "WANDB_API_KEY (apiKeySecret, or trainer.podTemplate env/envFrom), or W&B refuses the run's login"
+        )
+    if tracking.mlflow is not None and not tracking.mlflow.tracking_uri:
+        out.append(
+            "warning: spec.tracking.mlflow has no trackingUri: its file store (mlruns/ in the run folder) goes "
+            "with the trainer pod, and every logged metric with it; name an http(s):// tracking server"
+        )
+    return out
+
+
+def _warmup_notes(job: AgenticRLJob) -> list[str]:
+    """Stages that end before their learning-rate warm-up does (it restarts in every stage)."""
+    warm = job.spec.algorithm.warmup_steps
+    short = [s for s in job.spec.stages if 1 < s.steps < warm]
+    return [
+        f"warning: spec.algorithm.warmupSteps {warm} exceeds stage '{s.name}''s {s.steps} steps: its learning "
+        f"rate never gets past {s.steps / warm:.0%} of its value, so the stage learns slower than meant; lower "
+        "warmupSteps"
+        for s in short
+    ]
+
+
 def _algorithm_notes(job: AgenticRLJob) -> list[str]:
     """Settings that validate but were seen to make a run diverge."""
     a = job.spec.algorithm
@@ -208,6 +245,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
             pref = r.spec.sandbox.pool_ref
             if pref and (ns_of(r), pref) in pools:
                 pool = (pools[ns_of(r), pref].spec, f"SandboxPool {pref} (spec.sandbox.poolRef) spec")
+                v.problems += pool_problems(r, pool[0], f"{pool[1]}.")
             if pref and (ns_of(r), pref) not in pools:
                 v.notes.append(
                     f"not checked: spec.sandbox.poolRef names SandboxPool {pref!r}, which is not in this file "
@@ -217,7 +255,7 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
             if r.spec.sandbox.pool is not None:
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
-            v.notes += _algorithm_notes(r)
+            v.notes += _algorithm_notes(r) + _warmup_notes(r) + _tracking_notes(r)
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += resource_problems(r)
