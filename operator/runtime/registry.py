@@ -19,7 +19,7 @@ from kuberl.api.group import GROUP, VERSION
 from kuberl.operator.decide import status
 from kuberl.operator.runtime.context import PLURALS, OperatorConfig, OperatorContext
 from kuberl.operator.runtime.handlers import post_events, reconcile
-from kuberl.operator.runtime.kube import kind_of
+from kuberl.operator.runtime.kube import KUEUE_API_VERSION, kind_of
 from kuberl.operator.runtime.loops import autoscale_loop, resync_loop, stale_loops
 from kuberl.operator.validate import admission
 
@@ -118,7 +118,8 @@ def build_registry(
 
 def _lookup(ctx: OperatorContext) -> admission.Lookup:
     async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
+        api_version = KUEUE_API_VERSION if kind == "LocalQueue" else f"{GROUP}/{VERSION}"
+        return await ctx.client().get(kind_of(api_version, kind), namespace, name, fresh=True)
 
     return get
 
