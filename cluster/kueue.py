@@ -40,6 +40,10 @@ CRD_DIR = "crds"  # beside the kueue binary (cluster/build.py copies them out of
 WEBHOOK_MANIFESTS = "webhook-manifests.yaml"
 # The on-demand visibility API needs an APIService in front of it; off, nothing listens on 8082.
 FEATURE_GATES = "VisibilityOnDemand=false"
+METRICS_CERT_DIR = Path("/etc/kueue/metrics/certs")
+"""Where Kueue's manager (v0.17, cmd/kueue/main.go) reads its metrics server's certificate
+whenever its internal certificate management is off, a fixed path, even with metrics off
+(``bindAddress: "0"``, as here). Any valid pair does: the server it is for never starts."""
 
 
 def config(webhook_port: int, health_port: int, cert_dir: Path) -> dict[str, Any]:
@@ -94,11 +98,25 @@ def prepare(state: ClusterState, pki: Pki) -> tuple[list[str], int]:
     shutil.copyfile(pki.serving_cert, certs / "tls.crt")
     shutil.copyfile(pki.serving_key, certs / "tls.key")
     (certs / "tls.key").chmod(0o600)
+    _metrics_certs(certs)
     webhook_port, health_port = free_port(), free_port()
     (home / "config.yaml").write_text(yaml.safe_dump(config(webhook_port, health_port, certs)))
     (home / "webhook-port").write_text(str(webhook_port))
     command = [*args(state.binaries["kueue"], home / "config.yaml"), f"--kubeconfig={state.kubeconfig}"]
     return command, health_port
+
+
+def _metrics_certs(certs: Path) -> None:
+    if all((METRICS_CERT_DIR / f).is_file() for f in ("tls.crt", "tls.key")):
+        return
+    try:
+        METRICS_CERT_DIR.mkdir(parents=True, exist_ok=True)
+        for f in ("tls.crt", "tls.key"):
+            shutil.copyfile(certs / f, METRICS_CERT_DIR / f)
+        (METRICS_CERT_DIR / "tls.key").chmod(0o600)
+    except OSError as err:
+        raise ClusterError(f"Kueue's manager reads a certificate from {METRICS_CERT_DIR}, which cannot be written "
+                           f"({err}): run `kuberl cluster up` as root once, or put a tls.crt and tls.key there") from None
 
 
 def install(state: ClusterState, pki: Pki, kubectl: Callable[..., str]) -> None:
