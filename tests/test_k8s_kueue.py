@@ -162,6 +162,7 @@ def test_a_higher_priority_job_preempts_a_running_lower_one_which_resumes_later(
         kube.apply([_job("low", "lq", classes["low"])], "-n", ns)
         _wait_running(kube, ns, "low", kuberl_operator)
         assert _workload(kube, ns, "low")["spec"]["priority"] == 100
+        trainer_uid = kube.json("get", "job", "low-trainer", "-n", ns)["metadata"]["uid"]
         kube.apply([_job("high", "lq", classes["high"])], "-n", ns)
         _wait_running(kube, ns, "high", kuberl_operator)
         # the lower one was evicted: suspended with Kueue's reason, its pods gone, queued again
@@ -170,7 +171,8 @@ def test_a_higher_priority_job_preempts_a_running_lower_one_which_resumes_later(
         assert _suspended(st)["reason"] == "Preempted", _suspended(st)
         assert wait_for(lambda: _trainer_pods(kube, ns, "low") == [], TIMEOUT, "low's trainer pods gone")
         low_job = kube.json("get", "job", "low-trainer", "-n", ns)
-        assert low_job["spec"]["suspend"] is True
+        # suspended in place (its template, flavor included, unchanged), not replaced
+        assert low_job["spec"]["suspend"] is True and low_job["metadata"]["uid"] == trainer_uid
         wl = _workload(kube, ns, "low")
         conds = {c["type"]: c for c in wl["status"]["conditions"]}
         assert conds["Requeued"]["reason"] == "Preempted" and conds["QuotaReserved"]["status"] == "False"
@@ -186,3 +188,64 @@ def test_a_higher_priority_job_preempts_a_running_lower_one_which_resumes_later(
     finally:
         _drop_queues(kube, names)
         kube.run("delete", "workloadpriorityclass", *classes.values(), "--wait=false", check=False)
+
+
+def test_spec_suspend_holds_a_queued_job_out_of_the_queue_and_resumes_it(kube, kuberl_operator, queued_ns):
+    """batch/v1 Job semantics on the real control plane: created suspended, the job makes no trainer
+    pods and asks no quota; resumed, it queues and runs; suspended again, its trainer pods end,
+    its pool scales to zero and its Workload goes (the quota with it)."""
+    ns = queued_ns("ks")
+    names = _queues(kube, ns)
+    try:
+        held = _job("held", "lq")
+        held["spec"]["suspend"] = True
+        kube.apply([held], "-n", ns)
+        st = wait_for(lambda: (s if (s := _status(kube, ns, "held")).get("phase") == "Suspended" else None), TIMEOUT,
+                      lambda: "held Suspended\n" + seen(kube, ns, kuberl_operator))
+        assert _suspended(st)["reason"] == "Suspended"
+        assert _trainer_pods(kube, ns, "held") == []
+        no_workload = kube.run("get", "workloads.kueue.x-k8s.io", "agenticrljob-held", "-n", ns, check=False)
+        assert no_workload.returncode != 0
+        kube.run("patch", "agenticrljob", "held", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+        _wait_running(kube, ns, "held", kuberl_operator)
+        assert kube.json("get", "sandboxpool", "held-sandbox", "-n", ns)["spec"]["replicas"] == 1
+        kube.run("patch", "agenticrljob", "held", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+        wait_for(lambda: _trainer_pods(kube, ns, "held") == [], TIMEOUT,
+                 lambda: "held's trainer pods gone\n" + seen(kube, ns, kuberl_operator))
+        wait_for(lambda: kube.json("get", "sandboxpool", "held-sandbox", "-n", ns)["spec"]["replicas"] == 0, TIMEOUT,
+                 "the inline pool at zero")
+        wait_for(lambda: kube.run("get", "workloads.kueue.x-k8s.io", "agenticrljob-held", "-n", ns,
+                                  check=False).returncode != 0, TIMEOUT, "the Workload deleted")
+        assert kube.json("get", "job", "held-trainer", "-n", ns)["spec"]["suspend"] is True
+        kube.run("patch", "agenticrljob", "held", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
+        _wait_running(kube, ns, "held", kuberl_operator)
+    finally:
+        _drop_queues(kube, names)
+
+
+def test_validate_server_refuses_a_queue_label_naming_no_local_queue(kube, queued_ns, tmp_path):
+    """Where it can know (--server), `kuberl validate` refuses a queue label naming no LocalQueue of
+    the job's namespace, and admits one naming a LocalQueue that is there; offline it warns."""
+    import os
+    import subprocess
+    import sys
+
+    ns = queued_ns("kv")
+    kube.apply([{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "lq", "namespace": ns},
+                 "spec": {"clusterQueue": f"cq-{ns}"}}])  # fmt: skip
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
+
+    def validate(queue: str, *flags: str) -> subprocess.CompletedProcess:
+        doc = _job("v", queue)
+        doc["metadata"]["namespace"] = ns
+        path = tmp_path / f"{queue}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return subprocess.run([sys.executable, "-P", "-m", "kuberl", "validate", *flags, str(path)],
+                              capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+
+    missing = validate("nope", "--server")
+    assert missing.returncode != 0 and f"LocalQueue {ns}/nope does not exist" in missing.stderr, missing.stderr
+    there = validate("lq", "--server")
+    assert there.returncode == 0, there.stdout + there.stderr
+    offline = validate("nope")
+    assert offline.returncode == 0 and "cannot be checked offline" in offline.stderr, offline.stderr

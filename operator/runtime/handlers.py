@@ -37,6 +37,7 @@ Per custom resource:
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -177,6 +178,27 @@ def _adjust(obj: dict[str, Any]) -> Adjust | None:
     def adjust(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
         replicas = children.inline_replicas(desired["spec"], (live or {}).get("spec"))
         return {**desired, "spec": {**desired["spec"], "replicas": replicas}}
+
+    return adjust
+
+
+def _adjust_held(obj: dict[str, Any]) -> Adjust | None:
+    """``_adjust``, and a held (suspended or not admitted) trainer Job keeps the node selector and
+    tolerations it has: the template of a Job that ran may not change (the API server refuses
+    it with 422, and the Job would be replaced), and a queued job's next admission sets them."""
+    if obj["kind"] != "Job":
+        return _adjust(obj)
+
+    def adjust(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+        kept = ((((live or {}).get("spec") or {}).get("template") or {}).get("spec")) or {}
+        if not kept:
+            return desired
+        out = copy.deepcopy(desired)
+        pod = out["spec"]["template"].setdefault("spec", {})
+        for key in ("nodeSelector", "tolerations"):
+            if key in kept:
+                pod[key] = kept[key]
+        return out
 
     return adjust
 
@@ -346,16 +368,17 @@ async def _reconcile_job(
     if problems:
         return status.invalid_status(conditions.invalid_children_message(problems), generation, previous), events
     built = builders.build_for(job, namespace, fleet=fleet_spec)
-    gate, workload = None, None
+    gate, workload, queued_events = None, None, []
     if workload_render.queue_name(job.metadata.labels):
         gate, workload, built, queued_events = await _through_queue(ctx, body, job, namespace, built, fleet_spec)
-        events += queued_events
+    held = job.spec.suspend or (gate is not None and not gate.admitted)
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
     live, events, failures = await _apply_all(
-        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust_held if held else _adjust
     )
+    events = queued_events + events
     events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
     labels = render_common.selector_labels(name, "trainer")
