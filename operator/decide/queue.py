@@ -29,7 +29,7 @@ class Gate:
     @property
     def phase(self) -> str:
         """Queued until first admitted; Suspended once an admission was taken away."""
-        return "Queued" if self.reason in ("Queued", "Pending", "Inadmissible") else "Suspended"
+        return "Queued" if self.reason in ("Queued", "Pending", "Inadmissible", "KueueUnavailable") else "Suspended"
 
 
 def _conds(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -456,8 +456,8 @@ async def _through_queue(
     (held as if suspended until admitted; with the assigned flavors once admitted)."""
     if job.spec.suspend:  # the user's suspend: the job leaves the queue and frees its quota
         return None, None, built, await queueing.release_suspended(ctx, namespace, job.metadata.name)
-    live, events = await queueing.workload_for(ctx, body, job, namespace, built)
-    gate = queue.gate(live)
+    live, events, unavailable = await queueing.workload_for(ctx, body, job, namespace, built)
+    gate = queue.gate(live) if unavailable is None else queue.Gate(False, "KueueUnavailable", unavailable)
     if gate.admitted and live is not None:
         return gate, live, workload_render.with_flavors(built, await queueing.placement(ctx, live)), events
     held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})

@@ -38,33 +38,45 @@ async def _priority(ctx: OperatorContext, name: str | None) -> tuple[int | None,
 
 async def workload_for(
     ctx: OperatorContext, body: Mapping[str, Any], job: AgenticRLJob, namespace: str, built: list[dict[str, Any]]
-) -> tuple[dict[str, Any] | None, list[Event]]:
-    """The job's live Workload, created (or replaced, when the job's shape changed) first."""
+) -> tuple[dict[str, Any] | None, list[Event], str | None]:
+    """The job's live Workload, created (or replaced, when the job's shape changed) first; and
+    why there can be none (Kueue not installed, the operator not allowed), else None."""
     client = ctx.client()
     labels = job.metadata.labels or {}
     queue_name = wl.queue_name(labels) or ""
     priority_class = labels.get(wl.PRIORITY_LABEL)
-    priority, events = await _priority(ctx, priority_class)
-    desired = wl.build_workload(job.metadata.name, namespace, queue_name, wl.pod_sets(built, namespace),
-                                priority_class, priority)
-    name = desired["metadata"]["name"]
-    live = await client.get(WORKLOAD, namespace, name, fresh=True)
-    if live is not None and (live["metadata"].get("annotations") or {}).get(wl.SHAPE_ANNOTATION) != \
-            desired["metadata"]["annotations"][wl.SHAPE_ANNOTATION]:
-        await client.delete(WORKLOAD, namespace, name)
-        events.append(Event("Normal", "WorkloadReplaced",
-                            f"Workload {name}: the job's pods, queue or priority changed; it asks Kueue again"))
-        return None, events  # the next pass creates it once the old one is gone
-    if live is None:
-        kopf.adopt([desired], owner=kopf.Body(dict(body)))
-        try:
-            live = await client.create(desired)
-        except ApiError as err:
-            if err.status == 409:  # the replaced one is still being deleted
-                return None, events
-            raise
-        events.append(Event("Normal", "Queued", f"Workload {name} created in LocalQueue {queue_name}"))
-    return live, events
+    events: list[Event] = []
+    try:
+        priority, missing = await _priority(ctx, priority_class)
+        desired = wl.build_workload(job.metadata.name, namespace, queue_name, wl.pod_sets(built, namespace),
+                                    priority_class, priority)
+        name = desired["metadata"]["name"]
+        live = await client.get(WORKLOAD, namespace, name, fresh=True)
+        if live is not None and (live["metadata"].get("annotations") or {}).get(wl.SHAPE_ANNOTATION) != \
+                desired["metadata"]["annotations"][wl.SHAPE_ANNOTATION]:
+            await client.delete(WORKLOAD, namespace, name)
+            events.append(Event("Normal", "WorkloadReplaced",
+                                f"Workload {name}: the job's pods, queue or priority changed; it asks Kueue again"))
+            return None, events, None  # the next pass creates it once the old one is gone
+        if live is None:
+            kopf.adopt([desired], owner=kopf.Body(dict(body)))
+            try:
+                live = await client.create(desired)
+            except ApiError as err:
+                if err.status == 409:  # the replaced one is still being deleted
+                    return None, events, None
+                raise
+            events += missing  # said once, when the Workload is made
+            events.append(Event("Normal", "Queued", f"Workload {name} created in LocalQueue {queue_name}"))
+    except ApiError as err:
+        if err.status == 404:
+            return None, events, (f"the cluster does not serve Kueue's Workloads ({err.message}): install Kueue, "
+                                  f"or remove the label {wl.QUEUE_LABEL}")
+        if err.status == 403:
+            return None, events, (f"the operator may not use Kueue's API ({err.message}): install the chart "
+                                  "with kueue.enabled=true")
+        raise
+    return live, events, None
 
 
 async def placement(ctx: OperatorContext, workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
