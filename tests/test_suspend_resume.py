@@ -79,3 +79,30 @@ def test_sigterm_checkpoints_the_step_and_the_run_resumes_there(tmp_path):
     assert resumes == [f"resumed at global step {stopped_at}"], resumes
     # every step once, in order: nothing lost beyond the checkpoint, nothing trained twice
     assert _steps(out) == list(range(1, SFT_STEPS + RL_STEPS + 1)), _steps(out)
+
+
+
+def test_the_relay_ends_a_command_that_fails_after_sigterm_with_143(tmp_path):
+    """torchrun ends with 1 on SIGTERM; under the relay the trainer pod ends with 143, which its
+    Job's pod failure policy ignores. Other ends pass through as they are."""
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(int(sys.argv[1])))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(float(sys.argv[3]))\n"
+        "sys.exit(int(sys.argv[2]))\n"
+    )
+
+    def run(on_term: int, at_end: int, sleep: float, signal_it: bool) -> int:
+        args = [sys.executable, "-m", "kuberl.util.relay", sys.executable, str(child), str(on_term), str(at_end), str(sleep)]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        if signal_it:
+            proc.send_signal(signal.SIGTERM)
+        return proc.wait(90)
+
+    assert run(1, 0, 60, True) == 143  # torchrun's 1 after the SIGTERM
+    assert run(3, 0, 60, True) == 143
+    assert run(0, 0, 60, True) == 0  # done anyway: a success stays one
+    assert run(0, 3, 0, False) == 3  # no SIGTERM: its own exit code
