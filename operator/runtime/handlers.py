@@ -33,6 +33,8 @@ Per custom resource:
   a full resync no longer lists it. (kopf timers would add a finalizer to every object, which
   is why the resync and autoscale loops are plain loops.)
 * optional validating/mutating admission (``admission.py``) when a webhook server is set.
+* a job labelled ``kueue.x-k8s.io/queue-name`` runs only while Kueue admits its Workload
+  (``queueing.py``; held as if suspended otherwise, with the assigned flavors once admitted).
 """
 
 from __future__ import annotations
