@@ -155,6 +155,9 @@ ROOT_RULES: dict[str, list[dict[str, str]]] = {
 PRINTER_COLUMNS: dict[str, list[dict[str, Any]]] = {
     "AgenticRLJob": [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        # Kueue's queue (label) and why the job is held (Queued, Preempted, ...; Resumed: running)
+        {"name": "Queue", "type": "string", "jsonPath": ".metadata.labels.kueue\\.x-k8s\\.io/queue-name"},
+        {"name": "Suspended", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Suspended")].reason'},
         {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
         {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
         {"name": "Reward", "type": "number", "jsonPath": ".status.summary.rewardMean"},

@@ -29,6 +29,11 @@ from kuberl.api.rollout_fleet import ModelRef, RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.api.tracking import TrackingSpec
 
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+"""Kueue's label: the LocalQueue a job waits in (its Workload is admitted, held or preempted there)."""
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+"""Kueue's label: the WorkloadPriorityClass of a queued job."""
+
 DEFAULT_TRAINER_IMAGES: dict[str, str] = {
     "mi300x": "ghcr.io/kuberl/trainer:0.1.0-rocm",
     "h100": "ghcr.io/kuberl/trainer:0.1.0-cuda",

@@ -25,6 +25,7 @@ from kuberl.cluster.errors import ClusterError
 KUBERNETES_VERSION = "v1.34.4"
 ETCD_VERSION = "v3.6.16"  # the etcd minor Kubernetes 1.34 is released and tested with
 KWOK_VERSION = "v0.7.0"  # supports Kubernetes 1.34's APIs
+KUEUE_VERSION = "v0.17.0"  # admits external frameworks' workloads; its CRDs ship inside the module
 GO_MINIMUM = (1, 26)  # etcd 3.6.16's go.mod asks for go 1.26
 
 KUBERNETES_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
@@ -44,6 +45,7 @@ class Component:
     packages: tuple[str, ...]
     ldflags: str = "-s -w"
     main_go: str = ""
+    extras: tuple[str, ...] = ()  # files besides the binaries that a whole build leaves in bin/
 
 
 def cache_root() -> Path:
@@ -122,6 +124,15 @@ COMPONENTS = (
         binaries=("kwok",),
         requires=(f"sigs.k8s.io/kwok@{KWOK_VERSION}",),
         packages=("sigs.k8s.io/kwok/cmd/kwok",),
+    ),
+    Component(
+        name="kueue",
+        version=KUEUE_VERSION,
+        binaries=("kueue",),
+        requires=(f"sigs.k8s.io/kueue@{KUEUE_VERSION}",),
+        packages=("sigs.k8s.io/kueue/cmd/kueue",),
+        extras=("webhook-manifests.yaml", "crds/kueue.x-k8s.io_workloads.yaml"),
+        ldflags=f"-s -w -X sigs.k8s.io/kueue/pkg/version.GitVersion={KUEUE_VERSION}",
     ),
 )
 
@@ -229,7 +240,7 @@ def _kubernetes_replaces(builder: _Builder, version: str, cwd: Path) -> list[tup
 
 def _complete(bin_dir: Path, component: Component) -> bool:
     # bin/ appears by one rename once everything is in it, so its presence means a whole build.
-    return all((bin_dir / b).is_file() for b in component.binaries)
+    return all((bin_dir / b).is_file() for b in component.binaries + component.extras)
 
 
 def build(component: Component, go: str, root: Path) -> Path:
@@ -263,6 +274,8 @@ def build(component: Component, go: str, root: Path) -> Path:
                            f"(log: {builder.log})")
     if component.name == "kwok":
         _copy_stages(builder, src, tmp)
+    if component.name == "kueue":
+        _copy_kueue_manifests(builder, src, tmp)
     shutil.rmtree(bin_dir, ignore_errors=True)
     tmp.rename(bin_dir)
     return bin_dir
@@ -281,6 +294,18 @@ def _copy_stages(builder: _Builder, src: Path, out: Path) -> None:
     stages.mkdir()
     for rel in KWOK_STAGES:
         shutil.copyfile(Path(module["Dir"]) / "kustomize" / rel, stages / Path(rel).name)
+
+
+def _copy_kueue_manifests(builder: _Builder, src: Path, out: Path) -> None:
+    """Kueue's CRDs and webhook manifests as the module ships them, beside its binary
+    (``kuberl.cluster.kueue`` installs them)."""
+    module = json.loads(builder.run("list", "-m", "-json", "sigs.k8s.io/kueue", cwd=src, capture=True))
+    config = Path(module["Dir"]) / "config" / "components"
+    crds = out / "crds"
+    crds.mkdir()
+    for path in sorted((config / "crd" / "bases").glob("*.yaml")):
+        shutil.copyfile(path, crds / path.name)
+    shutil.copyfile(config / "webhook" / "manifests.yaml", out / "webhook-manifests.yaml")
 
 
 def kwok_stages(bin_dir: Path) -> list[Path]:

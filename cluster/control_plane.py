@@ -2,8 +2,9 @@
 
 etcd, kube-apiserver (client certificates, service-account tokens, RBAC authorization),
 kube-controller-manager (every default controller: garbage collector, Deployment, ReplicaSet,
-StatefulSet, Job, HPA, service-account tokens, ...), kube-scheduler and kwok, which keeps the
-simulated nodes Ready and plays their kubelets (pods bound to a node become Running and Ready).
+StatefulSet, Job, HPA, service-account tokens, ...), kube-scheduler, kwok, which keeps the
+simulated nodes Ready and plays their kubelets (pods bound to a node become Running and Ready),
+and Kueue (queues, quota, priority preemption; ``kueue.py``).
 Nothing runs in a container and nothing listens beyond 127.0.0.1.
 
 Everything a cluster has lives in its folder: certificates under ``pki/``, etcd's data, one log
@@ -31,8 +32,8 @@ from pathlib import Path
 
 import yaml
 
+from kuberl.cluster import kueue, nodes
 from kuberl.cluster import node as real_node_mod
-from kuberl.cluster import nodes
 from kuberl.cluster.build import ensure_binaries, kwok_stages
 from kuberl.cluster.errors import ClusterError
 from kuberl.cluster.node_config import host_port
@@ -53,7 +54,7 @@ POD_CIDR = "10.244.0.0/16"
 ISSUER = "https://kubernetes.default.svc.cluster.local"
 STATE_FILE = "cluster.json"
 # The order processes start in; ``down`` stops them in reverse.
-PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+PROGRAMS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kueue")
 
 
 @dataclass
@@ -403,6 +404,7 @@ def _start_all(state: ClusterState, pki: Pki, pools: list[NodePool], timeout: fl
     _wait(state, "kube-controller-manager",
           lambda: bool(kubectl(state, "get", "serviceaccount", "default", "-n", "default",
                                "-o", "name", check=False).strip()), timeout)
+    kueue.start(state, pki, timeout, launch=_start, wait=_wait, kubectl=kubectl)
 
 
 def add_nodes(state: ClusterState, pools: list[NodePool]) -> None:

@@ -121,11 +121,12 @@ def install_crds(kube: Kube) -> None:
 
 
 def install_chart_rbac(kube: Kube) -> str:
-    """The chart's CRDs, ServiceAccount and RBAC as `helm install` makes them; the SA's name."""
+    """The chart's CRDs, ServiceAccount and RBAC as `helm install --set kueue.enabled=true` makes
+    them (the control plane runs Kueue); the SA's name."""
     install_crds(kube)
     kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
     rbac_kinds = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-    objs = [o for o in render() if o["kind"] in rbac_kinds]
+    objs = [o for o in render({"kueue": {"enabled": True}}) if o["kind"] in rbac_kinds]
     kube.apply(objs)
     return next(o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount")
 

@@ -464,7 +464,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         act = request.action
-        if res is not None and getattr(res, "plural", None) in self._absent_plurals():
+        if res is not None and (getattr(res, "plural", None) in self._absent_plurals()
+                                or getattr(res, "group", None) == "kueue.x-k8s.io"):  # no Kueue here
             # What the API server answers for a kind it does not serve (its CRD not installed).
             return aiohttp.web.json_response(
                 {

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kuberl import __version__
-from kuberl.util.lifetime import exit_on_signals
+from kuberl.util.lifetime import stop_at_step_on_signals
 
 if TYPE_CHECKING:
     from kuberl.api.sandbox_pool import SandboxLimits
@@ -139,7 +139,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         from kuberl.trainer.local import run_file
 
-        with exit_on_signals():  # SIGTERM (an eviction) stops the run as Ctrl-C does, cleanly
+        # SIGTERM (suspend, preemption, eviction): the step ends, a checkpoint is written, the run
+        # ends with 143; a second SIGTERM or SIGHUP stops it at once, as Ctrl-C does
+        with stop_at_step_on_signals():
             return run_file(
                 args.file,
                 out_dir=args.out,

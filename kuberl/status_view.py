@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kuberl.api.job import PRIORITY_LABEL, QUEUE_LABEL
 from kuberl.trainer.progress import duration, eta_seconds, step_figures, tokens_per_second
 from kuberl.trainer.step_record import StepRecord
 
@@ -170,6 +171,12 @@ def cluster_lines(
     lines = [
         f"AgenticRLJob {meta.get('namespace', '?')}/{meta.get('name', '?')}: {st.get('phase') or 'no status yet'}{stale}"
     ]
+    labels = meta.get("labels") or {}
+    if labels.get(QUEUE_LABEL):
+        held = next((c for c in st.get("conditions") or [] if c.get("type") == "Suspended"), {})
+        priority = f", priority class {labels[PRIORITY_LABEL]}" if labels.get(PRIORITY_LABEL) else ""
+        state = f"{held.get('reason')}: {held.get('message', '')}" if held else "not seen by the operator yet"
+        lines.append(f"queue: LocalQueue {labels[QUEUE_LABEL]}{priority}; {state}")
     stages = ((obj.get("spec") or {}).get("stages")) or []
     total = sum(int(s.get("steps") or 0) for s in stages)
     step = st.get("step")

@@ -340,6 +340,34 @@ def test_watching_some_namespaces_grants_roles_there_only():
     assert dep["spec"]["template"]["spec"]["containers"][0]["args"] == ["--namespace=kuberl-system"]
 
 
+def test_kueue_enabled_grants_the_integrations_rbac_and_nothing_by_default(objects):
+    kueue_rules = lambda rules: [r for r in rules if "kueue.x-k8s.io" in r["apiGroups"]]  # noqa: E731
+    role = next(o for o in objects if o["kind"] == "ClusterRole")
+    assert kueue_rules(role["rules"]) == []
+    assert not any(o["metadata"]["name"].endswith("-kueue") for o in objects)
+    objs = render({"kueue": {"enabled": True}})
+    for obj in objs:
+        _validate(obj)
+    roles = {o["metadata"]["name"]: o for o in objs if o["kind"] == "ClusterRole"}
+    assert roles["kuberl-kuberl-operator"]["rules"] == operator_rbac_rules(kueue=True)
+    granted = _flat_rules(kueue_rules(roles["kuberl-kuberl-operator"]["rules"]))
+    assert ("kueue.x-k8s.io", "workloads/status", "patch") in granted
+    assert ("kueue.x-k8s.io", "localqueues", "get") in granted
+    assert not any(v in ("update", "watch", "list") for _, _, v in granted)
+    # Kueue's manager reads the owners of the Workloads and child Jobs it holds
+    assert _flat_rules(roles["kuberl-kuberl-operator-kueue"]["rules"]) == {
+        ("kuberl.io", "agenticrljobs", v) for v in ("get", "list", "watch")}
+    binding = next(o for o in objs if o["kind"] == "ClusterRoleBinding" and o["metadata"]["name"].endswith("-kueue"))
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kueue-controller-manager",
+                                    "namespace": "kueue-system"}]
+    # watching some namespaces: the Workload rules go into each Role, the flavor reads stay cluster-wide
+    objs = render({"kueue": {"enabled": True}, "operator": {"watchAllNamespaces": False, "namespaces": ["rl-a"]}})
+    role = next(o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == "rl-a")
+    assert role["rules"] == operator_namespaced_rules(kueue=True)
+    cluster = next(o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "kuberl-kuberl-operator")
+    assert cluster["rules"] == operator_cluster_rules(kueue=True)
+
+
 def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 

@@ -300,6 +300,9 @@ def test_job_trainer_rendezvous_and_config() -> None:
     assert env["KUBERL_ROLLOUT_FLEET"] == "shared"
     # 4 pods x 8 GPUs: torchrun starts one rank per GPU in every pod, rendezvous at pod 0.
     assert _container(trainer)["command"] == [
+        "python",
+        "-m",
+        "kuberl.util.relay",  # torchrun's exit 1 on SIGTERM becomes 143
         "torchrun",
         "--nnodes=$(NNODES)",
         "--nproc-per-node=$(NPROC_PER_NODE)",

@@ -739,3 +739,22 @@ async def test_kuberl_operator_cli_with_kubeconfig(tmp_path: Any) -> None:
                 await proc.wait()
         out = (await proc.stdout.read()).decode()  # type: ignore[union-attr]
         assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
+
+
+async def test_a_queued_job_on_a_cluster_without_kueue_waits_and_says_why() -> None:
+    """The queue label on a cluster that does not serve Kueue's API: no trainer is made (the job
+    would take GPUs outside the queue its owner named) and the status says what to do."""
+    async with cluster_and_operator() as k:
+        doc = job()
+        doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+        await k.create(f"{API}/agenticrljobs", doc)
+
+        async def queued() -> dict[str, Any] | None:
+            st = await _status(k, f"{API}/agenticrljobs/train")
+            return st if st.get("phase") == "Queued" else None
+
+        st = await eventually(queued, what="job Queued")
+        held = next(c for c in st["conditions"] if c["type"] == "Suspended")
+        assert held["reason"] == "KueueUnavailable" and "install Kueue" in held["message"], held
+        trainer = await k.get(f"/apis/batch/v1/namespaces/{NS}/jobs/train-trainer")
+        assert trainer is None or trainer["spec"]["suspend"] is True

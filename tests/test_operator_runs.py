@@ -55,6 +55,9 @@ def test_default_checkpoints_live_on_a_volume_owned_by_the_job() -> None:
 def test_trainer_tolerates_disruptions_and_restarts_are_bounded() -> None:
     spec = _trainer(build_job(builders.job(of=RUN), NS))["spec"]
     assert spec["podFailurePolicy"]["rules"][0]["action"] == "Ignore"
+    # a trainer stopped by SIGTERM (its Job suspended) has checkpointed: no failure, no restart used
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [143]}} \
+        in spec["podFailurePolicy"]["rules"]
     assert restart_decision("OOMKilled", 0, 2).restart and restart_decision("x", 1, 2).restarts == 2
     last = restart_decision("OOMKilled", 2, 2)
     assert not last.restart and "no restarts left" in last.message

@@ -133,6 +133,17 @@ def test_cluster_view_lines():
     ]
 
 
+def test_cluster_view_says_where_a_queued_job_waits_and_why():
+    obj = {**_job_object(), "status": {"phase": "Suspended", "conditions": [
+        {"type": "Suspended", "status": "True", "reason": "Preempted",
+         "message": "preempted by Kueue and queued again: insufficient quota"}]}}
+    obj["metadata"] = {**obj["metadata"], "labels": {"kueue.x-k8s.io/queue-name": "team-a",
+                                                     "kueue.x-k8s.io/priority-class": "low"}}
+    lines = cluster_lines(obj, [], datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
+    assert lines[1] == ("queue: LocalQueue team-a, priority class low; Preempted: preempted by Kueue and "
+                        "queued again: insufficient quota")
+
+
 @pytest.mark.timeout(60)
 async def test_cluster_status_through_the_kubernetes_client(tmp_path, monkeypatch, capsys):
     """The real kubernetes client against the API emulator: one job's view, and the job list."""

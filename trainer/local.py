@@ -487,6 +487,9 @@ def summary_table(result: RunResult, algo: str):
     return t
 
 
+SIGTERM_EXIT = 128 + 15
+
+
 def run_file(
     path: str,
     out_dir: str | None = None,
@@ -510,6 +513,11 @@ def run_file(
     except (ManifestError, ValueError, EngineError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if result.interrupted:
+        # Not 0: a trainer pod that ends suspended must not count as a completed rank.
+        print(f"stopped by SIGTERM after global step {result.history[-1].step if result.history else 0}; "
+              "the checkpoint there is where the run resumes", file=sys.stderr)
+        return SIGTERM_EXIT
     if result.stopped_early:
         print(stop_reason(result, max_minutes), file=sys.stderr)
     return 0 if not result.stopped_early or result.history else 1

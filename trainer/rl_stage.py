@@ -79,7 +79,8 @@ class RlStage:
             orch.join()  # the last push (its errors raise here)
         if pipe.result.stopped_early:
             pipe.checkpoint_unless_saved(stage)
-            pipe.evaluate(stage, stage.name)  # the accuracy at the time limit; not in the checkpoint
+            if not pipe.result.interrupted:  # a SIGTERM leaves the grace period to the checkpoint
+                pipe.evaluate(stage, stage.name)  # the accuracy at the time limit; not in the checkpoint
             return
         if stage.name not in pipe.result.evals:  # a run resumed at the stage's end has it already
             pipe.evaluate(stage, stage.name)

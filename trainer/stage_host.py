@@ -29,6 +29,7 @@ class RunResult:
     history: list[StepRecord] = field(default_factory=list)
     evals: dict[str, float] = field(default_factory=dict)  # "<stage>": sampled accuracy after it
     stopped_early: bool = False
+    interrupted: bool = False  # stopped by SIGTERM (suspend, preemption, eviction), not the deadline
 
 
 class StageHost(Protocol):

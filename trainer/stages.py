@@ -18,8 +18,9 @@ fixed layout (its own forward when the step is on-policy, else ``recompute_old_l
 it is bitwise reproducible.
 
 Checkpoints: every ``checkpoint.everySteps`` global steps, at the end of each stage after its
-eval (so a resumed run neither repeats the eval nor the stage), and when ``deadline`` stops the
-run.
+eval (so a resumed run neither repeats the eval nor the stage), and when ``deadline`` or a SIGTERM
+(the job suspended or preempted: ``kuberl.util.lifetime.stop_at_step_on_signals``) stops the run
+at a step boundary.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kuberl.trainer.sft_stage import SftStage
 from kuberl.trainer.stage_host import RunResult
 from kuberl.trainer.step_record import StepRecord
 from kuberl.trainer.weight_sync import LocalWeights
+from kuberl.util.lifetime import stop_requested
 
 
 def seed_everything(seed: int) -> None:
@@ -135,7 +137,13 @@ class Pipeline:
         seed_everything(self.spec.seed * 1_000_003 + self.state.global_step)
 
     def out_of_time(self) -> bool:
-        return self.ctx.broadcast(self.deadline is not None and time.time() > self.deadline)
+        """Whether to stop at this step boundary: the deadline passed, or a SIGTERM asked (rank 0
+        decides for every rank, so they all stop at the same step)."""
+        late, signalled = self.ctx.broadcast(
+            (self.deadline is not None and time.time() > self.deadline, stop_requested())
+        )
+        self.result.interrupted = self.result.interrupted or signalled
+        return bool(late or signalled)
 
     def sync_weights(self) -> None:
         self.weights.sync(self.model, self.state.global_step)
@@ -192,7 +200,11 @@ class Pipeline:
                 )
         self.sink.event(
             "done",
-            "run finished" if not self.result.stopped_early else "stopped at the time limit",
+            "run finished"
+            if not self.result.stopped_early
+            else "stopped by SIGTERM (suspended, preempted or evicted); resumes from the checkpoint"
+            if self.result.interrupted
+            else "stopped at the time limit",
             None,
             self.state.global_step,
         )

@@ -13,6 +13,9 @@
 * :func:`exit_on_signals` turns SIGTERM and SIGHUP into ``SystemExit`` in the main thread, as
   Python does for SIGINT with ``KeyboardInterrupt``, so that every ``finally`` and context
   manager on the way out runs: servers are stopped, checkpoints already written stay whole.
+* :func:`stop_at_step_on_signals` makes the first SIGTERM a request instead (:func:`stop_requested`):
+  a trainer finishes its step, writes a checkpoint and ends, within the pod's grace period (a
+  suspended or preempted job resumes from there); a second SIGTERM, or SIGHUP, leaves at once.
 """
 
 from __future__ import annotations
@@ -116,6 +119,37 @@ def exit_on_signals(signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+_STOP = threading.Event()
+
+
+def stop_requested() -> bool:
+    """Whether a SIGTERM asked this process to stop at the next step boundary."""
+    return _STOP.is_set()
+
+
+@contextlib.contextmanager
+def stop_at_step_on_signals() -> Iterator[None]:
+    """While inside: the first SIGTERM sets :func:`stop_requested` (the trainer checkpoints and
+    ends at its next step boundary); a second SIGTERM or a SIGHUP raises ``SystemExit`` as
+    :func:`exit_on_signals` does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request(signum: int, _frame: object) -> None:
+        if _STOP.is_set():
+            raise SystemExit(128 + signum)
+        _STOP.set()
+
+    _STOP.clear()
+    previous = signal.signal(signal.SIGTERM, request)
+    try:
+        with exit_on_signals((signal.SIGHUP,)):
+            yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

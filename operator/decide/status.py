@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kuberl.api.common import now_rfc3339
+from kuberl.operator.decide.queue import Gate
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,14 @@ def job_status(
     generation: int | None,
     previous: dict[str, Any],
     progress: dict[str, Any] | None = None,
+    queue: Gate | None = None,
 ) -> dict[str, Any]:
     """Phase of an AgenticRLJob from its trainer Job and pods.
 
-    Phases: Waiting (a referenced fleet/pool is missing), Pending, Running, Suspended,
-    Succeeded, Failed. Succeeded/Failed are terminal: the operator stops recreating children.
+    Phases: Waiting (a referenced fleet/pool is missing), Queued (Kueue has not admitted it),
+    Pending, Running, Suspended (spec.suspend, or Kueue took its admission away), Succeeded,
+    Failed. Succeeded/Failed are terminal: the operator stops recreating children. ``queue``:
+    the gate of a job with Kueue's queue-name label (``decide.queue``).
     """
     prev_conds = list(previous.get("conditions") or [])
     out: dict[str, Any] = {"observedGeneration": generation}
@@ -215,6 +219,10 @@ def job_status(
             condition("Suspended", True, "Suspended", "spec.suspend is true", generation, prev_conds)
         )
         conds.append(condition("Ready", False, "Suspended", "spec.suspend is true", generation, prev_conds))
+    elif queue is not None and not queue.admitted:
+        out["phase"] = queue.phase
+        conds.append(condition("Suspended", True, queue.reason, queue.message, generation, prev_conds))
+        conds.append(condition("Ready", False, queue.reason, queue.message, generation, prev_conds))
     elif trainer is None:
         out["phase"] = "Pending"
         conds.append(
@@ -233,9 +241,8 @@ def job_status(
         if not all_ready and (why := unschedulable(pods)):
             reason, msg = "Unschedulable", f"{msg}; {why}"
         conds.append(condition("Ready", all_ready, reason, msg, generation, prev_conds))
-        conds.append(
-            condition("Suspended", False, "Resumed", "spec.suspend is false", generation, prev_conds)
-        )
+        resumed = "spec.suspend is false" + (f"; {queue.message}" if queue is not None else "")
+        conds.append(condition("Suspended", False, "Resumed", resumed, generation, prev_conds))
     if st.get("startTime"):
         out["startTime"] = st["startTime"]
     out["conditions"] = conds

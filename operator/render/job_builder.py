@@ -306,7 +306,12 @@ def trainer_command(job: AgenticRLJob) -> list[str]:
     run = ["run", JOB_CONFIG_PATH, "--out", JOB_RUN_DIR]
     if trainer_world_size(job) == 1:
         return ["kuberl", *run]
+    # torchrun ends with 1 on SIGTERM: the relay ends with 143 then, which the pod failure policy
+    # takes for a trainer stopped at a checkpoint (suspended, preempted), not a failed one
     return [
+        "python",
+        "-m",
+        "kuberl.util.relay",
         "torchrun",
         "--nnodes=$(NNODES)",
         "--nproc-per-node=$(NPROC_PER_NODE)",

@@ -21,6 +21,11 @@ Every verb below is one the operator (its KubeClient or the kopf runtime) really
   the chart's objects: the operator needs no access to them, so it cannot patch any webhook
   configuration in the cluster.
 * the leader-election Lease, in the operator's own namespace only (a Role there).
+* with Kueue (chart value ``kueue.enabled``; ``operator/runtime/queueing.py``): a queued job's
+  Workload get, create and delete (a changed shape is a new Workload) and its ``/status`` patch
+  (giving an evicted admission back, Finished); LocalQueues get (admission checks the queue
+  label); ResourceFlavors and WorkloadPriorityClasses get (cluster-scoped: the flavor's node
+  labels and tolerations, the priority's value).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ SCALED_PLURALS = ("rolloutfleets", "sandboxpools")
 CHILD_VERBS = ["list", "create", "patch", "delete"]
 
 
-def operator_namespaced_rules() -> list[dict[str, Any]]:
+def operator_namespaced_rules(kueue: bool = False) -> list[dict[str, Any]]:
     """What the operator needs in each watched namespace (a Role per namespace, or the ClusterRole)."""
     return [
         {"apiGroups": ["kuberl.io"], "resources": ["agenticrljobs"], "verbs": ["list", "watch", "patch"]},
@@ -77,10 +82,10 @@ def operator_namespaced_rules() -> list[dict[str, Any]]:
         {"apiGroups": ["policy"], "resources": ["poddisruptionbudgets"], "verbs": CHILD_VERBS},
         # a job's checkpoint volume (operator/render/trainer_runs.py): created, never deleted by the operator
         {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["list", "create", "patch"]},
-    ]
+    ] + (KUEUE_NAMESPACED_RULES if kueue else [])
 
 
-def operator_cluster_rules() -> list[dict[str, Any]]:
+def operator_cluster_rules(kueue: bool = False) -> list[dict[str, Any]]:
     """What only a ClusterRole can grant: kopf's scans of namespaces and CRDs (the chart owns
     the admission webhook's configurations, so admission adds nothing here)."""
     return [
@@ -90,12 +95,22 @@ def operator_cluster_rules() -> list[dict[str, Any]]:
             "resources": ["customresourcedefinitions"],
             "verbs": ["list", "watch"],
         },
-    ]
+    ] + (KUEUE_CLUSTER_RULES if kueue else [])
 
 
-def operator_rbac_rules() -> list[dict[str, Any]]:
+KUEUE_NAMESPACED_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]},
+]
+KUEUE_CLUSTER_RULES: list[dict[str, Any]] = [
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors", "workloadpriorityclasses"], "verbs": ["get"]},
+]
+
+
+def operator_rbac_rules(kueue: bool = False) -> list[dict[str, Any]]:
     """The least the operator needs when it watches every namespace (one ClusterRole)."""
-    return operator_namespaced_rules() + operator_cluster_rules()
+    return operator_namespaced_rules(kueue) + operator_cluster_rules(kueue)
 
 
 def leader_election_rules() -> list[dict[str, Any]]:

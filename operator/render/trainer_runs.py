@@ -4,8 +4,9 @@
   ``checkpoint.uri``). It is owned by the AgenticRLJob, not by the trainer Job, so replacing or
   restarting the trainer keeps it; it is deliberately not in ``CHILD_KINDS`` either, so switching
   ``checkpoint.uri`` to s3:// never prunes the checkpoints already written.
-* ``POD_FAILURE_POLICY``: an evicted or preempted pod (condition DisruptionTarget) is replaced
-  without counting as a failure; any other failure fails the trainer Job, which the operator then
+* ``POD_FAILURE_POLICY``: an evicted or preempted pod (condition DisruptionTarget), or a trainer
+  that stopped on SIGTERM with a checkpoint (exit 143: the Job suspended), is replaced without
+  counting as a failure; any other failure fails the trainer Job, which the operator then
   restarts as a whole (``restart_decision``), since a distributed step cannot survive a lost rank.
 * ``run_document``: the part of the job document that defines the run. The trainer pod
   template's config hash covers only this, so a label or annotation on the AgenticRLJob, or
@@ -25,8 +26,15 @@ CHECKPOINT_VOLUME = "checkpoints"
 CHECKPOINT_DIR = "/var/run/kuberl/checkpoints"
 """Where ``kuberl run --out /var/run/kuberl`` keeps a relative checkpoint.uri (trainer/local.py)."""
 
+SIGTERM_EXIT = 143
+"""``kuberl run`` stopped by SIGTERM at a step boundary, its checkpoint written (trainer/local.py)."""
 POD_FAILURE_POLICY: dict[str, Any] = {
-    "rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    "rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        # The Job controller counts the pods it deletes on suspension as failed once they exit
+        # non-zero; a trainer that stopped on SIGTERM has checkpointed and is no failure.
+        {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [SIGTERM_EXIT]}},
+    ]
 }
 
 

@@ -33,10 +33,13 @@ Per custom resource:
   a full resync no longer lists it. (kopf timers would add a finalizer to every object, which
   is why the resync and autoscale loops are plain loops.)
 * optional validating/mutating admission (``admission.py``) when a webhook server is set.
+* a job labelled ``kueue.x-k8s.io/queue-name`` runs only while Kueue admits its Workload
+  (``queueing.py``; held as if suspended otherwise, with the assigned flavors once admitted).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,9 +51,10 @@ from pydantic import ValidationError
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.group import GROUP, VERSION
 from kuberl.api.rollout_fleet import RolloutFleetSpec
-from kuberl.operator.decide import children, conditions, status
+from kuberl.operator.decide import children, conditions, queue, status
 from kuberl.operator.render import builders, isolation, job_builder, keda, render_common, trainer_runs
-from kuberl.operator.runtime import metrics
+from kuberl.operator.render import workload as workload_render
+from kuberl.operator.runtime import metrics, queueing
 from kuberl.operator.runtime.context import SCALED, TERMINAL, OperatorContext
 from kuberl.operator.runtime.kube import ApiError, kind_of
 from kuberl.operator.runtime.pods import engine_gaps, ready_pods, scrape_pods, train_progress
@@ -176,6 +180,27 @@ def _adjust(obj: dict[str, Any]) -> Adjust | None:
     def adjust(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
         replicas = children.inline_replicas(desired["spec"], (live or {}).get("spec"))
         return {**desired, "spec": {**desired["spec"], "replicas": replicas}}
+
+    return adjust
+
+
+def _adjust_held(obj: dict[str, Any]) -> Adjust | None:
+    """``_adjust``, and a held (suspended or not admitted) trainer Job keeps the node selector and
+    tolerations it has: the template of a Job that ran may not change (the API server refuses
+    it with 422, and the Job would be replaced), and a queued job's next admission sets them."""
+    if obj["kind"] != "Job":
+        return _adjust(obj)
+
+    def adjust(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+        kept = ((((live or {}).get("spec") or {}).get("template") or {}).get("spec")) or {}
+        if not kept:
+            return desired
+        out = copy.deepcopy(desired)
+        pod = out["spec"]["template"].setdefault("spec", {})
+        for key in ("nodeSelector", "tolerations"):
+            if key in kept:
+                pod[key] = kept[key]
+        return out
 
     return adjust
 
@@ -307,6 +332,9 @@ async def _reconcile_job(
                 events.append(
                     status.Event("Normal", "Released", f"{kind}/{child} deleted: the job has finished")
                 )
+        if workload_render.queue_name(job.metadata.labels):  # its quota goes back to the queue
+            done = previous.get("phase") == "Succeeded"
+            await queueing.finish(ctx, namespace, name, done, f"the job is {previous.get('phase')}")
         return {}, events
 
     waiting: list[str] = []
@@ -342,12 +370,17 @@ async def _reconcile_job(
     if problems:
         return status.invalid_status(conditions.invalid_children_message(problems), generation, previous), events
     built = builders.build_for(job, namespace, fleet=fleet_spec)
+    gate, workload, queued_events = None, None, []
+    if workload_render.queue_name(job.metadata.labels):
+        gate, workload, built, queued_events = await _through_queue(ctx, body, job, namespace, built, fleet_spec)
+    held = job.spec.suspend or (gate is not None and not gate.admitted)
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
     live, events, failures = await _apply_all(
-        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust_held if held else _adjust
     )
+    events = queued_events + events
     events += await _prune(ctx, body, built)
     trainer = live.get(("Job", trainer_name))
     labels = render_common.selector_labels(name, "trainer")
@@ -383,6 +416,8 @@ async def _reconcile_job(
             ctx.restarts[uid] = restarts = decision.restarts
             events.append(status.Event("Warning", "TrainerRestarted", decision.message))
             trainer, pods = None, []
+    if gate is not None and gate.evicted and workload is not None:
+        events += await queueing.release_if_stopped(ctx, namespace, workload, pods)
     new = status.job_status(
         trainer=trainer,
         pods=pods,
@@ -391,7 +426,11 @@ async def _reconcile_job(
         generation=generation,
         previous=previous,
         progress=progress,
+        queue=gate,
     )
+    if gate is not None and new.get("phase") in TERMINAL:
+        ready = next((c for c in new.get("conditions", []) if c["type"] in ("Complete", "Failed")), {})
+        await queueing.finish(ctx, namespace, name, new["phase"] == "Succeeded", ready.get("message", ""))
     if restarts and new:
         new["restarts"] = restarts
     in_step = status.engines_condition(
@@ -405,6 +444,26 @@ async def _reconcile_job(
             events.append(status.Event("Warning", "EngineWeightsDiffer", in_step["message"]))
     events += _refusal_events(ctx, body, failures, previous)
     return conditions.with_child_failures(new, failures, generation, previous), events
+
+
+async def _through_queue(
+    ctx: OperatorContext,
+    body: Mapping[str, Any],
+    job: AgenticRLJob,
+    namespace: str,
+    built: list[dict[str, Any]],
+    fleet_spec: RolloutFleetSpec | None,
+) -> tuple[queue.Gate | None, dict[str, Any] | None, list[dict[str, Any]], list[status.Event]]:
+    """A job with Kueue's queue-name label: its children as its Workload's admission allows
+    (held as if suspended until admitted; with the assigned flavors once admitted)."""
+    if job.spec.suspend:  # the user's suspend: the job leaves the queue and frees its quota
+        return None, None, built, await queueing.release_suspended(ctx, namespace, job.metadata.name)
+    live, events, unavailable = await queueing.workload_for(ctx, body, job, namespace, built)
+    gate = queue.gate(live) if unavailable is None else queue.Gate(False, "KueueUnavailable", unavailable)
+    if gate.admitted and live is not None:
+        return gate, live, workload_render.with_flavors(built, await queueing.placement(ctx, live)), events
+    held = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    return gate, live, builders.build_for(held, namespace, fleet=fleet_spec), events
 
 
 # --- events ------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from kuberl.operator.validate.canonical import server_form
 
 log = logging.getLogger("kuberl.operator")
 LAST_APPLIED = "kuberl.io/last-applied"
+KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,11 @@ KNOWN_KINDS: dict[tuple[str, str], Kind] = {
         Kind("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"),
         Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
         Kind("coordination.k8s.io/v1", "Lease", "leases"),
+        # Kueue's, read and written for jobs with its queue-name label (runtime/queueing.py)
+        Kind(KUEUE_API_VERSION, "Workload", "workloads"),
+        Kind(KUEUE_API_VERSION, "ResourceFlavor", "resourceflavors", namespaced=False),
+        Kind(KUEUE_API_VERSION, "WorkloadPriorityClass", "workloadpriorityclasses", namespaced=False),
+        Kind(KUEUE_API_VERSION, "LocalQueue", "localqueues"),
         Kind(API_VERSION, "AgenticRLJob", "agenticrljobs"),
         Kind(API_VERSION, "RolloutFleet", "rolloutfleets"),
         Kind(API_VERSION, "SandboxPool", "sandboxpools"),
@@ -92,7 +98,7 @@ def operator_cache() -> ListCache:
     app.kubernetes.io/name label, every child kind and pods. Events and KEDA objects are never read."""
     selectors: dict[tuple[str, str], dict[str, str]] = {}
     for api_version, kind in KNOWN_KINDS:
-        if kind in ("Event", "ScaledObject", "Lease"):
+        if kind in ("Event", "ScaledObject", "Lease") or api_version == KUEUE_API_VERSION:
             continue
         selectors[api_version, kind] = {} if api_version == API_VERSION else dict(KUBERL_SELECTOR)
     return ListCache(selectors)

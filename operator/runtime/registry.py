@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import Any
 
@@ -19,9 +20,11 @@ from kuberl.api.group import GROUP, VERSION
 from kuberl.operator.decide import status
 from kuberl.operator.runtime.context import PLURALS, OperatorConfig, OperatorContext
 from kuberl.operator.runtime.handlers import post_events, reconcile
-from kuberl.operator.runtime.kube import kind_of
+from kuberl.operator.runtime.kube import KUEUE_API_VERSION, ApiError, kind_of
 from kuberl.operator.runtime.loops import autoscale_loop, resync_loop, stale_loops
 from kuberl.operator.validate import admission
+
+log = logging.getLogger("kuberl.operator")
 
 
 def build_registry(
@@ -118,7 +121,15 @@ def build_registry(
 
 def _lookup(ctx: OperatorContext) -> admission.Lookup:
     async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
+        if kind != "LocalQueue":
+            return await ctx.client().get(kind_of(f"{GROUP}/{VERSION}", kind), namespace, name, fresh=True)
+        try:
+            return await ctx.client().get(kind_of(KUEUE_API_VERSION, kind), namespace, name, fresh=True)
+        except ApiError as err:
+            if err.status == 403:  # not granted (chart without kueue.enabled): cannot know, so admit
+                log.warning("cannot check LocalQueue %s/%s: %s", namespace, name, err)
+                return {}
+            raise
 
     return get
 

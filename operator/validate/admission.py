@@ -6,7 +6,9 @@ stage names), then references: a job's ``rollout.fleetRef`` / ``sandbox.poolRef`
 an existing RolloutFleet / SandboxPool in the job's namespace, the referenced fleet's
 ``engine.contextLength`` must exceed every RL stage's ``maxResponseTokens`` (SGLang answers
 HTTP 400 to a request whose prompt plus ``max_new_tokens`` reaches the context length), and
-a ``keda`` autoscaler annotation needs ``spec.autoscaling``.
+a ``keda`` autoscaler annotation needs ``spec.autoscaling``, and a job's Kueue queue label
+(``kueue.x-k8s.io/queue-name``) must name a LocalQueue of its namespace (else Kueue never
+admits it and it waits forever).
 
 Updates (``old`` given) are judged on what they change: an update that leaves ``spec`` and the
 annotations alone (labels, kopf's bookkeeping, finalizers, a deletion) is always admitted, and
@@ -24,13 +26,20 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kuberl.api import AgenticRLJob, ManifestError, RolloutFleet, SandboxPool, parse_resource
+from kuberl.api.job import QUEUE_LABEL
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 from kuberl.operator.validate.feasibility import fleet_problems, pool_problems, resource_problems
 
-# (kind, namespace, name) -> the live object, or None if it does not exist
+# (kind, namespace, name) -> the live object, or None if it does not exist (kind LocalQueue: Kueue's)
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
+
+
+def missing_queue_message(namespace: str, queue: str) -> str:
+    return (f"metadata.labels[{QUEUE_LABEL}]: LocalQueue {namespace}/{queue} does not exist, so Kueue would "
+            f"never admit the job: create it (kubectl get localqueues -n {namespace} lists those there) "
+            "or fix the label")
 
 
 def context_length_problems(job: AgenticRLJob, fleet: dict[str, Any]) -> list[str]:
@@ -133,6 +142,9 @@ async def validation_errors(
                 f"annotation {ANNOTATION_AUTOSCALER}=keda needs spec.autoscaling (min/max replicas)"
             )
     if isinstance(res, AgenticRLJob) and lookup is not None:
+        queue = (res.metadata.labels or {}).get(QUEUE_LABEL)
+        if queue and await lookup("LocalQueue", ns, queue) is None:
+            errors.append(missing_queue_message(ns, queue))
         rollout, sandbox = res.spec.rollout, res.spec.sandbox
         changed = _changed_refs(body, old)
         if rollout.fleet_ref and rollout.engine != "local" and "fleetRef" in changed:

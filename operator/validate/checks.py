@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.common import quantity_value
 from kuberl.api.group import API_VERSION
+from kuberl.api.job import QUEUE_LABEL
 from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.builders import build_for
@@ -256,6 +257,12 @@ def check_file(resources: list[Resource], namespace: str = "default") -> list[Ve
                 v.notes += _pool_notes(r.spec.sandbox.pool, "spec.sandbox.pool.")
             v.notes += _checkpoint_notes(r)
             v.notes += _algorithm_notes(r) + _warmup_notes(r) + _tracking_notes(r)
+            if queue := (r.metadata.labels or {}).get(QUEUE_LABEL):
+                v.warnings.append(
+                    f"metadata.labels[{QUEUE_LABEL}] names LocalQueue {ns_of(r)}/{queue}, which cannot be checked "
+                    "offline: if it does not exist Kueue never admits the job (`kuberl validate --server` and the "
+                    "admission webhook refuse it then)"
+                )
         elif isinstance(r, SandboxPool):
             v.notes += _pool_notes(r.spec, "spec.", r.metadata.name)
         v.problems += resource_problems(r)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kuberl.api.job import QUEUE_LABEL
+
 FIELD_MANAGER = "kuberl-validate"
 
 
@@ -92,5 +94,25 @@ def server_problems(client: Any, docs: list[dict[str, Any]], namespace: str) -> 
             problems.append(f"{made_by}with the CRD's defaults the server fills in, {err}")
             continue
         ns = (stored.get("metadata") or {}).get("namespace") or namespace
+        if queue := (resource.metadata.labels or {}).get(QUEUE_LABEL):
+            problems += local_queue_problems(client, ns, queue)
         todo += [(child, "the operator's ") for child in build_for(resource, ns)]
     return problems
+
+
+def local_queue_problems(client: Any, namespace: str, queue: str) -> list[str]:
+    """A job's queue label names a LocalQueue of its namespace that exists ([]), or why not."""
+    from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+
+    from kuberl.operator.validate.admission import missing_queue_message
+
+    try:
+        queues = client.resources.get(api_version="kueue.x-k8s.io/v1beta2", kind="LocalQueue")
+    except ResourceNotFoundError:
+        return [f"metadata.labels[{QUEUE_LABEL}]: the server does not serve Kueue's LocalQueues: install Kueue "
+                "(docs/cluster.md, \"shared cluster with Kueue\") or drop the label"]
+    try:
+        queues.get(name=queue, namespace=namespace)
+    except NotFoundError:
+        return [missing_queue_message(namespace, queue)]
+    return []

@@ -79,6 +79,17 @@ operator_cluster_rules() by tests/test_chart.py.
 - apiGroups: ['']
   resources: [persistentvolumeclaims]
   verbs: [list, create, patch]
+{{- if .Values.kueue.enabled }}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads]
+  verbs: [get, create, delete]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [workloads/status]
+  verbs: [patch]
+- apiGroups: [kueue.x-k8s.io]
+  resources: [localqueues]
+  verbs: [get]
+{{- end }}
 {{- end -}}
 
 {{/* No webhook configurations: the chart owns them (templates/webhook.yaml). */}}
@@ -89,6 +100,11 @@ operator_cluster_rules() by tests/test_chart.py.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [list, watch]
+{{- if .Values.kueue.enabled }}
+- apiGroups: [kueue.x-k8s.io]
+  resources: [resourceflavors, workloadpriorityclasses]
+  verbs: [get]
+{{- end }}
 {{- end -}}
 
 {{/* Kept equal to kuberl.operator.render.rbac.leader_election_rules() by tests/test_chart.py. */}}
