@@ -209,6 +209,9 @@ def test_kubectl_scale_sandboxpool_goes_through_the_scale_subresource(kube, kube
                         and len(pods_of(kube, ns, selector)) == n and p)
 
     wait_for(ready_pods(2), TIMEOUT, f"2 ready pods of {name}")
+    # the operator writes status.selector in the status pass after it made the pods, which may
+    # come after they are Ready: the scale subresource reads it from there
+    wait_for(lambda: status(kube, "sandboxpool", name, ns).get("selector"), TIMEOUT, "status.selector")
     scale = json.loads(kube.run("get", "--raw", f"/apis/kuberl.io/v1alpha1/namespaces/{ns}/sandboxpools/{name}/scale").stdout)
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 2
     assert scale["status"]["selector"], scale  # labelSelectorPath: what an HPA's selector reads
