@@ -46,6 +46,26 @@ def vllm_available() -> None:
         require_or_skip(str(err))
 
 
+def marked_processes(token: str, command: str = "") -> list[int]:
+    """PIDs of live processes whose environment carries ``token`` and whose command line holds
+    ``command``: what one run started, when the run starts with the token in its environment
+    (``KUBERL_TEST_RUN``), and nothing of another test's or another session's on this machine."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (
+                token.encode() in (d / "environ").read_bytes()
+                and command.encode() in (d / "cmdline").read_bytes()
+                and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
 def small_rl_job(
     model: Path, ckpt: Path, name: str, *, async_level: int, every_steps: int = 100, keep: int = 1, max_turns: int = 1
 ) -> dict:

@@ -30,27 +30,13 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from vllm_fixtures import small_rl_job, vllm_available  # noqa: E402
+from vllm_fixtures import marked_processes, small_rl_job, vllm_available  # noqa: E402
 
 from kuberl.rollout.vllm_engine import check_weights_folder  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
 KILL = Path(__file__).resolve().parents[1] / "harness" / "kill_during.py"
-
-
-def _marked(token: str) -> list[int]:
-    """PIDs of live processes whose environment carries ``token`` (the run and what it started)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if token.encode() in (d / "environ").read_bytes() and (d / "stat").read_text().split()[2] != "Z":
-                pids.append(int(d.name))
-        except OSError:
-            continue
-    return pids
 
 
 def _run(point: str, at: int, job: Path, out: Path, token: str) -> subprocess.CompletedProcess:
@@ -62,7 +48,7 @@ def _run(point: str, at: int, job: Path, out: Path, token: str) -> subprocess.Co
 
 def _gone(token: str, within_s: float = 60.0) -> list[int]:
     deadline = time.monotonic() + within_s
-    while (left := _marked(token)) and time.monotonic() < deadline:
+    while (left := marked_processes(token)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
 
