@@ -292,7 +292,9 @@ async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir
         await restored.close()
 
 
-async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weights(vllm_url, smollm2_dir, tmp_path):
+async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weights(
+    vllm_url, smollm2_dir, base_policy, perturbed
+):
     """algorithm.partialRollouts on the real server: a push lands mid-generation (pause keep,
     reload, the running request's KV dropped, resume); the answer is not aborted, its tokens up
     to the split are the uninterrupted generation's, the server labels each token's version,
@@ -303,9 +305,7 @@ async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weig
     try:
         await engine.update_weights_from_disk(str(smollm2_dir), version=0)
         alone = await engine.generate(GenerateRequest(prompt, 384, temperature=0.0))
-        new_model = _perturbed_policy(smollm2_dir)
-        pushed = tmp_path / "v00000001"
-        write_hf_folder(new_model.state_dict(), smollm2_dir, pushed)
+        new_model, pushed = perturbed
         running = asyncio.create_task(engine.generate(GenerateRequest(prompt, 384, temperature=0.0)))
         while (await engine.load_metrics()).running < 1:
             await asyncio.sleep(0.05)
@@ -319,7 +319,7 @@ async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weig
         assert out.output_ids[:k] == alone.output_ids[:k]
         rest = out.output_logprobs[k:]
         new = mismatch_stats([rest], [trainer_token_logprobs(new_model, prompt, out.output_ids)[k:]])
-        old = mismatch_stats([rest], [trainer_token_logprobs(load_hf_policy(smollm2_dir).eval(), prompt, out.output_ids)[k:]])
+        old = mismatch_stats([rest], [trainer_token_logprobs(base_policy, prompt, out.output_ids)[k:]])
         assert new.mean_abs < MEAN_ABS_TOLERANCE and old.mean_abs > 3 * new.mean_abs, (new, old)
     finally:
         await engine.update_weights_from_disk(str(smollm2_dir), version=0)
