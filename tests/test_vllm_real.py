@@ -300,11 +300,14 @@ async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weig
     to the split are the uninterrupted generation's, the server labels each token's version,
     and the tokens after the split carry the new weights' log-probs."""
     tok = _tok(smollm2_dir)
-    prompt = tok.encode(f"{IM_START}user\nCount from 1 to 300, one number a line.{IM_END}\n{IM_START}assistant\n")
+    # a prompt whose greedy answer runs to the token budget (a short one can end before the push
+    # lands, whatever the machine's speed)
+    prompt = tok.encode(f"{IM_START}user\nWrite the numbers from 1 to 300, separated by commas.{IM_END}\n{IM_START}assistant\n")
     engine = VLLMEngine(vllm_url, partial_rollouts=True)
     try:
         await engine.update_weights_from_disk(str(smollm2_dir), version=0)
         alone = await engine.generate(GenerateRequest(prompt, 384, temperature=0.0))
+        assert len(alone.output_ids) > 200, tok.decode(alone.output_ids)
         new_model, pushed = perturbed
         running = asyncio.create_task(engine.generate(GenerateRequest(prompt, 384, temperature=0.0)))
         while (await engine.load_metrics()).running < 1:
