@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "harness"))
 
+from image_context import copy_context  # noqa: E402
+
 from kuberl.cluster.image_build import (  # noqa: E402
     Buildah,
     build_image,
@@ -38,7 +40,7 @@ from kuberl.cluster.image_build import (  # noqa: E402
     load_into,
     require_tools,
 )
-from kuberl.cluster.images import IMAGES, copy_sources, ignore_patterns, ignored  # noqa: E402
+from kuberl.cluster.images import IMAGES  # noqa: E402
 
 
 def _say(line: str) -> None:
@@ -52,15 +54,7 @@ def _size(store: Buildah, image_id: str) -> str:
 
 
 def _changed_context(dest: Path, dockerfile: str) -> None:
-    patterns = ignore_patterns((ROOT / ".dockerignore").read_text())
-    for rel in [dockerfile, ".dockerignore", *copy_sources((ROOT / dockerfile).read_text())]:
-        src = ROOT / rel.rstrip("/")
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-        else:
-            shutil.copytree(src, dest / rel.rstrip("/"), ignore=lambda d, names: [
-                n for n in names if ignored(os.path.relpath(Path(d, n), ROOT), patterns)])
+    copy_context(ROOT, dest, dockerfile)
     init = dest / "sandbox" / "__init__.py"
     init.write_text(init.read_text() + f"\n# changed by bench/image_build.py at {time.time()}\n")
 

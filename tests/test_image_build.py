@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from image_context import copy_context
 
 from kuberl.api.sandbox_pool import SandboxPool
 from kuberl.cluster.errors import ClusterError
@@ -33,9 +33,6 @@ from kuberl.cluster.image_build import (
 from kuberl.cluster.images import (
     IMAGES,
     INPUTS_LABEL,
-    copy_sources,
-    ignore_patterns,
-    ignored,
     image_inputs_digest,
 )
 from kuberl.operator.render.builders import build_sandbox_pool
@@ -101,23 +98,9 @@ def test_a_second_build_is_a_cache_hit(store, built):
     assert ensure_base(store, recipe).cached
 
 
-def _copy_context(dest: Path, dockerfile: str) -> None:
-    """The files one Dockerfile's COPY lines need, and the Dockerfile, copied to ``dest``."""
-    patterns = ignore_patterns((ROOT / ".dockerignore").read_text())
-    for rel in [dockerfile, ".dockerignore", *copy_sources((ROOT / dockerfile).read_text())]:
-        src = ROOT / rel.rstrip("/")
-        if src.is_file():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / rel)
-            continue
-        shutil.copytree(src, dest / rel.rstrip("/"),
-                        ignore=lambda d, names: [n for n in names
-                                                 if ignored(os.path.relpath(Path(d, n), ROOT), patterns)])
-
-
 def test_a_changed_source_file_rebuilds_only_the_layers_after_the_dependencies(store, built, tmp_path):
     spec = IMAGES["sandbox"]
-    _copy_context(tmp_path, spec.dockerfile)
+    copy_context(ROOT, tmp_path, spec.dockerfile)
     changed = tmp_path / "sandbox" / "__init__.py"
     changed.write_text(changed.read_text() + f"\n# changed by the images test at {time.time()}\n")
     ref = "localhost/kuberl-test/sandbox:changed"
