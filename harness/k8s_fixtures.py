@@ -161,6 +161,7 @@ class Operator:
             "KUBERL_LEASE_NAME": "kuberl",
             "KUBERL_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
             "KUBERL_POD_NAME": f"operator-{self.starts}",
+            "KUBERL_KUEUE": "1",  # the chart's RBAC is installed with kueue.enabled (install_chart_rbac)
         }
         with self.log.open("a") as log:
             log.write(f"--- start {self.starts}\n")

@@ -353,7 +353,12 @@ def test_kueue_enabled_grants_the_integrations_rbac_and_nothing_by_default(objec
     granted = _flat_rules(kueue_rules(roles["kuberl-kuberl-operator"]["rules"]))
     assert ("kueue.x-k8s.io", "workloads/status", "patch") in granted
     assert ("kueue.x-k8s.io", "localqueues", "get") in granted
-    assert not any(v in ("update", "watch", "list") for _, _, v in granted)
+    # list and watch on Workloads only (the operator's watch of them); nothing is updated
+    assert {(r, v) for _, r, v in granted if v in ("update", "watch", "list")} == {
+        ("workloads", "list"), ("workloads", "watch")}
+    env = {e["name"]: e.get("value") for e in next(o for o in objs if o["kind"] == "Deployment")
+           ["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env.get("KUBERL_KUEUE") == "1"
     # Kueue's manager reads the owners of the Workloads and child Jobs it holds
     assert _flat_rules(roles["kuberl-kuberl-operator-kueue"]["rules"]) == {
         ("kuberl.io", "agenticrljobs", v) for v in ("get", "list", "watch")}

@@ -120,6 +120,9 @@ def test_two_jobs_share_a_16_gpu_quota_one_runs_the_other_waits_in_kueues_words(
     try:
         kube.apply([_job("first", "lq")], "-n", ns)
         pods = _wait_running(kube, ns, "first", kuberl_operator)
+        # the job's phase follows its pods at the operator's next pass over it
+        wait_for(lambda: _status(kube, ns, "first").get("phase") == "Running", TIMEOUT,
+                 lambda: "first Running\n" + seen(kube, ns, kuberl_operator))
         # the flavor Kueue assigned reaches the pods
         assert all(p["spec"]["nodeSelector"].get(AMD_PRODUCT_LABEL) == "AMD_Instinct_MI300X_OAM" for p in pods)
         wl = _workload(kube, ns, "first")

@@ -53,3 +53,11 @@ def inline_replicas(desired_spec: dict[str, Any], live_spec: dict[str, Any] | No
     lo = int(auto.get("minReplicas", 1))
     hi = int(auto.get("maxReplicas", max(current, lo)))
     return min(max(current, lo), hi)
+
+
+def job_owner(obj: dict[str, Any], api_version: str) -> str | None:
+    """The name of the AgenticRLJob (of ``api_version``) that controls ``obj``, if one does."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == "AgenticRLJob" and ref.get("apiVersion") == api_version and ref.get("controller"):
+            return ref.get("name")
+    return None

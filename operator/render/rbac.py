@@ -99,7 +99,7 @@ def operator_cluster_rules(kueue: bool = False) -> list[dict[str, Any]]:
 
 
 KUEUE_NAMESPACED_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "list", "watch", "create", "delete"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]},
 ]

@@ -48,6 +48,9 @@ class OperatorConfig:
     admission: bool = False
     # Serve the operator's /metrics on this port (0: any free port; None: not at all).
     metrics_port: int | None = None
+    # Watch Kueue's Workloads (the chart's kueue.enabled): an admission or an eviction reaches
+    # the owning job at once rather than at the next resync.
+    kueue: bool = False
 
 
 @dataclass

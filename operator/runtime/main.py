@@ -13,6 +13,9 @@ Environment (all optional):
 * ``KUBERL_LEASE_NAME`` + ``KUBERL_LEASE_NAMESPACE`` (+ ``KUBERL_POD_NAME``, the identity) --
   leader election on that Lease (``leader.py``): only the holder runs kopf; the others wait.
   Unset: no election (run exactly one replica).
+* ``KUBERL_KUEUE=1`` -- watch Kueue's Workloads (the chart sets it with ``kueue.enabled``): an
+  admission, eviction or preemption reconciles the owning AgenticRLJob at once, not at the next
+  resync.
 * ``KUBERL_WEBHOOK_PORT`` -- serve the validating/mutating admission webhooks on this port. The
   webhook configurations are the chart's objects (so they go with ``helm uninstall``), never
   written by the operator. TLS from
@@ -268,6 +271,7 @@ def run_operator(
         autoscale_interval=float(os.environ.get("KUBERL_AUTOSCALE_INTERVAL", "15")),
         admission=webhook is not None,
         metrics_port=metrics_port,
+        kueue=os.environ.get("KUBERL_KUEUE") == "1",
     )
     health = _int_env(os.environ, "KUBERL_HEALTH_PORT", DEFAULT_HEALTH_PORT)
     live = _int_env(os.environ, "KUBERL_LIVENESS_PORT", DEFAULT_LIVENESS_PORT)

@@ -16,12 +16,13 @@ from typing import Any
 
 import kopf
 
-from kuberl.api.group import GROUP, VERSION
+from kuberl.api.group import API_VERSION, GROUP, VERSION
 from kuberl.operator.decide import status
+from kuberl.operator.decide.children import job_owner
 from kuberl.operator.runtime.context import PLURALS, OperatorConfig, OperatorContext
 from kuberl.operator.runtime.handlers import post_events, reconcile
 from kuberl.operator.runtime.kube import KUEUE_API_VERSION, ApiError, kind_of
-from kuberl.operator.runtime.loops import autoscale_loop, resync_loop, stale_loops
+from kuberl.operator.runtime.loops import autoscale_loop, resync_loop, resync_object, stale_loops
 from kuberl.operator.validate import admission
 
 log = logging.getLogger("kuberl.operator")
@@ -67,6 +68,27 @@ def build_registry(
     @kopf.on.startup(registry=reg)
     async def _startup(**_: Any) -> None:
         ctx.tasks = [asyncio.create_task(resync_loop(ctx)), asyncio.create_task(autoscale_loop(ctx))]
+
+    if cfg.kueue:
+
+        async def on_workload(body: kopf.Body, **_: Any) -> None:
+            # Kueue admitted, evicted or finished a job's Workload: reconcile the job now
+            name = job_owner(dict(body), API_VERSION)
+            namespace = body.get("metadata", {}).get("namespace")
+            if name is None or namespace is None:
+                return
+            # read as the resync reads it: the chart grants list and watch on jobs, not get
+            for job in await ctx.client().list(
+                kind_of(API_VERSION, "AgenticRLJob"), namespace, fields={"metadata.name": name}
+            ):
+                try:
+                    await resync_object(ctx, job)
+                except ApiError as err:
+                    if err.status != 404:  # deleted since: its DELETED event does the rest
+                        raise
+
+        group, version = KUEUE_API_VERSION.split("/")
+        kopf.on.event(group, version, "workloads", id="kueue-workloads", registry=reg)(on_workload)
 
     for kind, plural in PLURALS.items():
         res_args = (GROUP, VERSION, plural)

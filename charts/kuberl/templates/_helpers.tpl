@@ -82,7 +82,7 @@ operator_cluster_rules() by tests/test_chart.py.
 {{- if .Values.kueue.enabled }}
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads]
-  verbs: [get, create, delete]
+  verbs: [get, list, watch, create, delete]
 - apiGroups: [kueue.x-k8s.io]
   resources: [workloads/status]
   verbs: [patch]
