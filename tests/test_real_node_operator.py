@@ -127,7 +127,7 @@ def test_a_pod_deleted_under_load_loses_no_call_and_runs_none_twice(node: RealNo
     # its log to its last line (the count it prints as it stops), followed from before the delete
     follow = subprocess.Popen([node.kube.binary, f"--kubeconfig={node.kube.kubeconfig}", "logs", "-f", victim,
                                "-n", pool], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    results: dict[int, str] = {}
+    results: dict[int, tuple[str, str]] = {}
     deleted_at: list[float] = []
 
     async def load() -> None:
@@ -135,7 +135,8 @@ def test_a_pod_deleted_under_load_loses_no_call_and_runs_none_twice(node: RealNo
         async with SandboxClient(url, token=token, request_timeout=120) as client:
             async def worker() -> None:
                 for i in todo:
-                    results[i] = (await client.execute(CALL.format(i=i))).output
+                    answer = await client.execute(CALL.format(i=i))
+                    results[i] = (answer.outcome, answer.output)
                     if len(results) == DELETE_AFTER and not deleted_at:
                         deleted_at.append(time.monotonic())
                         await asyncio.to_thread(node.kube.run, "delete", "pod", victim, "-n", pool, "--wait=false")
@@ -148,8 +149,10 @@ def test_a_pod_deleted_under_load_loses_no_call_and_runs_none_twice(node: RealNo
     last, _ = follow.communicate(timeout=120)
     # every call answered once, with its own output
     assert sorted(results) == list(range(CALLS))
-    hosts = {}
-    for i, out in results.items():
+    failed = {i: r for i, r in results.items() if r[0] != "stdout"}
+    assert not failed, f"{len(failed)} calls did not run to the end: {dict(list(failed.items())[:5])}"
+    hosts: dict[str, int] = {}
+    for i, (_, out) in results.items():
         number, host = out.split()
         assert int(number) == i, (i, out)
         hosts[host] = hosts.get(host, 0) + 1
