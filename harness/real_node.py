@@ -106,3 +106,84 @@ def wait_ready(kube: Kube, ns: str, name: str, timeout: float = 90) -> dict:
     return wait_for(ready, timeout, lambda: kube.run("describe", "pod", name, "-n", ns, check=False).stdout[-1500:])
 
 
+
+
+def load_images(node: RealNode, names: list[str], repo: Path) -> list[str]:
+    """kuberl's images ``names`` (cluster/images.py), built from ``repo`` or reused from the cache by
+    their inputs, loaded into the node's containerd; their refs. Skips (fails under
+    ``KUBERL_REQUIRE_NODE=1``) where buildah or debootstrap is missing."""
+    from kuberl.cluster.image_build import (
+        Buildah,
+        build_image,
+        cache_dir,
+        default_base,
+        ensure_base,
+        load_into,
+    )
+    from kuberl.cluster.image_build import require_tools as image_tools
+    from kuberl.cluster.images import select
+
+    try:
+        image_tools(("buildah", "debootstrap", "runc", "ctr"))
+    except ClusterError as err:
+        require_or_skip(f"kuberl's images cannot be built here: {err}")
+    buildah, recipe = Buildah(cache_dir()), default_base()
+    ensure_base(buildah, recipe)
+    socket = str(containerd.paths(node_dir(node.folder))["socket"])
+    refs = []
+    for spec in select(names):
+        build_image(buildah, spec, repo, recipe)
+        load_into(buildah, spec.ref, socket)
+        refs.append(spec.ref)
+    return refs
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` in a Prometheus text exposition (all label sets)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def dns_a(name: str, server: str, timeout: float = 2.0) -> list[str]:
+    """The A records ``server`` (a DNS server on port 53, e.g. the node's CoreDNS) answers for
+    ``name`` over UDP; [] for NXDOMAIN, no answer or no reply within ``timeout``."""
+    import secrets
+    import socket
+    import struct
+
+    qid = secrets.randbits(16)
+    question = b"".join(bytes([len(p)]) + p.encode() for p in name.rstrip(".").split(".")) + b"\0"
+    query = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + question + struct.pack(">HH", 1, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.sendto(query, (server, 53))
+            reply = sock.recv(4096)
+        except OSError:
+            return []
+    rid, flags, _, count = struct.unpack(">HHHH", reply[:8])
+    if rid != qid or flags & 0xF:  # another query's reply, or an error code (3: NXDOMAIN)
+        return []
+    at, found = 12 + len(question) + 4, []
+    for _ in range(count):
+        while reply[at] and reply[at] & 0xC0 != 0xC0:  # the owner name: labels...
+            at += reply[at] + 1
+        at += 2 if reply[at] & 0xC0 == 0xC0 else 1  # ...ending in a pointer or the root
+        rtype, _, _, length = struct.unpack(">HHIH", reply[at:at + 10])
+        at += 10
+        if rtype == 1 and length == 4:
+            found.append(socket.inet_ntoa(reply[at:at + 4]))
+        at += length
+    return found
+
+
+def programmed_endpoints(namespace: str, service: str) -> set[str]:
+    """The endpoints (ip:port) kube-proxy has programmed into the host's iptables for
+    ``namespace/service`` (its KUBE-SVC chain's jumps, each commented ``ns/svc -> ip:port``)."""
+    text = host_state.iptables_save("iptables-save")
+    pattern = re.compile(rf'^-A KUBE-SVC-\S+ -m comment --comment "{re.escape(namespace)}/{re.escape(service)}'
+                         r'(?::\S*)? -> (\S+)"', re.M)
+    return set(pattern.findall(text))

@@ -420,3 +420,17 @@ def test_an_unschedulable_pod_says_why_in_the_ready_condition() -> None:
     job = status.job_status(trainer={"spec": {"parallelism": 1}, "status": {"active": 1}}, pods=pods, suspended=False,
                             waiting_for=[], generation=1, previous={})
     assert next(c for c in job["conditions"] if c["type"] == "Ready")["reason"] == "Unschedulable"
+
+
+def test_kopfs_peer_identity_needs_no_passwd_entry(monkeypatch):
+    """In the chart's pod the operator's uid (65532) has no passwd entry, where kopf's default
+    identity (getpass.getuser()) raises KeyError: the pod's name, else the host's, is used."""
+    import getpass
+    import socket
+
+    def no_entry() -> str:
+        raise KeyError("getpwuid(): uid not found: 65532")
+
+    monkeypatch.setattr(getpass, "getuser", no_entry)
+    assert main.kopf_identity({"KUBERL_POD_NAME": "kuberl-operator-abc"}) == "kuberl-operator-abc"
+    assert main.kopf_identity({}) == socket.gethostname()

@@ -181,8 +181,17 @@ async def operate(
         stop_flag=stop_flag,
         ready_flag=ready_flag,
         liveness_endpoint=liveness_endpoint(health_port, "0.0.0.0" if public_health else "127.0.0.1"),  # noqa: S104
+        # kopf's own default is user@host, and its user lookup (getpass) raises KeyError in a
+        # container whose uid has no passwd entry (the chart's 65532): name it here instead
+        identity=kopf_identity(os.environ),
         **kwargs,
     )
+
+
+def kopf_identity(env: Mapping[str, str]) -> str:
+    """This operator's name among kopf's peers: the pod's name where the chart sets it, else the
+    host's (never a passwd lookup: the operator's uid need not have an entry)."""
+    return env.get("KUBERL_POD_NAME") or socket.gethostname()
 
 
 def election_from_env(env: Mapping[str, str]) -> ElectionConfig | None:

@@ -2,7 +2,8 @@
 
 Validation: the whole pydantic model (cross-field rules such as replicas within the
 autoscaling bounds, clip.high >= clip.low, tensorParallel vs accelerators per node, unique
-stage names), then references: a job's ``rollout.fleetRef`` / ``sandbox.poolRef`` must name
+stage names), the children it renders as the API server would judge them
+(``rendered.rendered_problems``, as `kuberl validate` does), then references: a job's ``rollout.fleetRef`` / ``sandbox.poolRef`` must name
 an existing RolloutFleet / SandboxPool in the job's namespace, the referenced fleet's
 ``engine.contextLength`` must exceed every RL stage's ``maxResponseTokens`` (SGLang answers
 HTTP 400 to a request whose prompt plus ``max_new_tokens`` reaches the context length), and
@@ -31,6 +32,7 @@ from kuberl.api.rollout_fleet import RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, APP_NAME, LABEL_NAME
 from kuberl.operator.validate.feasibility import fleet_problems, pool_problems, resource_problems
+from kuberl.operator.validate.rendered import rendered_problems
 
 # (kind, namespace, name) -> the live object, or None if it does not exist (kind LocalQueue: Kueue's)
 Lookup = Callable[[str, str, str], Awaitable[dict[str, Any] | None]]
@@ -134,8 +136,10 @@ async def validation_errors(
         res = parse_resource(_as_manifest(body), source="admission")
     except ManifestError as err:
         return [str(err).removeprefix("admission: ")]
-    errors: list[str] = resource_problems(res)
     ns = res.metadata.namespace or (body.get("metadata") or {}).get("namespace") or "default"
+    # what the API server would refuse among its children: refused now, with `kuberl validate`'s
+    # words, rather than left for the operator to mark Invalid after the write
+    errors: list[str] = resource_problems(res) + rendered_problems(res, ns)
     if isinstance(res, SandboxPool | RolloutFleet):
         if res.metadata.annotations.get(ANNOTATION_AUTOSCALER) == "keda" and res.spec.autoscaling is None:
             errors.append(

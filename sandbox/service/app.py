@@ -341,11 +341,21 @@ async def _serve(host: str, port: int, cfg: ServiceConfig) -> None:
         print(f"kuberl sandbox ready; protections {json.dumps(svc.protections())}", flush=True)
         await _log_progress(svc, every_seconds())
     finally:
+        # SIGTERM (the pod is being deleted): no new connections, the queued calls back to their
+        # clients (503), the running ones answered before the workers go; the kubelet's grace
+        # (the call timeout + 5 s, rendered by the operator) covers one call's run
         listener.close()
+        cut_off = await svc.drain(_drain_seconds(cfg))
         await svc.stop()
+        print(f"kuberl sandbox stopped: {svc.answered} calls answered, {cut_off} cut off mid-run", flush=True)
         with contextlib.suppress(Exception):  # the connections still open end with the service
             await runner.server.shutdown(2.0)
         await runner.cleanup()
+
+
+def _drain_seconds(cfg: ServiceConfig) -> float:
+    """How long the running calls may take to finish at exit: one call's timeout, plus a second."""
+    return float(cfg.lim.timeout_seconds) + 1.0
 
 
 async def _log_progress(svc: SandboxService, every: float) -> None:

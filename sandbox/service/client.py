@@ -26,8 +26,9 @@ class _Busy(Exception):
 class SandboxClient:
     """``execute``/``verify`` against one service; each call carries a fresh id reused on retry.
 
-    Backpressure answers (429/503) are retried without consuming ``retries`` until
-    ``request_timeout`` has passed; transport errors consume ``retries``. Because the server
+    Backpressure answers (429/503) and refused connections (the call never left) are retried
+    without consuming ``retries`` until ``request_timeout`` has passed; other transport errors
+    consume ``retries``. Because the server
     remembers results by id, a retry after a lost response gets the original result instead
     of running the code twice. That memory is per pod: ``base_url`` should name one service
     process (or a Service whose retries may land on another pod, which then runs the call
@@ -86,6 +87,11 @@ class SandboxClient:
                     if resp.status == 429 and splittable:
                         raise _Busy
                     wait = float(resp.headers.get("Retry-After", delay))
+            except aiohttp.ClientConnectorError:
+                # the connection was never made, so the call was never sent: a pod that is going
+                # (its port closed before the Service stops choosing it) costs a retry within the
+                # deadline, not one of ``retries``
+                wait = delay
             except (TimeoutError, aiohttp.ClientError) as err:
                 failures += 1
                 if failures > self.retries:

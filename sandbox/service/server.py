@@ -154,6 +154,7 @@ class SandboxService:
         self.ready = False
         self.busy = 0
         self.restarts = 0
+        self.answered = 0  # calls answered since start (the line printed at exit reports it)
         self._spawn_lock = asyncio.Lock()
         self.window = Window()  # for the periodic log line (sandbox/service/progress.py)
         # the pool's metric children, looked up once (labels() costs ~5 us, several times a call)
@@ -181,6 +182,24 @@ class SandboxService:
 
     def is_ready(self) -> bool:
         return self.ready and self.workers_up() == self.cfg.workers
+
+    async def drain(self, timeout: float) -> int:
+        """Take no more calls and let the running ones finish (a pod being deleted): a call still
+        queued, never started, is answered 503 at once (its client retries it on another pod,
+        where it runs for the first time); the running ones are waited for up to ``timeout``.
+        How many calls were still running then (0: no call was cut off mid-run)."""
+        self.ready = False  # new calls: 503 (the handlers), /readyz: 503
+        while self.queue:
+            call = self.queue.popleft()
+            self.inflight.pop(call.key, None)
+            if not call.future.done():
+                call.future.set_exception(ServiceUnavailable("the sandbox service is stopping"))
+        self._queue_depth.set(0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return len(self.inflight)
 
     async def stop(self) -> None:
         self.ready = False
@@ -405,6 +424,7 @@ class SandboxService:
             VERIFY_CALLS.labels(self.cfg.pool, outcome).inc()
             self.window.add_verify(outcome)
         self.inflight.pop(call.key, None)
+        self.answered += 1
         self.memory.remember(call.key, call.digest, value, answer_size(value))
         if not call.future.done():
             call.future.set_result(value)
