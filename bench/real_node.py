@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT / "harness"))
 sys.path.insert(1, str(ROOT / "bench"))
 
 from k8s_fixtures import Kube, wait_for  # noqa: E402
+from node_fixtures import RealNode, restricted_namespace  # noqa: E402
 from operator_pod import POOL, install_operator, pool_access, pool_manifest, serving  # noqa: E402
-from real_node import RealNode, restricted_namespace  # noqa: E402
 from sandbox_service import service  # noqa: E402
 
 from kuberl.api.sandbox_pool import SandboxLimits  # noqa: E402

@@ -1,4 +1,4 @@
-"""kuberl's operator as a pod on the real node (harness/real_node.py), installed from the Helm chart
+"""kuberl's operator as a pod on the real node (harness/node_fixtures.py), installed from the Helm chart
 with admission on, and a SandboxPool it serves: shared by tests/test_real_node_operator.py and
 bench/real_node.py."""
 
@@ -9,7 +9,7 @@ import base64
 import yaml
 from chart_render import render
 from k8s_fixtures import OPERATOR_NAMESPACE, install_crds, running_ready, wait_for
-from real_node import RealNode
+from node_fixtures import RealNode
 
 from kuberl.cluster.pki import NODE_NAME
 

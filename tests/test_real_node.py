@@ -6,7 +6,7 @@ IP from the node's bridge, passes its kubelet-run httpGet and exec probes; ``kub
 ``exec`` reach it; a ClusterIP Service routes to two such pods from the host and from a pod
 (kube-proxy, iptables), and by its name (CoreDNS); a pod calls the API server as an in-cluster
 client; a SandboxPool's rendered NetworkPolicy is enforced (kube-router); the kubelet's
-credentials are a node's; and ``down`` leaves the host as it found it (harness/real_node.py).
+credentials are a node's; and ``down`` leaves the host as it found it (harness/node_fixtures.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from k8s_fixtures import Kube, running_ready, wait_for
-from real_node import (
+from node_fixtures import (
     RealNode,
     dns_a,
     host_view,

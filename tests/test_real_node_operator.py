@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fixtures import OPERATOR_NAMESPACE, wait_for
+from node_fixtures import RealNode, load_images, metric_sum, restricted_namespace, start
 from operator_pod import (
     POOL,
     chart_objects,
@@ -32,7 +33,6 @@ from operator_pod import (
     pool_manifest,
     serving,
 )
-from real_node import RealNode, load_images, metric_sum, restricted_namespace, start
 from test_api import SCHEMA_ADMITS
 
 from kuberl.api.loader import load_documents

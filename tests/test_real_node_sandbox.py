@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fixtures import Operator, install_chart_rbac, running_ready, wait_for
-from real_node import RealNode, require_or_skip, restricted_namespace, start
+from node_fixtures import RealNode, require_or_skip, restricted_namespace, start
 
 from kuberl.cluster import containerd
 from kuberl.cluster.errors import ClusterError
