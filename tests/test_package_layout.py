@@ -241,3 +241,17 @@ def test_the_pure_rooms_do_no_io():
         if _node(imp.importer, pure) and imp.target.split(".")[0] in IO_LIBRARIES
     ]
     assert not offending, "\n".join(map(str, offending))
+
+
+def test_bench_harness_and_tests_share_no_module_name():
+    """bench/, harness/ and tests/ are put on sys.path side by side (bench scripts and tests
+    import harness modules by bare name), so a name in two of them imports whichever folder came
+    first: bench/real_node.py once shadowed the node tests' harness module."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for folder in ("bench", "harness", "tests"):
+        for path in sorted((REPO / folder).glob("*.py")):
+            if path.stem in seen and path.stem != "__init__":
+                clashes.append(f"{seen[path.stem]}/{path.name} and {folder}/{path.name}")
+            seen.setdefault(path.stem, folder)
+    assert clashes == []
