@@ -21,11 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fixtures import Operator, install_chart_rbac, running_ready, wait_for
-from node_fixtures import RealNode, require_or_skip, restricted_namespace, start
+from node_fixtures import RealNode, load_images, programmed_endpoints, restricted_namespace, start
 
-from kuberl.cluster import containerd
-from kuberl.cluster.errors import ClusterError
-from kuberl.cluster.node import node_dir
 from kuberl.cluster.pki import NODE_NAME
 
 pytestmark = pytest.mark.node
@@ -53,27 +50,7 @@ def node(tmp_path_factory) -> Iterator[RealNode]:
 @pytest.fixture(scope="module")
 def sandbox_image(node: RealNode) -> str:
     """The sandbox image, built (or reused) and loaded into the node's containerd."""
-    from kuberl.cluster.image_build import (
-        Buildah,
-        build_image,
-        cache_dir,
-        default_base,
-        ensure_base,
-        load_into,
-    )
-    from kuberl.cluster.image_build import require_tools as image_tools
-    from kuberl.cluster.images import select
-
-    try:
-        image_tools(("buildah", "debootstrap", "runc", "ctr"))
-    except ClusterError as err:
-        require_or_skip(f"kuberl's images cannot be built here: {err}")
-    buildah, recipe = Buildah(cache_dir()), default_base()
-    ensure_base(buildah, recipe)
-    spec = select(["sandbox"])[0]
-    build_image(buildah, spec, REPO, recipe)
-    load_into(buildah, spec.ref, str(containerd.paths(node_dir(node.folder))["socket"]))
-    return spec.ref
+    return load_images(node, ["sandbox"], REPO)[0]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +126,11 @@ def test_kubectl_scale_gives_three_serving_pods_and_calls_spread(node: RealNode,
     wait_for(lambda: len(serving(node, pool)) == 3, 240,
              lambda: node.kube.run("get", "pods", "-n", pool, "-o", "wide", check=False).stdout)
     names = {p["metadata"]["name"] for p in serving(node, pool)}
+    # the calls spread over what kube-proxy has programmed: wait until that is all three pods
+    # (a pod Ready a moment ago may not be in the Service's rules yet)
+    ips = {p["status"]["podIP"] for p in serving(node, pool)}
+    wait_for(lambda: {e.split(":")[0] for e in programmed_endpoints(pool, POOL)} == ips, 60,
+             lambda: f"kube-proxy programming {pool}/{POOL} -> {sorted(ips)}: {sorted(programmed_endpoints(pool, POOL))}")
     url, token = service_url(node, pool), pool_token(node, pool)
     answered = [call(url, token, "import os; print(os.uname().nodename)") for _ in range(30)]
     assert all(a["outcome"] == "stdout" for a in answered), answered[:3]
