@@ -616,7 +616,8 @@ async def test_admission_webhooks_through_kopf() -> None:
                     "apiVersion": "kuberl.io/v1alpha1",
                     "kind": "RolloutFleet",
                     "metadata": {"name": "nope", "namespace": NS},
-                    "spec": {"model": {"uri": "m"}, "accelerator": {"profile": "cpu"}, "weightSync": {"claimName": "w"}},
+                    "spec": {"model": {"uri": "Qwen/Qwen2.5-1.5B-Instruct"}, "accelerator": {"profile": "cpu"},
+                             "weightSync": {"claimName": "w"}},  # serves the job's model
                 },
             )
             await k.create(f"{API}/sandboxpools", pool("nada"))
