@@ -142,6 +142,23 @@ def wait_closed(held: list[socket.socket], within: float) -> tuple[int, float]:
     return open_left, last
 
 
+def trivial_latencies(url: str, calls: int = 200) -> list[float]:
+    """Trivial calls' latencies on an open connection with nothing held: the baseline the flood's
+    are compared with, on this machine at this moment (its load included)."""
+
+    async def scenario() -> list[float]:
+        async with SandboxClient(url) as c:
+            await c.execute("print(1)")
+            lat = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                await c.execute("print(1)")
+                lat.append(time.perf_counter() - t)
+            return sorted(lat)
+
+    return asyncio.run(scenario())
+
+
 def calls_under_flood(url: str, count: int, calls: int = 200) -> tuple[list[float], list[socket.socket], float]:
     """Trivial calls' latencies on an open connection once ``count`` half-sent requests are
     held, the held sockets, and when the flood was complete (monotonic)."""

