@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from kuberl.cluster.images import (
     build_args,
     image_inputs_digest,
     render_build_args,
+    select,
 )
 
 # command -> the Debian package that provides it
@@ -222,3 +223,19 @@ def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io
     if got != want:
         raise ClusterError(f"containerd at {address} has {ref} as {got} after the import, not {want}")
     return True
+
+
+def build_images(names: list[str], context: Path, *, address: str | None = None, namespace: str = "k8s.io",
+                 log: Log = lambda _: None) -> Iterator[tuple[Built, bool | None]]:
+    """Build (or reuse) the base and each of ``names`` from ``context``, one at a time, and with
+    ``address`` load each into that containerd: (what was built, whether it was loaded; None
+    without ``address``). ClusterError before anything runs where a tool is missing."""
+    require_tools(("buildah", "debootstrap", "runc", *(("ctr",) if address else ())))
+    buildah, recipe = Buildah(cache_dir()), default_base()
+    base = ensure_base(buildah, recipe, log=log)
+    log(f"base {base.ref}: {'cached' if base.cached else 'built'} ({base.seconds:.0f} s)")
+    for spec in select(names):
+        built = build_image(buildah, spec, context, recipe, log=log)
+        log(f"{spec.name}: {'cached' if built.cached else 'built'} ({built.seconds:.0f} s)")
+        loaded = load_into(buildah, built.ref, address, namespace, log=log) if address else None
+        yield built, loaded

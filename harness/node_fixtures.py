@@ -112,30 +112,14 @@ def load_images(node: RealNode, names: list[str], repo: Path) -> list[str]:
     """kuberl's images ``names`` (cluster/images.py), built from ``repo`` or reused from the cache by
     their inputs, loaded into the node's containerd; their refs. Skips (fails under
     ``KUBERL_REQUIRE_NODE=1``) where buildah or debootstrap is missing."""
-    from kuberl.cluster.image_build import (
-        Buildah,
-        build_image,
-        cache_dir,
-        default_base,
-        ensure_base,
-        load_into,
-    )
-    from kuberl.cluster.image_build import require_tools as image_tools
-    from kuberl.cluster.images import select
+    from kuberl.cluster.image_build import build_images, require_tools
 
     try:
-        image_tools(("buildah", "debootstrap", "runc", "ctr"))
+        require_tools(("buildah", "debootstrap", "runc", "ctr"))
     except ClusterError as err:
         require_or_skip(f"kuberl's images cannot be built here: {err}")
-    buildah, recipe = Buildah(cache_dir()), default_base()
-    ensure_base(buildah, recipe)
     socket = str(containerd.paths(node_dir(node.folder))["socket"])
-    refs = []
-    for spec in select(names):
-        build_image(buildah, spec, repo, recipe)
-        load_into(buildah, spec.ref, socket)
-        refs.append(spec.ref)
-    return refs
+    return [built.ref for built, _ in build_images(names, repo, address=socket)]
 
 
 def metric_sum(text: str, name: str) -> float:

@@ -27,31 +27,16 @@ def _say(line: str) -> None:
 
 def _cmd_build(args: argparse.Namespace) -> int:
     from kuberl.cluster.errors import ClusterError
-    from kuberl.cluster.image_build import (
-        Buildah,
-        build_image,
-        cache_dir,
-        default_base,
-        ensure_base,
-        load_into,
-        require_tools,
-    )
+    from kuberl.cluster.image_build import build_images
     from kuberl.cluster.images import select
 
-    specs = select(args.names)
+    select(args.names)  # an unknown name fails before anything is built
     context = _context(args.context)
     try:
-        require_tools(("buildah", "debootstrap", "runc", *(("ctr",) if args.load_into else ())))
-        buildah = Buildah(cache_dir())
-        recipe = default_base()
-        base = ensure_base(buildah, recipe, log=_say)
-        _say(f"base {base.ref}: {'cached' if base.cached else 'built'} ({base.seconds:.0f} s)")
-        for spec in specs:
-            built = build_image(buildah, spec, context, recipe, log=_say)
-            _say(f"{spec.name}: {'cached' if built.cached else 'built'} ({built.seconds:.0f} s)")
+        for built, loaded in build_images(args.names, context, address=args.load_into, namespace=args.namespace,
+                                          log=_say):
             line = f"{built.ref}\t{built.image_id[:12]}"
-            if args.load_into:
-                loaded = load_into(buildah, built.ref, args.load_into, args.namespace, log=_say)
+            if loaded is not None:
                 line += "\tloaded" if loaded else "\talready loaded"
             print(line, flush=True)
     except ClusterError as err:
