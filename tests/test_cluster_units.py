@@ -12,7 +12,8 @@ import yaml
 from kuberl.cluster import build, nodes
 from kuberl.cluster.control_plane import kubeconfig_text
 from kuberl.cluster.errors import ClusterError
-from kuberl.rollout.vllm_server import STOP_GRACE_S, requirements_without_torch, stop_grace_s
+from kuberl.rollout.vllm_env import requirements_without_torch
+from kuberl.rollout.vllm_server import STOP_GRACE_S, stop_grace_s
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
