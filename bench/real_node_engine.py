@@ -13,7 +13,7 @@
    kubelet's startup and readiness probes on vLLM's ``/health``), split into the container's
    start and vLLM's own start-up. The model reaches the pod as a read-only hostPath volume (a
    world-readable copy: the prepared folder's weights are root's, the pod runs as uid 65532).
-4. One completion from the host at the pod's IP (over the node's bridge), as a trainer reaches it.
+4. One chat answer from the host at the pod's IP (over the node's bridge), as a trainer reaches it.
 5. ``kubectl scale --replicas=0``: the kubelet runs the pod's preStop drain hook (quiet for
    DRAIN_QUIET_S, operator/render/engines.py) and then SIGTERM; time until the pod is gone.
 
@@ -101,13 +101,16 @@ def _started_at(pod: dict) -> float | None:
     return None
 
 
-def complete(ip: str, prompt: str = "What is 2+3? Answer:") -> tuple[str, float]:
-    body = json.dumps({"model": FLEET, "prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://{ip}:{PORT}/v1/completions", body, {"Content-Type": "application/json"})
+def complete(ip: str, question: str = "What is 2+3?") -> tuple[str, int, float]:
+    """One greedy chat answer from the engine at ``ip``: its text, its token count, seconds."""
+    body = json.dumps({"model": FLEET, "messages": [{"role": "user", "content": question}],
+                       "max_tokens": 24, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://{ip}:{PORT}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=120) as resp:
-        text = json.loads(resp.read())["choices"][0]["text"]
-    return text, time.monotonic() - t0
+        answer = json.loads(resp.read())
+    return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"], time.monotonic() - t0
 
 
 def main() -> int:
@@ -135,11 +138,12 @@ def main() -> int:
     shutil.copytree(args.model, model_copy)
     for path in [model_copy, *model_copy.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-    t0 = time.monotonic()
-    state = up(folder / "cluster", pools=default_pools(mi300x=0, h100=0, cpu=0), real_node=True)
-    summary["up_s"] = round(time.monotonic() - t0, 1)
-    _say(f"cluster up with the real node: {summary['up_s']} s; load {_load()}")
     try:
+        t0 = time.monotonic()
+        # one kwok GPU node beside the real one, as the node tests start it (kwok waits for a node)
+        state = up(folder / "cluster", pools=default_pools(mi300x=1, h100=0, cpu=0), real_node=True)
+        summary["up_s"] = round(time.monotonic() - t0, 1)
+        _say(f"cluster up with the real node: {summary['up_s']} s; load {_load()}")
         kube = Kube(state)
         ctd_root = containerd.paths(node_dir(folder / "cluster"))
         before = _du_gb(node_dir(folder / "cluster"))
@@ -170,9 +174,9 @@ def main() -> int:
         _say(f"engine pod apply to Ready: {ready_s:.1f} s (container started after "
              f"{summary['apply_to_container_start_s']} s; the rest is vLLM's start-up); load {_load()}")
         ip = pod["status"]["podIP"]
-        text, took = complete(ip)
-        summary["completion"] = {"text": text, "s": round(took, 2), "pod_ip": ip}
-        _say(f"a completion from the host at {ip}:{PORT}: {text!r} in {took:.2f} s")
+        text, tokens, took = complete(ip)
+        summary["completion"] = {"text": text, "tokens": tokens, "s": round(took, 2), "pod_ip": ip}
+        _say(f"a chat answer from the host at {ip}:{PORT}: {text!r} ({tokens} tokens) in {took:.2f} s")
         name = pod["metadata"]["name"]
         t0 = time.monotonic()
         kube.run("scale", f"deployment/{FLEET}", "-n", NAMESPACE, "--replicas=0")
