@@ -137,6 +137,32 @@ def test_vllm_requirements_leave_out_torch_and_other_platforms():
         requirements_without_torch(["not a requirement ==="])
 
 
+def test_the_vllm_install_route_runs_as_a_script_without_kuberl(tmp_path):
+    """images/rollout/Dockerfile.cpu runs rollout/vllm_env.py before kuberl is installed: a copy
+    of it alone, run where only packaging can be imported (no site packages, no kuberl), answers
+    (here its usage; no install is started)."""
+    import os
+    import subprocess
+    import sys
+
+    import packaging
+
+    from kuberl.rollout import vllm_env
+
+    script = tmp_path / "vllm_env.py"
+    shutil.copy(vllm_env.__file__, script)
+    env = {**os.environ, "PYTHONPATH": str(Path(packaging.__file__).parent.parent)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-P", "-S", *args], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env=env)
+
+    if run("-c", "import kuberl").returncode == 0:
+        pytest.skip("kuberl is importable beside packaging here (installed into the same folder)")
+    res = run(str(script))
+    assert res.returncode == 2 and "usage: python3 -P vllm_env.py VENV" in res.stderr, res.stderr
+
+
 def test_the_vllm_servers_stop_grace_comes_from_the_environment_or_defaults_to_30_s():
     assert stop_grace_s({}) == STOP_GRACE_S == 30.0
     assert stop_grace_s({"KUBERL_VLLM_STOP_GRACE_S": "5"}) == 5.0
