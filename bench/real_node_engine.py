@@ -51,7 +51,6 @@ from kuberl.operator.render.builders import build_for, engine_selector  # noqa: 
 
 MODEL = Path.home() / ".cache" / "kuberl" / "models" / "hf" / "smollm2-135m-instruct"
 FLEET, NAMESPACE, PORT = "engines", "fleet-bench", 8000
-KV_CACHE_BYTES = 512 << 20  # explicit: the CPU backend otherwise reserves a fraction of the node
 
 
 def _say(line: str) -> None:
@@ -81,7 +80,7 @@ def fleet_manifest(model_dir: Path) -> dict:
         "spec": {
             "replicas": 1, "model": {"uri": "/model"},
             "engine": {"type": "vllm", "port": PORT, "dtype": "float32", "contextLength": 1024,
-                       "extraArgs": ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager"]},
+                       "extraArgs": ["--enforce-eager"]},  # the KV cache: the renderer's cpu default
             "accelerator": {"profile": "cpu", "count": 1},
             "podTemplate": {"spec": {
                 "volumes": [{"name": "model", "hostPath": {"path": str(model_dir), "type": "Directory"}}],
