@@ -352,7 +352,8 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
         if real_node:
             real_node_mod.up(folder, pki, lambda who: _component_kubeconfig(state, pki, who),
                     lambda *args, check=True, input=None: kubectl(state, *args, check=check, input=input),
-                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
+                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR,
+                    storage_class=STORAGE_CLASS["metadata"]["name"], timeout=timeout)
     except BaseException:
         down(folder)
         raise
