@@ -1,15 +1,15 @@
 """Benchmark: the full examples/quickstart.yaml in real pods against ``kuberl run`` on the host
 (issue 38 items 3d and 4).
 
-    python -P bench/quickstart_pods.py [--skip-host] [--log bench/logs/quickstart-pods-DATE.log]
+    python -P bench/quickstart_pods.py [--only pods|host]
 
 1. ``kuberl cluster up`` with its real node; the sandbox, operator and trainer-cpu images built
    (or reused) and loaded into the node's containerd (each load timed: the trainer's is 6 GB).
 2. The operator pod from the chart, then ``kubectl apply -f examples/quickstart.yaml`` unchanged
    (in a PodSecurity-restricted namespace): apply to Succeeded, the trainer pod's own minutes,
    and the held-out accuracy the run recorded (its eval step records on the job's claim).
-3. ``kuberl run examples/quickstart.yaml`` on the host, on the same machine right after: minutes
-   and the same accuracies.
+3. ``kuberl run examples/quickstart.yaml`` on the host, on the same machine right after (or alone:
+   ``--only host``, which needs no node): minutes and the same accuracies.
 
 Prints one line per figure and a JSON summary with the load average before and after each part;
 needs what the real node needs (root) and stops the node it starts. Only one real node runs per
@@ -104,12 +104,14 @@ def on_host(summary: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--skip-host", action="store_true", help="only the run in pods")
+    ap.add_argument("--only", choices=("pods", "host"), help="one side alone")
     args = ap.parse_args()
     summary: dict = {"load_before": _load()}
-    in_pods(summary)
-    if not args.skip_host:
+    if args.only != "host":
+        in_pods(summary)
+    if args.only != "pods":
         on_host(summary)
+    if not args.only:
         summary["pods_over_host"] = round(summary["pods_apply_to_done_s"] / summary["host_s"], 2)
     summary["load_after"] = _load()
     print(json.dumps(summary, indent=1))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -59,9 +60,16 @@ def claim_folder(kube: Kube, namespace: str) -> Path:
 
 
 def records(folder: Path, name: str = "metrics.jsonl") -> list[dict]:
-    """The run's step records (or events) kept beside its checkpoints."""
+    """The run's step records (or events) kept beside its checkpoints; a last line being written
+    as this reads is left out."""
     path = folder / name
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
 
 
 class LogFollower:
@@ -100,34 +108,55 @@ def running_trainer(kube: Kube, namespace: str, timeout: float, not_named: str |
                                                      check=False).stdout[-3000:], interval=1.0)
 
 
-def scrape_config(kubeconfig: Path, namespace: str) -> dict:
-    """The chart's trainer PodMonitor (charts/kuberl/templates/monitors.yaml) as a plain
-    Prometheus scrape job: the pods of rank 0 of kuberl's trainer Jobs found through the API
-    server, scraped at their `metrics` port's address, the trainer's own labels kept."""
-    keep = [("app_kubernetes_io_managed_by", "kuberl"), ("app_kubernetes_io_component", "trainer"),
-            ("batch_kubernetes_io_job_completion_index", "0")]
-    return {
-        "job_name": "kuberl-trainer", "honor_labels": True, "scrape_interval": "2s",
-        "kubernetes_sd_configs": [{"role": "pod", "kubeconfig_file": str(kubeconfig),
-                                   "namespaces": {"names": [namespace]}}],
-        "relabel_configs": [
-            *({"source_labels": [f"__meta_kubernetes_pod_label_{k}"], "regex": v, "action": "keep"}
-              for k, v in keep),
-            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics", "action": "keep"},
-            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        ],
-    }  # fmt: skip
+# The chart's trainer PodMonitor's selector (charts/kuberl/templates/monitors.yaml): rank 0 of
+# kuberl's trainer Jobs, scraped at its `metrics` port.
+POD_MONITOR = "app.kubernetes.io/managed-by=kuberl,app.kubernetes.io/component=trainer,batch.kubernetes.io/job-completion-index=0"
+
+
+def scrape_targets(pods: list[dict]) -> list[dict]:
+    """Prometheus file_sd targets of the running pods' `metrics` ports, labelled with the pod."""
+    out = []
+    for pod in pods:
+        ip = pod.get("status", {}).get("podIP")
+        if not ip or pod["status"].get("phase") != "Running":
+            continue
+        for c in pod["spec"]["containers"]:
+            for port in c.get("ports") or []:
+                if port.get("name") == "metrics":
+                    out.append({"targets": [f"{ip}:{port['containerPort']}"],
+                                "labels": {"pod": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"]}})
+    return out
+
+
+def _discover(kube: Kube, namespace: str, path: Path, stop: threading.Event) -> None:
+    """What Prometheus' Kubernetes discovery would do (Debian's build leaves it out): the pods the
+    PodMonitor selects, written as file_sd targets whenever they change."""
+    last = None
+    while not stop.wait(1.0):
+        with contextlib.suppress(AssertionError, subprocess.TimeoutExpired, ValueError):
+            targets = scrape_targets(kube.items("pods", namespace, POD_MONITOR))
+            if targets != last:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(targets))
+                tmp.rename(path)  # Prometheus reads whole files only
+                last = targets
 
 
 @contextlib.contextmanager
 def prometheus(node: RealNode, namespace: str, folder: Path) -> Iterator[str]:
-    """Debian's Prometheus on the host, discovering the trainer pods through the API server with
-    the admin's kubeconfig; its base URL."""
+    """Debian's Prometheus on the host scraping the trainer pods every 2 s, found through the API
+    server as the chart's trainer PodMonitor selects them; its base URL."""
     port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
+    targets = folder / "trainers.json"
+    targets.write_text("[]")
     config = {"global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
-              "scrape_configs": [scrape_config(node.kube.kubeconfig, namespace)]}
+              "scrape_configs": [{"job_name": "kuberl-trainer", "honor_labels": True,
+                                  "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "2s"}]}]}
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    stop = threading.Event()
+    finder = threading.Thread(target=_discover, args=(node.kube, namespace, targets, stop), daemon=True)
+    finder.start()
     with (folder / "prometheus.log").open("w") as log:
         proc = subprocess.Popen(["prometheus", f"--config.file={folder / 'prometheus.yml'}",
                                  f"--storage.tsdb.path={folder / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
@@ -139,12 +168,14 @@ def prometheus(node: RealNode, namespace: str, folder: Path) -> Iterator[str]:
             raise AssertionError(f"prometheus ended: {(folder / 'prometheus.log').read_text()[-2000:]}")
         yield base
     finally:
+        stop.set()
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        finder.join(10)
 
 
 def _ready(base: str) -> bool:

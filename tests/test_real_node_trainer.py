@@ -29,6 +29,7 @@ from trainer_pod import (
     JOB,
     LogFollower,
     claim_folder,
+    job_status,
     prometheus,
     query_range,
     quickstart,
@@ -57,7 +58,10 @@ def run(node: RealNode, tmp_path_factory) -> dict:
     after the first RL checkpoint; what each step saw."""
     if shutil.which("prometheus") is None:
         require_or_skip("Debian's prometheus is not installed (apt-get install prometheus)")
-    load_images(node, ["sandbox", "operator", "trainer-cpu"], REPO)
+    for name in ("sandbox", "operator", "trainer-cpu"):
+        t = time.monotonic()
+        load_images(node, [name], REPO)  # built or reused, loaded unless the node's root has it
+        print(f"{name}: built or reused and in the node's containerd in {time.monotonic() - t:.1f} s")
     install_operator(node)
     tmp = tmp_path_factory.mktemp("trainerrun")
     ns = restricted_namespace(node.kube, "qs")
@@ -72,8 +76,10 @@ def run(node: RealNode, tmp_path_factory) -> dict:
         wait_for(lambda: any(r.get("type") == "rl" for r in records(folder)), 900,
                  lambda: first_log.text()[-2000:] + operator_logs(node),
                  interval=1.0)
-        kube.run("delete", "pod", first["metadata"]["name"], "-n", ns, "--wait=false")
-        stopped = first_log.wait(120)
+        deleted = kube.run("delete", "pod", first["metadata"]["name"], "-n", ns, "--wait=false", check=False)
+        assert deleted.returncode == 0, (deleted.stderr, kube.run("get", "pods,jobs", "-n", ns, "-o", "wide").stdout,
+                                         job_status(kube, ns), first_log.text()[-3000:])
+        stopped = first_log.wait(330)  # the trainer's grace: it ends its step and checkpoints
         second = running_trainer(kube, ns, 300, not_named=first["metadata"]["name"])
         second_log = LogFollower(kube, ns, second["metadata"]["name"], tmp / "second.log")
         status = wait_phase(kube, ns, {"Succeeded", "Failed"}, 900)
