@@ -144,12 +144,12 @@ NODE_VOLUME_CAPACITY = "1Ti"
 
 def node_volumes(volumes_dir: Path, storage_class: str, count: int = NODE_VOLUMES) -> list[dict[str, Any]]:
     """Local PersistentVolumes on the real node, folders ``volumes_dir/vol-N``, in the default
-    StorageClass: a claim binds to one of them before the controller manager's hostPath
-    provisioner makes one under /tmp/hostpath_pv. Unlike those (root's, mode 0750, which the
-    kubelet leaves alone), the kubelet gives a local volume to the pod's ``fsGroup`` as CSI
-    drivers do, so a non-root pod (the trainer's checkpoints) writes to its claim. A pod with
-    such a claim runs on the real node (the volume's node affinity). Retained after their claim
-    goes; the folders go with the cluster's."""
+    StorageClass (which binds when the pod is scheduled): a claim of a pod on the real node binds
+    to one of them, not to a folder the controller manager's hostPath provisioner makes under
+    /tmp/hostpath_pv (root's, mode 0750, which the kubelet leaves alone); the kubelet gives a
+    local volume to the pod's ``fsGroup`` as CSI drivers do, so a non-root pod (the trainer's
+    checkpoints) writes to its claim. Pods on simulated nodes still get hostPath volumes.
+    Retained after their claim goes; the folders go with the cluster's."""
     return [
         {
             "apiVersion": "v1", "kind": "PersistentVolume",

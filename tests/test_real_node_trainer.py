@@ -95,6 +95,25 @@ def run(node: RealNode, tmp_path_factory) -> dict:
             "folder": folder, "steps": steps, "shown": shown, "seconds": t1 - t0}
 
 
+def test_a_claim_of_a_pod_on_a_simulated_gpu_node_gets_a_host_path_volume(node: RealNode):
+    """The real node's local volumes are in the default class, which binds a claim once its pod
+    is scheduled: a pod on kwok's GPU node gets a hostPath volume, not one it cannot reach."""
+    ns = "gpuclaim"
+    node.kube.run("create", "namespace", ns)
+    node.kube.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "c", "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}},
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": ns},
+         "spec": {"nodeSelector": {"kubernetes.io/hostname": "mi300x-0"}, "tolerations": [{"operator": "Exists"}],
+                  "containers": [{"name": "c", "image": "x", "volumeMounts": [{"name": "v", "mountPath": "/v"}]}],
+                  "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": "c"}}]}},
+    ])  # fmt: skip
+    volume = wait_for(lambda: node.kube.json("get", "pvc", "c", "-n", ns)["spec"].get("volumeName"), 120,
+                      lambda: node.kube.run("describe", "pvc", "c", "-n", ns, check=False).stdout[-1500:])
+    assert "hostPath" in node.kube.json("get", "pv", volume)["spec"]
+    assert node.kube.json("get", "pod", "p", "-n", ns)["spec"].get("nodeName") == "mi300x-0"
+
+
 def test_the_quickstart_reaches_succeeded_in_a_trainer_pod_on_the_real_node(run: dict):
     assert run["status"]["phase"] == "Succeeded", run["status"]
     for pod in (run["first"], run["second"]):
