@@ -111,7 +111,9 @@ def test_a_claim_of_a_pod_on_a_simulated_gpu_node_gets_a_host_path_volume(node: 
     volume = wait_for(lambda: node.kube.json("get", "pvc", "c", "-n", ns)["spec"].get("volumeName"), 120,
                       lambda: node.kube.run("describe", "pvc", "c", "-n", ns, check=False).stdout[-1500:])
     assert "hostPath" in node.kube.json("get", "pv", volume)["spec"]
-    assert node.kube.json("get", "pod", "p", "-n", ns)["spec"].get("nodeName") == "mi300x-0"
+    # the scheduler binds the pod once its claim is bound
+    wait_for(lambda: node.kube.json("get", "pod", "p", "-n", ns)["spec"].get("nodeName") == "mi300x-0", 60,
+             "the pod bound to the GPU node")
 
 
 def test_the_quickstart_reaches_succeeded_in_a_trainer_pod_on_the_real_node(run: dict):
