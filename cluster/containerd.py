@@ -1,5 +1,11 @@
-"""The real node's containerd: its own root, state and socket under the cluster folder (never the
+"""The real node's containerd: its own state and socket under the cluster folder (never the
 host's containerd service), runc through the v2 shim, overlayfs, and CNI plugins from the host.
+
+Its root (image content, unpacked layers, metadata) outlives the cluster: :func:`image_root`,
+~/.cache/kuberl/node/containerd, as /var/lib/containerd outlives a node's reboots while
+/run/containerd (the state) does not. Loading kuberl's 6 GB trainer image costs minutes and
+~12 GB of disk; kept there, the next ``cluster up`` has it (``image_build.load_into`` imports
+only an image id the root lacks). ``forget_containers`` leaves only images in it at ``down``.
 
 The machine this was made on has cgroup v1 without systemd (cgroupfs), and its root lacks
 CAP_SYS_RESOURCE, so runc may not raise a pause container's ``oom_score_adj``:
@@ -8,6 +14,7 @@ CAP_SYS_RESOURCE, so runc may not raise a pause container's ``oom_score_adj``:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,9 +30,14 @@ DISABLED = ("io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.
             "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing")
 
 
+def image_root() -> Path:
+    """Where every real node's containerd keeps its images (one real node runs on a host at a time)."""
+    return Path(os.environ.get("KUBERL_NODE_IMAGES") or Path.home() / ".cache" / "kuberl" / "node" / "containerd")
+
+
 def paths(node_dir: Path) -> dict[str, Path]:
     base = node_dir / "containerd"
-    return {"root": base / "root", "state": base / "state", "socket": base / "containerd.sock",
+    return {"root": image_root(), "state": base / "state", "socket": base / "containerd.sock",
             "config": base / "config.toml", "runc_root": base / "runc", "opt": base / "opt"}
 
 
@@ -88,6 +100,24 @@ def import_archive(node_dir: Path, archive: Path) -> None:
     """Load an OCI or Docker image archive into the node's image store (pods name its tag with
     ``imagePullPolicy: Never`` or ``IfNotPresent``)."""
     ctr(node_dir, "images", "import", str(archive))
+
+
+def forget_containers(node_dir: Path) -> int:
+    """Delete every container (pods' and their sandboxes', their processes killed) with its writable layer, so
+    that the root, which the next node reuses, holds images only; the number deleted. Best
+    effort: what is left is what a node finds after a crash, and its kubelet removes it."""
+    try:
+        ids = ctr(node_dir, "containers", "list", "-q", timeout=30).split()
+    except (ClusterError, subprocess.TimeoutExpired):
+        return 0
+    deleted = 0
+    for cid in ids:
+        with contextlib.suppress(ClusterError, subprocess.TimeoutExpired):  # its processes are killed: a record
+            ctr(node_dir, "tasks", "delete", "--force", cid, timeout=30)
+        with contextlib.suppress(ClusterError, subprocess.TimeoutExpired):
+            ctr(node_dir, "containers", "delete", cid, timeout=30)
+            deleted += 1
+    return deleted
 
 
 def images(node_dir: Path) -> list[str]:

@@ -202,6 +202,14 @@ STORAGE_CLASS = {
 }
 
 
+def storage_class(real_node: bool) -> dict:
+    """The default StorageClass. With the real node, whose local volumes are in this class too
+    (node_config.node_volumes), a claim binds once its pod is scheduled: a pod on the real node
+    takes a local volume there, a pod on a simulated GPU node a hostPath one (bound at once, the
+    claim could take a local volume its GPU pod can never reach)."""
+    return {**STORAGE_CLASS, "volumeBindingMode": "WaitForFirstConsumer" if real_node else "Immediate"}
+
+
 def scheduler_args(state: ClusterState, kubeconfig: Path) -> list[str]:
     return [
         state.binaries["kube-scheduler"],
@@ -348,11 +356,12 @@ def up(folder: Path, *, pools: list[NodePool] | None = None, timeout: float = 12
                          pod_cidr=pod_cidr)
     state.save()
     try:
-        _start_all(state, pki, pools if pools is not None else default_pools(), timeout)
+        _start_all(state, pki, pools if pools is not None else default_pools(), timeout, real_node=real_node)
         if real_node:
             real_node_mod.up(folder, pki, lambda who: _component_kubeconfig(state, pki, who),
                     lambda *args, check=True, input=None: kubectl(state, *args, check=check, input=input),
-                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR, timeout=timeout)
+                    api_port=state.api_port, pod_cidr=pod_cidr, service_cidr=SERVICE_CIDR,
+                    storage_class=STORAGE_CLASS["metadata"]["name"], timeout=timeout)
     except BaseException:
         down(folder)
         raise
@@ -378,7 +387,8 @@ def _ports(previous: ClusterState | None) -> dict[str, int]:
     return ports
 
 
-def _start_all(state: ClusterState, pki: Pki, pools: list[NodePool], timeout: float) -> None:
+def _start_all(state: ClusterState, pki: Pki, pools: list[NodePool], timeout: float, *,
+               real_node: bool = False) -> None:
     _start(state, "etcd", etcd_args(state))
     _wait(state, "etcd", lambda: _http_json(f"http://127.0.0.1:{state.etcd_port}/health").get("health") == "true",
           timeout)
@@ -396,7 +406,7 @@ def _start_all(state: ClusterState, pki: Pki, pools: list[NodePool], timeout: fl
           lambda: _https_ok(f"https://127.0.0.1:{state.controller_manager_port}/healthz", None), timeout)
     _wait(state, "kube-scheduler",
           lambda: _https_ok(f"https://127.0.0.1:{state.scheduler_port}/healthz", None), timeout)
-    kubectl(state, "apply", "-f", "-", input=json.dumps(STORAGE_CLASS))
+    kubectl(state, "apply", "-f", "-", input=json.dumps(storage_class(real_node)))
     add_nodes(state, pools)
     _wait(state, "kwok", lambda: _nodes_ready(state), timeout)
     # Pods of a namespace are admitted once its `default` ServiceAccount exists (the controller

@@ -41,6 +41,7 @@ from kuberl.cluster.node_config import (
     kubelet_args,
     kubelet_config,
     missing_prerequisites,
+    node_volumes,
 )
 from kuberl.cluster.pause_image import ensure_pause_archive
 from kuberl.cluster.pki import DNS, KUBE_PROXY, KUBELET, NETWORK_POLICY, NODE_NAME, ClientIdentity, Pki
@@ -204,11 +205,13 @@ def ensure_node_binaries() -> dict[str, Path]:
 
 
 def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path], kubectl: Callable[..., str],
-       *, api_port: int, pod_cidr: str, service_cidr: str, timeout: float = 120.0) -> NodeState:
+       *, api_port: int, pod_cidr: str, service_cidr: str, storage_class: str = "standard",
+       timeout: float = 120.0) -> NodeState:
     """Start the real node of the cluster in ``cluster_dir`` and wait until it is Ready.
     ``kubeconfig(who)`` writes a kubeconfig for a client identity of ``pki``;
     ``kubectl(*args, check=...)`` runs the cluster's kubectl as its admin; ``api_port`` is the
-    API server's on 127.0.0.1, which pods reach as the ``kubernetes`` Service."""
+    API server's on 127.0.0.1, which pods reach as the ``kubernetes`` Service; ``storage_class``
+    the default StorageClass, whose claims the node's local volumes take (node_config.node_volumes)."""
     check_prerequisites()
     check_cidrs(pod_cidr, service_cidr)
     cluster_dir = Path(cluster_dir).absolute()
@@ -269,6 +272,10 @@ def up(cluster_dir: Path, pki: Pki, kubeconfig: Callable[[ClientIdentity], Path]
     corefile.write_text(dns.corefile(NODE_IP, kubeconfig(DNS), state.dns_health_port, state.dns_ready_port))
     _spawn(state, logs, "coredns", dns.coredns_args(state.binaries["coredns"], corefile))
     _wait(state, logs, "coredns", lambda: _http_ok(f"http://127.0.0.1:{state.dns_ready_port}/ready"), timeout)
+    volumes = node_volumes(d / "volumes", storage_class)
+    for pv in volumes:
+        Path(pv["spec"]["local"]["path"]).mkdir(parents=True, exist_ok=True)
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": volumes}))
     state.started_s["ready"] = round(time.monotonic() - t0, 2)
     state.save()
     return state
@@ -323,11 +330,13 @@ def down(cluster_dir: Path, *, grace: float = 10.0) -> list[str]:
             done.append(name)
     if n := host_state.kill_cgroup(CGROUP_ROOT):
         done.append(f"{n} container processes")
+    if "containerd" in pids and _alive(pids["containerd"], "containerd") and (n := containerd.forget_containers(d)):
+        done.append(f"{n} containers deleted from {containerd.image_root()}")
     if n := containerd.kill_shims(d):
         done.append(f"{n} containerd shims")
     if "containerd" in pids and _stop(pids["containerd"], "containerd", grace):
         done.append("containerd")
-    if points := host_state.unmount_under([str(d)]):
+    if points := host_state.unmount_under([str(d), str(containerd.image_root())]):
         done.append(f"{len(points)} mounts under {d}")
     for link in json.loads(_ip("-j", "link", "show", "master", BRIDGE, check=False).stdout or "[]"):
         _ip("link", "del", link["ifname"], check=False)

@@ -136,3 +136,32 @@ def kube_proxy_config(kubeconfig: Path, healthz_port: int, metrics_port: int) ->
         "iptables": {"localhostNodePorts": False, "syncPeriod": "30s", "minSyncPeriod": "1s"},
         "nodePortAddresses": [f"{NODE_IP}/32"],
     }  # fmt: skip
+
+
+NODE_VOLUMES = 4
+NODE_VOLUME_CAPACITY = "1Ti"
+
+
+def node_volumes(volumes_dir: Path, storage_class: str, count: int = NODE_VOLUMES) -> list[dict[str, Any]]:
+    """Local PersistentVolumes on the real node, folders ``volumes_dir/vol-N``, in the default
+    StorageClass (which binds when the pod is scheduled): a claim of a pod on the real node binds
+    to one of them, not to a folder the controller manager's hostPath provisioner makes under
+    /tmp/hostpath_pv (root's, mode 0750, which the kubelet leaves alone); the kubelet gives a
+    local volume to the pod's ``fsGroup`` as CSI drivers do, so a non-root pod (the trainer's
+    checkpoints) writes to its claim. Pods on simulated nodes still get hostPath volumes.
+    Retained after their claim goes; the folders go with the cluster's."""
+    return [
+        {
+            "apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": f"{NODE_NAME}-vol-{i}", "labels": dict(NODE_LABELS)},
+            "spec": {
+                "capacity": {"storage": NODE_VOLUME_CAPACITY},
+                "accessModes": ["ReadWriteOnce", "ReadWriteMany"], "volumeMode": "Filesystem",
+                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": storage_class,
+                "local": {"path": str(volumes_dir / f"vol-{i}")},
+                "nodeAffinity": {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": [NODE_NAME]}]}]}},
+            },
+        }
+        for i in range(count)
+    ]  # fmt: skip

@@ -117,7 +117,11 @@ def install_crds(kube: Kube) -> None:
     """The chart's CRDs, server-side applied, and established."""
     kube.run("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "charts" / "kuberl" / "crds"))
     for crd in ("agenticrljobs", "rolloutfleets", "sandboxpools"):
-        kube.run("wait", "--for=condition=Established", f"crd/{crd}.kuberl.io", "--timeout=60s")
+        # `kubectl wait` fails at once on a CRD whose status has no conditions yet (seen right
+        # after the apply on a loaded machine): ask again until it has them
+        wait_for(lambda crd=crd: kube.run("wait", "--for=condition=Established", f"crd/{crd}.kuberl.io",
+                                          "--timeout=60s", check=False).returncode == 0, 120,
+                 f"crd/{crd}.kuberl.io Established", interval=0.5)
 
 
 def install_chart_rbac(kube: Kube) -> str:

@@ -120,3 +120,29 @@ def test_cluster_ports_stay_out_of_the_node_port_range(monkeypatch):
     picks = iter([30000, 32767, 30179, 29999])
     monkeypatch.setattr(node_config, "free_port", lambda: next(picks))
     assert node_config.host_port() == 29999
+
+
+def test_the_nodes_local_volumes_take_default_class_claims_on_the_real_node(tmp_path: Path):
+    """A claim of the default class binds to a local volume of the real node (the kubelet gives a
+    local volume to the pod's fsGroup, where it leaves the hostPath provisioner's root-owned 0750
+    folders alone), and its pod then runs on that node."""
+    pvs = node_config.node_volumes(tmp_path / "volumes", "standard", count=2)
+    assert [pv["spec"]["local"]["path"] for pv in pvs] == [str(tmp_path / "volumes" / f"vol-{i}") for i in (0, 1)]
+    assert len({pv["metadata"]["name"] for pv in pvs}) == 2
+    spec = pvs[0]["spec"]
+    assert spec["storageClassName"] == "standard" and spec["persistentVolumeReclaimPolicy"] == "Retain"
+    assert {"ReadWriteOnce", "ReadWriteMany"} <= set(spec["accessModes"])
+    term = spec["nodeAffinity"]["required"]["nodeSelectorTerms"][0]["matchExpressions"][0]
+    assert term == {"key": "kubernetes.io/hostname", "operator": "In", "values": [node_config.NODE_NAME]}
+
+
+def test_the_nodes_containerd_keeps_its_images_outside_the_cluster_folder(tmp_path: Path, monkeypatch):
+    """The root (images) outlives `down`; the state (sockets, tasks) is the cluster's."""
+    from kuberl.cluster import containerd
+
+    monkeypatch.setenv("KUBERL_NODE_IMAGES", str(tmp_path / "images"))
+    p = containerd.paths(tmp_path / "c1" / "node")
+    assert p["root"] == containerd.paths(tmp_path / "c2" / "node")["root"] == tmp_path / "images"
+    assert p["state"].is_relative_to(tmp_path / "c1")
+    assert f'root = "{tmp_path / "images"}"' in containerd.config_toml(tmp_path / "c1" / "node", "/usr/lib/cni",
+                                                                         tmp_path / "net.d")

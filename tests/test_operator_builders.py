@@ -272,6 +272,23 @@ def test_child_kinds_cover_everything_the_builders_emit() -> None:
         assert emitted <= set(CHILD_KINDS[res.KIND]), (res.KIND, emitted - set(CHILD_KINDS[res.KIND]))
 
 
+def test_the_trainer_pod_meets_pod_security_restricted_and_owns_its_checkpoints() -> None:
+    """The trainer images' non-root user, a read-only root with /tmp (HOME) writable, fsGroup for
+    the checkpoint claim (a fresh volume's root is root's), and a grace period to end its step and
+    write the checkpoint it resumes from."""
+    objs = _by_kind(build_for(builders.job(of=QWEN_JOB, trainer={"accelerator": {"profile": "cpu", "count": 1}})))
+    pod = objs["Job"]["spec"]["template"]["spec"]
+    sc, csc = pod["securityContext"], _container(objs["Job"])["securityContext"]
+    assert sc["runAsNonRoot"] is True and sc["runAsUser"] == sc["fsGroup"] == 65532
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    mounts = {m["mountPath"]: m["name"] for m in _container(objs["Job"])["volumeMounts"]}
+    assert {v["name"]: v for v in pod["volumes"]}[mounts["/tmp"]]["emptyDir"] == {}
+    env = {e["name"]: e.get("value") for e in _container(objs["Job"])["env"]}
+    assert env["HOME"] == "/tmp"
+    assert pod["terminationGracePeriodSeconds"] >= 120
+
+
 def test_job_trainer_rendezvous_and_config() -> None:
     job = builders.job(
         of=QWEN_JOB,

@@ -148,10 +148,22 @@ def weights_dir(out: Path, explicit: str | None) -> Path:
     return Path(where)
 
 
+SANDBOX_READY_TIMEOUT_S = 600.0
+
+
 @contextlib.contextmanager
 def _sandbox(job: AgenticRLJob):
     url = os.environ.get("KUBERL_SANDBOX_URL")
     if url:
+        # a trainer pod starts beside its pool's pods, which warm their workers before Ready
+        from kuberl.sandbox.service.client import SandboxError, wait_ready
+
+        try:
+            waited = wait_ready(url, SANDBOX_READY_TIMEOUT_S, say=lambda line: print(line, file=sys.stderr, flush=True))
+        except SandboxError as err:
+            raise ManifestError(str(err)) from err
+        if waited >= 1:
+            print(f"the sandbox service at {url} is ready after {waited:.0f} s", file=sys.stderr, flush=True)
         yield url
         return
     try:

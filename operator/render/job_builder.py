@@ -21,6 +21,7 @@ from kuberl.operator.render.render_common import (
     JOB_CONFIG_PATH,
     JOB_RUN_DIR,
     SANDBOX_PORT,
+    SANDBOX_UID,
     TRAINER_METRICS_PORT,
     TRAINER_RENDEZVOUS_PORT,
     WEIGHTS_VOLUME,
@@ -34,6 +35,24 @@ from kuberl.operator.render.render_common import (
     weights_volume,
 )
 from kuberl.operator.render.tracking_env import tracking_env
+
+TRAINER_TMP = "/tmp"
+# How long a trainer pod asked to stop (deleted, evicted, its job suspended or preempted) has to
+# end its step and write the checkpoint it resumes from (trainer/stages.py stops at a step
+# boundary on SIGTERM): an RL step with its rollouts takes minutes on a big model, and the
+# kubelet's default 30 s would kill it mid-step, losing every step since the last checkpoint.
+TRAINER_GRACE_S = 300
+# The trainer images' user (images/trainer/Dockerfile.*), as PodSecurity "restricted" asks.
+# fsGroup makes the checkpoint volume writable by it: a fresh volume's root belongs to root
+# (CSI volumes, local volumes), and the kubelet gives it to this group.
+TRAINER_POD_SECURITY: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "runAsUser": SANDBOX_UID,
+    "runAsGroup": SANDBOX_UID,
+    "fsGroup": SANDBOX_UID,
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 def inline_fleet_name(job_name: str) -> str:
@@ -206,6 +225,8 @@ def build_job(
             },
         },
         {"name": "HF_HOME", "value": "/models"},
+        # the root filesystem is read-only: whatever a library caches under ~ goes to /tmp
+        {"name": "HOME", "value": TRAINER_TMP},
         {"name": "KUBERL_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         *endpoints_env(job, namespace, fleet_spec),
         *tracking_env(spec.tracking, trainer_runs.CHECKPOINT_DIR if spec.checkpoint.on_volume else None),
@@ -225,8 +246,14 @@ def build_job(
             {"name": "metrics", "containerPort": TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": size.resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/kuberl", "readOnly": True},
+            {"name": "tmp", "mountPath": TRAINER_TMP},
             {"name": "run", "mountPath": JOB_RUN_DIR},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": "/models"},
@@ -235,6 +262,7 @@ def build_job(
     volumes = [
         {"name": "config", "configMap": {"name": config_map_name(name)}},
         {"name": "run", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
         _shm_volume(size.shm),
         {"name": "model-cache", "emptyDir": {"sizeLimit": size.model_cache}},
     ]
@@ -276,6 +304,8 @@ def build_job(
                     "subdomain": tname,
                     "serviceAccountName": tname,
                     "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": TRAINER_GRACE_S,
+                    "securityContext": dict(TRAINER_POD_SECURITY, seccompProfile={"type": "RuntimeDefault"}),
                     **accelerator_pod_fields(acc),
                     "containers": [container],
                     "volumes": volumes,

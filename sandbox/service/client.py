@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -17,6 +21,34 @@ CHUNK = 256
 
 class SandboxError(RuntimeError):
     """The service could not answer a call within the client's retry budget."""
+
+
+def wait_ready(base_url: str, timeout: float = 600.0, say: Callable[[str], None] = lambda _: None,
+               interval: float = 1.0) -> float:
+    """Block until ``base_url``'s /readyz answers 200; the seconds waited. A trainer pod may start
+    before its pool's pods are Ready (they warm their workers first): its first calls would meet
+    a Service without endpoints. SandboxError naming the URL after ``timeout``."""
+    t0 = time.monotonic()
+    told = False
+    last = ""
+    while True:
+        try:
+            with urllib.request.urlopen(base_url.rstrip("/") + "/readyz", timeout=5) as resp:  # noqa: S310
+                if resp.status == 200:
+                    return time.monotonic() - t0
+                last = f"HTTP {resp.status}"
+        except urllib.error.HTTPError as err:
+            last = f"HTTP {err.code}"
+        except (OSError, ValueError) as err:
+            last = str(getattr(err, "reason", err))
+        waited = time.monotonic() - t0
+        if waited > timeout:
+            raise SandboxError(f"the sandbox service at {base_url} was not ready after {timeout:.0f} s "
+                               f"(/readyz: {last}): is its pool running and its Service selecting Ready pods?")
+        if not told:
+            say(f"waiting for the sandbox service at {base_url} to be ready (/readyz: {last})")
+            told = True
+        time.sleep(interval)
 
 
 class _Busy(Exception):
