@@ -151,8 +151,9 @@ def trl_user_settings(job, model_dir: str, threads: int, horizon: int) -> dict[s
     """TRL GRPOTrainer as its users would run the same job (pure): the same model, prompts (kuberl's
     pool, in its order), group size, prompts per step, learning rate, temperature and token
     limits; TRL's own defaults elsewhere (its AdamW, its linear decay over ``horizon`` steps, the
-    manifest's stage length as written, of which the first ``stage.steps`` run; bf16 by default),
-    with gradient checkpointing off (memory is not short here; recomputing only slows a CPU step).
+    manifest's stage length as written, of which the first ``stage.steps`` run), float32 (its
+    fastest generation here; its default bf16 autocasts generate), gradient checkpointing off (recomputing only slows a CPU step) and the batch taken one
+    group per forward (gradient accumulation), as kuberl's example bounds its update's memory.
     """
     spec = job.spec
     a = spec.algorithm
@@ -174,7 +175,10 @@ def trl_user_settings(job, model_dir: str, threads: int, horizon: int) -> dict[s
         "save_policies": True,
         "grpo_config": {
             "max_steps": horizon,
-            "per_device_train_batch_size": batch * a.group_size,  # batch prompts per step
+            # batch prompts x G rows an optimizer step, one group per forward: the memory bound
+            # kuberl's example sets (microBatchTokens 1024 ~ 4 rows), the same gradient
+            "per_device_train_batch_size": a.group_size,
+            "gradient_accumulation_steps": batch,
             "num_generations": a.group_size,
             "learning_rate": lr,
             "max_completion_length": spec.stage_max_response_tokens(stage),
@@ -184,7 +188,9 @@ def trl_user_settings(job, model_dir: str, threads: int, horizon: int) -> dict[s
             "shuffle_dataset": False,  # kuberl walks its pool in order
             "seed": spec.seed,
             "use_cpu": True,
-            "bf16": spec.trainer.precision == "bf16",
+            # TRL's bf16 (its default) autocasts generation too: every decoded token recasts the
+            # weights, 3.7x slower here (bench/peers_trl_gen.py); float32 is its fastest path
+            "bf16": False,
             "gradient_checkpointing": False,
             "logging_steps": 1,
             "save_strategy": "no",

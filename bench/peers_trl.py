@@ -171,7 +171,8 @@ def main(argv: list[str]) -> int:
     steps: list[dict] = []
 
     class Timed(GRPOTrainer):
-        """Splits each step's wall time: generation (incl. tools and reward) vs the update."""
+        """Splits each step's wall time: generation (incl. tools and reward; the first micro-batch's
+        training_step generates the whole step's batch) vs the update."""
 
         def _generate_and_score_completions(self, inputs):
             t = time.perf_counter()
@@ -193,10 +194,13 @@ def main(argv: list[str]) -> int:
             }
             return res
 
+        _train_s = 0.0  # this optimizer step's training_step seconds (every accumulated micro-batch)
+
         def training_step(self, model, inputs, num_items_in_batch):
             t = time.perf_counter()
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self._step_t = (t, time.perf_counter())
+            self._step_end = time.perf_counter()
+            self._train_s += self._step_end - t
             return loss
 
     trainer = Timed(
@@ -218,7 +222,8 @@ def main(argv: list[str]) -> int:
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
             p = dict(trainer._pending)
-            t0, t1 = trainer._step_t
+            train_s, t1 = trainer._train_s, trainer._step_end
+            trainer._train_s = 0.0
             step_s = now - Record.last
             Record.last = now
             gen = p.pop("generate_and_score_seconds")
@@ -227,7 +232,7 @@ def main(argv: list[str]) -> int:
                 "step": state.global_step,
                 "step_seconds": step_s,
                 "generation_seconds": gen - p["tool_seconds"] - p["reward_seconds"],
-                "update_seconds": (t1 - t0 - gen) + (now - t1),
+                "update_seconds": (train_s - gen) + (now - t1),
                 **p,
             }
             steps.append(rec)

@@ -184,9 +184,11 @@ def test_trl_user_settings_share_the_job_and_leave_the_rest_to_trls_defaults():
     job = parse_resource(m)
     s = peers.trl_user_settings(job, "/m", 2, horizon=40)
     c = s["grpo_config"]
-    assert c["num_generations"] == 4 and c["per_device_train_batch_size"] == 16  # 4 prompts x G 4
+    # 4 prompts x G 4 rows an optimizer step (and a generation batch), one group per forward
+    assert c["num_generations"] == 4 and c["per_device_train_batch_size"] * c["gradient_accumulation_steps"] == 16
+    assert c["per_device_train_batch_size"] == 4
     assert c["learning_rate"] == 1e-5 and c["temperature"] == 1.0 and c["max_completion_length"] == 160
-    assert c["max_tool_calling_iterations"] == 2 and c["bf16"] is True and c["max_steps"] == 40
+    assert c["max_tool_calling_iterations"] == 2 and c["bf16"] is False and c["max_steps"] == 40
     assert s["stop_after"] == 6 and s["save_policies"] and s["kuberl_optimizer"] is False
     assert (s["pool_size"], s["pool_seed"]) == (24, 1000)
     # TRL's own defaults stay: no clip, loss, optimizer or schedule settings are passed
