@@ -17,11 +17,13 @@ One invocation runs, on this machine, RL through kuberl and through TRL 1.16
 - kuberl: the example's RL stage as written (GRPO-RoC, G = 4 kept of 8 sampled, 4 prompts a
   step, micro-batches), on its vLLM server, at ``--async-level`` (1: bench/README.md's
   asynchronous RL) and ``--precision`` (bf16 by default: 1.53x the float32 update on this
-  AVX512-BF16 CPU, bench/logs/update-bf16-2026-11-28.log); :func:`user_manifest`.
+  AVX512-BF16 CPU, bench/logs/update-bf16-2026-11-28.log; the server samples in float32);
+  :func:`user_manifest`.
 - TRL: GRPOTrainer with the same model, prompts, tool, reward, group size, prompts a step,
   learning rate, temperature and token limits, its own defaults elsewhere (its AdamW and linear
   decay over the example's 40 steps, of which the first ``--steps`` run); :func:`trl_user_settings`.
-  Generation through transformers ``model.generate``, its only path that runs here.
+  Generation through transformers ``model.generate`` in float32, its fastest path that runs
+  here (bench/peers_trl_gen.py: its default bf16 autocasts generation, 3.7x slower on this CPU).
 - Held-out accuracy (the same ``--heldout`` problems) at every step's wall-clock: both sides
   save the policy after every step and, after the run, one evaluator (``peers_children.child_eval``:
   kuberl's rollout loop, one sample at the run's temperature and seed, on a vLLM server that
@@ -152,8 +154,9 @@ def trl_user_settings(job, model_dir: str, threads: int, horizon: int) -> dict[s
     pool, in its order), group size, prompts per step, learning rate, temperature and token
     limits; TRL's own defaults elsewhere (its AdamW, its linear decay over ``horizon`` steps, the
     manifest's stage length as written, of which the first ``stage.steps`` run), float32 (its
-    fastest generation here; its default bf16 autocasts generate), gradient checkpointing off (recomputing only slows a CPU step) and the batch taken one
-    group per forward (gradient accumulation), as kuberl's example bounds its update's memory.
+    fastest generation here: its default bf16 autocasts ``generate``), gradient checkpointing
+    off (recomputing only slows a CPU step) and the batch taken one group per forward
+    (gradient accumulation), as kuberl's example bounds its update's memory.
     """
     spec = job.spec
     a = spec.algorithm
@@ -421,6 +424,7 @@ def run_timed_side(
         raise SystemExit(f"the evaluation of {kind}'s policies failed ({code}): see {out / 'eval.log'}")
     ev = json.loads((out / "eval" / "eval.json").read_text())
     shutil.rmtree(policies, ignore_errors=True)  # ~0.5 GB a policy
+    shutil.rmtree(out / "final-model", ignore_errors=True)  # TRL's last policy, saved twice
     accs = {policy_step(Path(k).name): v for k, v in ev["accuracies"].items() if k != "base"}
     return {
         "steps": steps, "summary": summary, "wall": wall, "clock": clock, "evals": accs,

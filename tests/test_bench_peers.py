@@ -266,6 +266,8 @@ def test_seed_summary_and_goals():
     assert s2["ratio"] == 0.75 and peers_report.goals([s, s2]) == (False, False)  # 0.75 > 2/3; behind at 100 s
     never = peers_report.seed_summary(trl, [(0.0, 0.1), (300.0, 0.86)])
     assert never["ours_s"] is None and never["ratio"] is None and not peers_report.goals([never])[0]
+    flat = peers_report.seed_summary([(0.0, 0.1), (100.0, 0.1)], fast)
+    assert flat["ours_s"] == 0.0 and not flat["trl_improved"] and not peers_report.goals([flat])[0]
     edge = peers_report.seed_summary(trl, [(0.0, 0.1), (100.0, 0.7), (400 / 3, 0.875)])
     assert peers_report.goals([edge])[0]  # exactly 2/3 meets the goal
 
