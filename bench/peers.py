@@ -1,6 +1,6 @@
 """Benchmark: kuberl vs Hugging Face TRL's GRPOTrainer on the same real model, data, tool and reward.
 
-One invocation runs, on this machine, the same RL work through kuberl and through TRL 1.16
+One invocation runs, on this machine, RL through kuberl and through TRL 1.16
 (``pip install -e '.[bench]'``), each side in its own subprocess so that its peak RSS is its own:
 
 - model: SmolLM2-135M-Instruct (``kuberl:smollm2-135m-instruct``) after kuberl's short SFT on
@@ -10,27 +10,45 @@ One invocation runs, on this machine, the same RL work through kuberl and throug
 - tool: kuberl's Python sandbox (one service per side, same limits), through each framework's
   own tool-calling path (kuberl's rollout loop; TRL's ``tools=`` loop, with a chat template that
   renders kuberl's compact ChatML format and TRL's Qwen response parser for ``<tool_call>``);
-- reward: 1 when the sandbox's math-verify accepts the final ``<answer>`` (both sides);
-- plain GRPO (TRL has no Resample-on-Correct), P prompts x G samples, max tokens, turns, lr and
-  warmup, clip bounds, grad clip, AdamW betas: mapped by :func:`trl_settings` from the manifest.
+- reward: 1 when the sandbox's math-verify accepts the final ``<answer>`` (both sides).
 
-Generation: kuberl through its local vLLM server (``--kuberl-engines vllm``) and/or its in-process
-LocalEngine (``local``, the transformers-class engine); TRL through transformers (``model.generate``)
-because its vLLM paths do not run on this CPU machine (bench/README.md says why).
+``--setup users`` (the default): time to accuracy, each trainer as its users run it.
 
-    python bench/peers.py [--steps 5] [--seeds 0 1 2] [--kuberl-engines vllm local] [--out /tmp/kuberl-peers]
-                          [--precision float32|bf16]
+- kuberl: the example's RL stage as written (GRPO-RoC, G = 4 kept of 8 sampled, 4 prompts a
+  step, micro-batches), on its vLLM server, at ``--async-level`` (1: bench/README.md's
+  asynchronous RL) and ``--precision`` (bf16 by default: 1.53x the float32 update on this
+  AVX512-BF16 CPU, bench/logs/update-bf16-2026-11-28.log; the server samples in float32);
+  :func:`user_manifest`.
+- TRL: GRPOTrainer with the same model, prompts, tool, reward, group size, prompts a step,
+  learning rate, temperature and token limits, its own defaults elsewhere (its AdamW and linear
+  decay over the example's 40 steps, of which the first ``--steps`` run); :func:`trl_user_settings`.
+  Generation through transformers ``model.generate`` in float32, its fastest path that runs
+  here (bench/peers_trl_gen.py: its default bf16 autocasts generation, 3.7x slower on this CPU).
+- Held-out accuracy (the same ``--heldout`` problems) at every step's wall-clock: both sides
+  save the policy after every step and, after the run, one evaluator (``peers_children.child_eval``:
+  kuberl's rollout loop, one sample at the run's temperature and seed, on a vLLM server that
+  reloads each saved policy in place) scores them all. Why saving, not evaluating inside the
+  run: one evaluator for both sides (TRL's own generate would score differently), nothing
+  evaluated on either training clock, and at ~0.5 GB a policy it costs TRL a save that is
+  taken off its clock and kuberl nothing (it writes every version for its vLLM server anyway;
+  those folders are hard-linked as they appear). Step 0, the shared SFT start, is scored once.
+  Then: TRL's final accuracy, kuberl's time to reach it, the two at equal wall-clock, and a PNG.
+
+``--setup equal``: the equal-work comparison (plain GRPO at P prompts x G samples on both sides,
+every training setting mapped one to one by :func:`trl_settings`; rows/s and steps/s).
+
+    python bench/peers.py [--steps 8] [--seeds 0 1 2] [--heldout 64] [--eval-every 1] [--out DIR]
+                          [--setup users|equal] [--async-level 1] [--precision float32|bf16]
+                          [--kuberl-engines vllm local] (equal) [--plot bench/peers-time-to-accuracy.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -40,6 +58,18 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import peers_children  # noqa: E402  (bench/ is not a package: its siblings are on sys.path)
+from peers_report import (  # noqa: E402,F401  (the figures live there; tests reach them here)
+    full_step_ratio,
+    kuberl_steps,
+    report,
+    report_curves,
+    side_figures,
+    spread,
+)
+
 MANIFEST = REPO / "examples" / "smollm2-cpu.yaml"
 
 # kuberl loss aggregation -> TRL loss_type with the same normalisation
@@ -87,6 +117,91 @@ def rl_manifest(
     spec["checkpoint"] = dict(spec.get("checkpoint", {}), everySteps=max(steps + 1, 1))
     m["metadata"]["name"] = f"peers-{engine}-s{seed}"
     return m
+
+
+def user_manifest(
+    base: dict[str, Any],
+    model_dir: str,
+    *,
+    steps: int,
+    seed: int,
+    heldout: str,
+    async_level: int,
+    precision: str,
+) -> dict[str, Any]:
+    """The kuberl side as its users run it: ``base``'s RL stage with its settings as written
+    (GRPO-RoC, group, oversampling, batch, micro-batches), ``steps`` of it from ``model_dir``, at
+    ``async_level`` and ``precision`` (what bench/README.md recommends), evaluated on ``heldout``
+    (pure). No checkpoint is written inside the measured steps."""
+    m = copy.deepcopy(base)
+    spec = m["spec"]
+    rl = [s for s in spec["stages"] if s["type"] == "rl"]
+    if not rl:
+        raise ValueError("the base manifest has no rl stage to compare")
+    spec["stages"] = [dict(rl[0], steps=steps)]
+    spec["model"] = {"base": model_dir}
+    spec["seed"] = seed
+    spec["data"]["eval"] = [heldout]
+    spec["algorithm"]["asyncLevel"] = async_level
+    spec.setdefault("trainer", {})["precision"] = precision
+    spec["checkpoint"] = dict(spec.get("checkpoint", {}), everySteps=max(steps + 1, 1))
+    m["metadata"]["name"] = f"peers-users-s{seed}"
+    return m
+
+
+def trl_user_settings(job, model_dir: str, threads: int, horizon: int) -> dict[str, Any]:
+    """TRL GRPOTrainer as its users would run the same job (pure): the same model, prompts (kuberl's
+    pool, in its order), group size, prompts per step, learning rate, temperature and token
+    limits; TRL's own defaults elsewhere (its AdamW, its linear decay over ``horizon`` steps, the
+    manifest's stage length as written, of which the first ``stage.steps`` run), float32 (its
+    fastest generation here: its default bf16 autocasts ``generate``), gradient checkpointing
+    off (recomputing only slows a CPU step) and the batch taken one group per forward
+    (gradient accumulation), as kuberl's example bounds its update's memory.
+    """
+    spec = job.spec
+    a = spec.algorithm
+    idx, stage = next((i, s) for i, s in enumerate(spec.stages) if s.type == "rl")
+    if horizon < stage.steps:
+        raise ValueError(f"the schedule's horizon ({horizon} steps) must cover the {stage.steps} steps run")
+    batch = stage.batch_size or a.batch_prompts
+    lr = stage.learning_rate or a.learning_rate
+    return {
+        "model": model_dir,
+        "sandbox_url": "",
+        "threads": threads,
+        "data": stage.data or spec.data.train,
+        "pool_size": stage.steps * batch,
+        "pool_seed": spec.data.seed + 1000 * (idx + 1),
+        "learning_rate": lr,
+        "kuberl_optimizer": False,
+        "stop_after": stage.steps,
+        "save_policies": True,
+        "grpo_config": {
+            "max_steps": horizon,
+            # batch prompts x G rows an optimizer step, one group per forward: the memory bound
+            # kuberl's example sets (microBatchTokens 1024 ~ 4 rows), the same gradient
+            "per_device_train_batch_size": a.group_size,
+            "gradient_accumulation_steps": batch,
+            "num_generations": a.group_size,
+            "learning_rate": lr,
+            "max_completion_length": spec.stage_max_response_tokens(stage),
+            "max_tool_calling_iterations": spec.stage_max_turns(stage) - 1,
+            "temperature": spec.rollout.temperature,
+            "top_p": spec.rollout.top_p,
+            "shuffle_dataset": False,  # kuberl walks its pool in order
+            "seed": spec.seed,
+            "use_cpu": True,
+            # TRL's bf16 (its default) autocasts generation too: every decoded token recasts the
+            # weights, 3.7x slower here (bench/peers_trl_gen.py); float32 is its fastest path
+            "bf16": False,
+            "gradient_checkpointing": False,
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "report_to": "none",
+            "disable_tqdm": True,
+            "log_completions": False,
+        },
+    }
 
 
 def trl_settings(job, model_dir: str, sandbox_url: str, threads: int) -> dict[str, Any]:
@@ -151,93 +266,44 @@ def trl_settings(job, model_dir: str, sandbox_url: str, threads: int) -> dict[st
     }
 
 
-def side_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
-    """Per-step means of one run's step records, the warm-up step (the first) left out (pure).
-
-    Records carry ``step_seconds``, ``generation_seconds``, ``tool_seconds``, ``update_seconds``
-    (``push_seconds``: the part of it spent pushing weights to the engines),
-    ``rollouts``, ``rows`` (rows the update trained on: kuberl drops groups whose rewards all
-    tie, TRL trains every row), ``tokens`` (trained, model-written tokens) and ``reward_mean``.
-
-    At equal work: ``rows_per_s`` (trained rows over step seconds) and ``update_s_per_row``
-    (update seconds over trained rows), both over the timed steps together.
-    """
-    warm = steps[1:] if len(steps) > 1 else steps
-    n = max(1, len(warm))
-
-    def mean(key: str) -> float:
-        vals = [float(r.get(key, 0.0)) for r in warm]
-        return sum(vals) / n if vals else math.nan
-
-    step_s = mean("step_seconds")
-    upd_s = sum(float(r.get("update_seconds", 0.0)) for r in warm)
-    rows = sum(float(r.get("rows", 0)) for r in warm)
-    return {
-        "step_s": step_s,
-        "steps_per_s": 1.0 / step_s if step_s > 0 else math.nan,
-        "generation_s": mean("generation_seconds"),
-        "tool_s": mean("tool_seconds"),
-        "update_s": mean("update_seconds"),
-        "push_s": mean("push_seconds"),  # TRL generates with the model it trains: none
-        "samples_per_s": sum(float(r.get("rollouts", 0)) for r in warm) / max(1e-9, step_s * n),
-        "trainer_tok_per_s": sum(float(r.get("tokens", 0.0)) for r in warm) / upd_s
-        if upd_s > 0
-        else math.nan,
-        "rows_per_s": rows / max(1e-9, step_s * n) if warm else math.nan,
-        "update_s_per_row": upd_s / rows if rows > 0 else math.nan,
-    }
+def kuberl_clock(metrics: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> training wall-clock at its end, from the start of the first RL step (pure): the
+    records' write times, so that whatever runs between steps counts; the first step's own
+    ``step_seconds`` places the start. Records without times: the sum of step seconds."""
+    rl = [r for r in metrics if r.get("type") == "rl"]
+    if not rl:
+        return {}
+    if all(r.get("time") is not None for r in rl):
+        start = float(rl[0]["time"]) - float(rl[0]["step_seconds"])
+        return {int(r["step"]): float(r["time"]) - start for r in rl}
+    return trl_clock(rl)
 
 
-def full_step_ratio(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> tuple[float, int]:
-    """Their step seconds over ours, summed over the timed steps (the first left out) in which both
-    sides trained the same number of rows (all of them, on TRL's side), and how many such steps
-    (pure): the speed-up at equal work with nothing dropped."""
-    pairs = [
-        (a, b)
-        for a, b in zip(ours[1:], theirs[1:], strict=False)
-        if float(a.get("rows", 0)) == float(b.get("rows", 0)) > 0
-    ]
-    if not pairs:
-        return math.nan, 0
-    return sum(b["step_seconds"] for _, b in pairs) / sum(a["step_seconds"] for a, _ in pairs), len(pairs)
+def trl_clock(steps: list[dict[str, Any]]) -> dict[int, float]:
+    """step -> the running sum of step seconds (pure): TRL's records time each step from the end
+    of the previous one (or ``train()``'s start), the policy saves left out."""
+    clock, total = {}, 0.0
+    for r in steps:
+        total += float(r["step_seconds"])
+        clock[int(r["step"])] = total
+    return clock
 
 
-def kuberl_steps(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kuberl's RL step records in the common shape (pure).
-
-    Generation is the wait for the step's rollouts, tool calls included: they run concurrently
-    with other rollouts' generation, so ``tool_seconds`` (summed over calls) overlaps it. Update
-    is everything else of the step: weight push, pi_old recomputation and the optimizer step.
-    """
-    out = []
-    for r in metrics:
-        if r.get("type") != "rl":
-            continue
-        roll = float(r.get("rollout_seconds", 0.0))
-        out.append(
-            {
-                "step": r["step"],
-                "step_seconds": r["step_seconds"],
-                "generation_seconds": roll,
-                "tool_seconds": float(r.get("tool_seconds", 0.0)),
-                "update_seconds": r["step_seconds"] - roll,
-                "push_seconds": float(r.get("sync_seconds", 0.0)),  # part of update_seconds
-                "rollouts": r.get("rollouts", 0),
-                "rows": 0.0 if r.get("skipped") else float(r.get("rollouts_kept", r.get("rollouts", 0))),
-                "tokens": 0.0 if r.get("skipped") else float(r.get("tokens", 0.0)),
-                "reward_mean": r.get("reward_mean", math.nan),
-            }
-        )
-    return out
+def policy_step(name: str) -> int:
+    """The step a saved policy folder holds: kuberl's pushed versions are ``vNNNNNNNN`` (the
+    global step), TRL's saves ``step-NNNN`` (pure)."""
+    digits = name[1:] if name.startswith("v") else name.removeprefix("step-")
+    if not digits.isdigit():
+        raise ValueError(f"{name!r} is not a saved policy folder (vNNNNNNNN or step-NNNN)")
+    return int(digits)
 
 
-def spread(xs: list[float]) -> str:
-    xs = [x for x in xs if not math.isnan(x)]
-    if not xs:
-        return "n/a"
-    m = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return f"{m:.3f} ± {sd:.3f}" if len(xs) > 1 else f"{m:.3f}"
+def eval_steps(steps: list[int], every: int) -> list[int]:
+    """The steps whose policies are scored: every ``every``-th and always the last (pure)."""
+    if every < 1:
+        raise ValueError(f"--eval-every must be >= 1, got {every}")
+    trained = sorted(s for s in steps if s > 0)
+    return [s for s in trained if s % every == 0 or s == trained[-1]]
 
 
 # -- subprocess sides ------------------------------------------------------------------------
@@ -245,42 +311,6 @@ def spread(xs: list[float]) -> str:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def child_kuberl(manifest: Path, out: Path) -> int:
-    """In the child: run kuberl in-process so that RUSAGE_SELF is the trainer's own peak."""
-    from kuberl.api.job import AgenticRLJob
-    from kuberl.api.loader import find_one, load_manifests
-    from kuberl.trainer.local import run_job
-
-    job = find_one(load_manifests(str(manifest)), AgenticRLJob)
-    t0 = time.perf_counter()
-    run_job(job, out, use_ray=False, quiet=True)
-    summary = {
-        "train_seconds": time.perf_counter() - t0,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        # the vLLM server and the sandbox, children of the run: the largest of them
-        "peak_rss_children_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return 0
-
-
-def child_trl(settings: Path, out: Path, manifest: Path) -> int:
-    """In the child: a sandbox service with the kuberl side's pool settings, then TRL's run."""
-    from kuberl.api.job import AgenticRLJob
-    from kuberl.api.loader import find_one, load_manifests
-    from kuberl.sandbox.service.local import running_sandbox
-
-    pool = find_one(load_manifests(str(manifest)), AgenticRLJob).spec.sandbox.pool
-    s = json.loads(settings.read_text())
-    with running_sandbox(workers=pool.workers_per_pod, limits=pool.limits) as url:
-        s["sandbox_url"] = url
-        settings.write_text(json.dumps(s, indent=2))
-        sys.path.insert(0, str(REPO / "bench"))
-        from peers_trl import main as trl_main
-
-        return trl_main([str(settings), str(out)])
 
 
 def run_child(args: list[str], log: Path) -> tuple[int, float]:
@@ -293,74 +323,6 @@ def run_child(args: list[str], log: Path) -> tuple[int, float]:
             env=dict(os.environ, KUBERL_NO_RAY="1", TRL_EXPERIMENTAL_SILENCE="1"),
         ).returncode
     return code, time.monotonic() - t0
-
-
-def export_checkpoint(run: Path, source_dir: Path, dest: Path) -> None:
-    """The last checkpoint of a kuberl run as a float32 HF folder (what both sides start from)."""
-    import torch
-
-    from kuberl.trainer.checkpoint import CheckpointStore
-    from kuberl.trainer.hf import write_hf_folder
-
-    payload = CheckpointStore(str(run / "checkpoints")).load()
-    if payload is None:
-        raise SystemExit(f"no checkpoint under {run / 'checkpoints'}")
-    write_hf_folder(payload["model"], source_dir, dest, dtype=torch.float32)
-    # the template the model was served with (chat_template.jinja is among the copied sidecars)
-
-
-def child_eval(manifest: Path, folder: Path, out: Path) -> int:
-    """Held-out accuracy of an HF folder exactly as kuberl's in-run evaluation computes it
-    (TrainerRun._evaluate_on: the 256 eval problems, one sample at the run's temperature, the
-    same seed, kuberl's rollout loop on a local vLLM server of ``folder``, sandbox verify)."""
-    from kuberl.api.job import AgenticRLJob
-    from kuberl.api.loader import find_one, load_manifests
-    from kuberl.rollout import template
-    from kuberl.rollout.fleet import FleetSource
-    from kuberl.rollout.loop import BatchRequest
-    from kuberl.rollout.vllm_server import running_vllm
-    from kuberl.rollout.worker import RolloutWorker
-    from kuberl.sandbox.service.local import running_sandbox
-    from kuberl.trainer import data as data_mod
-    from kuberl.trainer.local import local_vllm_config
-    from kuberl.trainer.policy import build_tokenizer
-    from kuberl.trainer.problems import EVAL_SIZE
-    from kuberl.trainer.tokenizer import BPETokenizer
-
-    job = find_one(load_manifests(str(manifest)), AgenticRLJob)
-    spec = job.spec
-    stage = spec.stages[0]
-    probs = [
-        p
-        for src in spec.data.eval or ["builtin:arith"]
-        for p in data_mod.load_problems(src, EVAL_SIZE, spec.data.seed + data_mod.EVAL_SEED_OFFSET)
-    ]
-    out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(job, out)
-    pool = spec.sandbox.pool
-    with (
-        running_sandbox(workers=pool.workers_per_pod, limits=pool.limits) as sandbox,
-        running_vllm(local_vllm_config(job, folder.resolve()), log_path=out / "vllm-eval.log") as url,
-    ):
-        make_tokenizer = functools.partial(BPETokenizer.from_str, tok.to_str())
-        worker = RolloutWorker(None, make_tokenizer, sandbox, fleet=FleetSource(urls=(url,), engine="vllm"))
-        try:
-            groups = worker.rollouts(
-                BatchRequest(
-                    [template.render_prompt(p.question, spec.rollout.prompt_template) for p in probs],
-                    [p.answer for p in probs],
-                    1,
-                    temperature=spec.rollout.temperature,
-                    seed=spec.seed * 7919 + 17,
-                    max_turns=spec.stage_max_turns(stage),
-                    max_response_tokens=spec.stage_max_response_tokens(stage),
-                )
-            )
-        finally:
-            worker.close()
-    acc = sum(g[0].reward for g in groups) / len(groups)
-    (out / "eval.json").write_text(json.dumps({"accuracy": acc, "model": str(folder)}))
-    return 0
 
 
 # -- the orchestrating parent ------------------------------------------------------------------
@@ -394,7 +356,7 @@ def prepare(out: Path) -> tuple[Path, float]:
         from kuberl.api.loader import find_one, load_manifests
 
         job = find_one(load_manifests(str(path)), AgenticRLJob)
-        export_checkpoint(run, resolve(job, run), folder)
+        peers_children.export_checkpoint(run, resolve(job, run), folder)
     evals = [r for r in _read_jsonl(run / "metrics.jsonl") if r.get("type") == "eval"]
     return folder, evals[-1]["accuracy"] if evals else math.nan
 
@@ -429,65 +391,47 @@ def run_side(kind: str, manifest: Path, out: Path, settings: Path | None = None)
     return {"steps": steps, "summary": summary, "wall": wall, "heldout": acc, **side_figures(steps)}
 
 
-def report(results: dict[str, list[dict[str, Any]]], sft_acc: float, load: tuple, load_end: tuple) -> None:
-    keys = [
-        ("step_s", "step s (mean of steps 2..N)"),
-        ("generation_s", "  generation s (tools inside)"),
-        ("tool_s", "  tool calls s (sum of calls)"),
-        ("update_s", "  update s (+push, +pi_old)"),
-        ("push_s", "    of it weight push s"),
-        ("steps_per_s", "RL steps/s"),
-        ("samples_per_s", "samples/s"),
-        ("trainer_tok_per_s", "trainer tok/s (trained tokens / update s)"),
-        ("rows_per_s", "trained rows/s (equal work)"),
-        ("update_s_per_row", "update s per trained row"),
-        ("peak_rss_mb", "peak RSS MB (trainer process)"),
-        ("peak_rss_children_mb", "peak RSS MB (largest child: vLLM server)"),
-        ("heldout", "held-out accuracy after N steps"),
-        ("reward_first", "train reward step 1"),
-        ("reward_last", "train reward step N"),
-    ]
-    for runs in results.values():
-        for r in runs:
-            r["peak_rss_mb"] = r["summary"]["peak_rss_mb"]
-            r["peak_rss_children_mb"] = r["summary"].get("peak_rss_children_mb", math.nan)
-            r["reward_first"] = r["steps"][0].get("reward_mean", math.nan) if r["steps"] else math.nan
-            r["reward_last"] = r["steps"][-1].get("reward_mean", math.nan) if r["steps"] else math.nan
-    names = list(results)
-    print(
-        f"\nload average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at start, "
-        f"{load_end[0]:.2f} / {load_end[1]:.2f} / {load_end[2]:.2f} at the end; held-out after SFT {sft_acc:.3f}"
-    )
-    print(f"{'':44s}" + "".join(f"{n:>22s}" for n in names))
-    for k, label in keys:
-        print(f"{label:44s}" + "".join(f"{spread([r[k] for r in results[n]]):>22s}" for n in names))
-    for n in names:
-        if not n.startswith("kuberl") or "trl" not in results:
-            continue
-        for k, label in (
-            ("steps_per_s", "RL steps/s"),
-            ("generation_s", "generation s"),
-            ("update_s", "update s"),
-            ("samples_per_s", "samples/s"),
-            ("rows_per_s", "trained rows/s (equal work)"),
-            ("update_s_per_row", "update s per trained row"),
-        ):
-            ours = sum(r[k] for r in results[n]) / len(results[n])
-            theirs = sum(r[k] for r in results["trl"]) / len(results["trl"])
-            print(f"{n}/trl {label}: {ours / theirs:.2f}x")
-        pairs = [full_step_ratio(a["steps"], b["steps"]) for a, b in zip(results[n], results["trl"], strict=False)]
-        both = [(x, k) for x, k in pairs if k]
-        if both:
-            mean = sum(x * k for x, k in both) / sum(k for _, k in both)
-            print(f"{n}/trl speed-up on steps where both trained every row: {mean:.2f}x "
-                  f"({sum(k for _, k in both)} steps over {len(both)} seeds)")
-    print("reward curves (mean over seeds, per step):")
-    for n in names:
-        curve = [
-            sum(r["steps"][i].get("reward_mean", math.nan) for r in results[n]) / len(results[n])
-            for i in range(min(len(r["steps"]) for r in results[n]))
-        ]
-        print(f"  {n:12s} " + " ".join(f"{x:.3f}" for x in curve))
+def run_timed_side(
+    kind: str, manifest: Path, out: Path, base: Path, every: int, settings: Path | None = None,
+    score_base: bool = False,
+) -> dict[str, Any]:
+    """One side's run, saving its policy after every step, then the evaluator scoring the policies
+    of :func:`eval_steps` (and, with ``score_base``, the shared start) on one vLLM server; the
+    saved policies are deleted after. Returns the run's step records, clock, accuracies by step
+    and summary."""  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    policies = out / "policies"
+    if kind == "trl":
+        args = ["--child", "trl", str(settings), str(out), str(manifest)]
+    else:
+        args = ["--child", "kuberl", str(manifest), str(out), str(policies)]
+    code, wall = run_child(args, out.parent / f"{out.name}.log")
+    if code:
+        raise SystemExit(f"{kind} run failed ({code}): see {out.parent / (out.name + '.log')}")
+    summary = json.loads((out / "summary.json").read_text())
+    if kind == "trl":
+        steps = _read_jsonl(out / "steps.jsonl")
+        clock = trl_clock(steps)
+    else:
+        metrics = _read_jsonl(out / "metrics.jsonl")
+        steps, clock = kuberl_steps(metrics), kuberl_clock(metrics)
+    saved = {policy_step(d.name): d for d in policies.iterdir() if d.is_dir()} if policies.is_dir() else {}
+    chosen = [saved[s] for s in eval_steps([s for s in saved if s in clock], every)]
+    items = (["base"] if score_base else []) + [str(d) for d in chosen]
+    code, ev_wall = run_child(["--child", "eval", str(manifest), str(base), str(out / "eval"), *items], out / "eval.log")
+    if code:
+        raise SystemExit(f"the evaluation of {kind}'s policies failed ({code}): see {out / 'eval.log'}")
+    ev = json.loads((out / "eval" / "eval.json").read_text())
+    shutil.rmtree(policies, ignore_errors=True)  # ~0.5 GB a policy
+    shutil.rmtree(out / "final-model", ignore_errors=True)  # TRL's last policy, saved twice
+    accs = {policy_step(Path(k).name): v for k, v in ev["accuracies"].items() if k != "base"}
+    return {
+        "steps": steps, "summary": summary, "wall": wall, "clock": clock, "evals": accs,
+        "base_acc": ev["accuracies"].get("base"), "eval_wall": ev_wall,
+        "eval_s_per_policy": sum(ev["seconds"].values()) / max(1, len(ev["seconds"])),
+        "heldout": accs[max(accs)] if accs else math.nan, **side_figures(steps),
+    }  # fmt: skip
 
 
 def heldout_file(out: Path, n: int) -> Path:
@@ -507,17 +451,56 @@ def save(out: Path, results: dict, sft_acc: float, load: tuple) -> None:
     (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
 
 
+def run_users(args: argparse.Namespace, out: Path, folder: Path, held: str, sft_acc: float, load: tuple) -> None:
+    """Time to accuracy: per seed, TRL and kuberl back to back (alternating which goes first, so
+    that a load trend weighs on both alike), each policy scored after its run; then the curves."""
+    import yaml
+
+    from kuberl.api.job import AgenticRLJob
+    from kuberl.api.loader import find_one, load_manifests
+
+    base = load_base()
+    written = next(s for s in base["spec"]["stages"] if s["type"] == "rl")["steps"]
+    results: dict[str, list[dict[str, Any]]] = {"trl": [], "kuberl": []}
+    start_acc: float | None = None
+    for i, seed in enumerate(args.seeds):
+        m = user_manifest(
+            base, str(folder.resolve()), steps=args.steps, seed=seed, heldout=held,
+            async_level=args.async_level, precision=args.precision or "bf16",
+        )  # fmt: skip
+        path = out / f"users-s{seed}.yaml"
+        path.write_text(yaml.safe_dump(m, sort_keys=False))
+        job = find_one(load_manifests(str(path)), AgenticRLJob)
+        settings = out / f"trl-s{seed}.json"
+        threads = job.spec.trainer.threads or 2
+        settings.write_text(json.dumps(trl_user_settings(job, str(folder.resolve()), threads, max(written, args.steps))))
+        for side in ("trl", "kuberl") if i % 2 == 0 else ("kuberl", "trl"):
+            r = run_timed_side(
+                side, path, out / f"{side}-s{seed}", folder, args.eval_every,
+                settings if side == "trl" else None, score_base=start_acc is None,
+            )  # fmt: skip
+            if start_acc is None:
+                start_acc = r["base_acc"]
+            results[side].append(r)
+            doc = {"results": results, "sft_acc": sft_acc, "start_acc": start_acc, "load": load}
+            (out / "results.json").write_text(json.dumps({**doc, "load_now": os.getloadavg()}, indent=1, default=str))
+            ev = ", ".join(f"{s}:{a:.3f}" for s, a in sorted(r["evals"].items()))
+            print(
+                f"{side}-s{seed}: {len(r['steps'])} steps in {max(r['clock'].values()):.0f} s of training clock "
+                f"(run {r['wall']:.0f} s), held-out by step {ev}; eval {r['eval_wall']:.0f} s "
+                f"({r['eval_s_per_policy']:.1f} s a policy), load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+    report(results, sft_acc, load, os.getloadavg())
+    report_curves(results, start_acc if start_acc is not None else sft_acc, Path(args.plot))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
         # a terminated child leaves through its context managers (sandbox, vLLM server)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        kind, *rest = argv[1:]
-        if kind == "kuberl":
-            return child_kuberl(Path(rest[0]), Path(rest[1]))
-        if kind == "trl":
-            return child_trl(Path(rest[0]), Path(rest[1]), Path(rest[2]))
-        return child_eval(Path(rest[0]), Path(rest[1]), Path(rest[2]))
+        return peers_children.child_main(argv[1], argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -532,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
         help="both sides' update: kuberl's trainer.precision, TRL's bf16 (default: the example's)",
     )  # fmt: skip
     ap.add_argument("--report", action="store_true", help="only print the table of --out's results.json")
+    ap.add_argument(
+        "--setup", choices=["users", "equal"], default="users",
+        help="users: each trainer as its users run it, held-out accuracy against wall-clock at every "
+        "step (time to accuracy); equal: plain GRPO at equal batch on both sides (equal work)",
+    )  # fmt: skip
+    ap.add_argument("--async-level", type=int, default=1, help="kuberl's asyncLevel (--setup users)")
+    ap.add_argument("--eval-every", type=int, default=1, help="score every k-th step's policy (--setup users)")
+    ap.add_argument("--plot", default=str(REPO / "bench" / "peers-time-to-accuracy.png"))
     args = ap.parse_args(argv)
     import yaml
 
@@ -539,12 +530,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         doc = json.loads((out / "results.json").read_text())
         report(doc["results"], doc["sft_acc"], tuple(doc["load"]), tuple(doc["load_now"]))
+        if "start_acc" in doc:
+            report_curves(doc["results"], doc["start_acc"], Path(args.plot))
         return 0
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     folder, sft_acc = prepare(out)
     held = str(heldout_file(out, args.heldout).resolve())
     results: dict[str, list[dict[str, Any]]] = {}
+    if args.setup == "users":
+        run_users(args, out, folder, held, sft_acc, load)
+        return 0
     from kuberl.api.job import AgenticRLJob
     from kuberl.api.loader import find_one, load_manifests
 

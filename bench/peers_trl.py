@@ -12,7 +12,10 @@ tokenizer renders exactly kuberl's ``compact`` prompt format, so the SFT'd model
 text on both sides. The reward is the sandbox's math-verify on the final ``<answer>``, as in
 kuberl. Writes ``steps.jsonl`` (one record per RL step: seconds split into generation, tool
 calls, reward and update; rollouts, trained tokens, reward mean) and ``summary.json`` (peak
-RSS, optional held-out accuracy of the final model).
+RSS, the final model's folder). With ``save_policies`` the policy after every step is saved to
+``policies/step-NNNN`` (the save's seconds are kept off the step's clock); with
+``stop_after`` the run stops after that many steps of its ``max_steps`` schedule; without
+``kuberl_optimizer`` TRL keeps its own optimizer and schedule.
 """
 
 from __future__ import annotations
@@ -154,17 +157,22 @@ def main(argv: list[str]) -> int:
     clock = Clock()
     tool = make_tool(settings["sandbox_url"], clock)
     reward = make_reward(settings["sandbox_url"], clock, tok.eos_token_id)
-    warm = settings["warmup_steps"]
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=settings["learning_rate"], betas=(0.9, 0.99), weight_decay=0.0
-    )
-    # kuberl's schedule: step s runs at lr * min(1, (s + 1) / warmup) (HF's warmup starts at 0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0)
+    optimizers = (None, None)  # TRL's own: AdamW (0.9, 0.999) and a linear decay over max_steps
+    if settings.get("kuberl_optimizer", True):
+        warm = settings["warmup_steps"]
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=settings["learning_rate"], betas=(0.9, 0.99), weight_decay=0.0
+        )
+        # kuberl's schedule: step s runs at lr * min(1, (s + 1) / warmup) (HF's warmup starts at 0)
+        optimizers = (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm > 0 else 1.0))
+    stop_after = settings.get("stop_after")  # steps to run of a max_steps schedule (None: all)
+    policies = out / "policies" if settings.get("save_policies") else None
     cfg = GRPOConfig(output_dir=str(out / "trl"), **settings["grpo_config"])
     steps: list[dict] = []
 
     class Timed(GRPOTrainer):
-        """Splits each step's wall time: generation (incl. tools and reward) vs the update."""
+        """Splits each step's wall time: generation (incl. tools and reward; the first micro-batch's
+        training_step generates the whole step's batch) vs the update."""
 
         def _generate_and_score_completions(self, inputs):
             t = time.perf_counter()
@@ -186,10 +194,13 @@ def main(argv: list[str]) -> int:
             }
             return res
 
+        _train_s = 0.0  # this optimizer step's training_step seconds (every accumulated micro-batch)
+
         def training_step(self, model, inputs, num_items_in_batch):
             t = time.perf_counter()
             loss = super().training_step(model, inputs, num_items_in_batch)
-            self._step_t = (t, time.perf_counter())
+            self._step_end = time.perf_counter()
+            self._train_s += self._step_end - t
             return loss
 
     trainer = Timed(
@@ -199,7 +210,7 @@ def main(argv: list[str]) -> int:
         train_dataset=ds,
         processing_class=tok,
         tools=[tool],
-        optimizers=(opt, sched),
+        optimizers=optimizers,
     )
 
     class Record:
@@ -211,7 +222,8 @@ def main(argv: list[str]) -> int:
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
             p = dict(trainer._pending)
-            t0, t1 = trainer._step_t
+            train_s, t1 = trainer._train_s, trainer._step_end
+            trainer._train_s = 0.0
             step_s = now - Record.last
             Record.last = now
             gen = p.pop("generate_and_score_seconds")
@@ -220,10 +232,17 @@ def main(argv: list[str]) -> int:
                 "step": state.global_step,
                 "step_seconds": step_s,
                 "generation_seconds": gen - p["tool_seconds"] - p["reward_seconds"],
-                "update_seconds": (t1 - t0 - gen) + (now - t1),
+                "update_seconds": (train_s - gen) + (now - t1),
                 **p,
             }
             steps.append(rec)
+            if policies is not None:
+                # the policy after this step, for the evaluator; the save is kept off the clock
+                trainer.model.save_pretrained(str(policies / f"step-{state.global_step:04d}"))
+                rec["save_seconds"] = time.perf_counter() - now
+                Record.last = time.perf_counter()
+            if stop_after is not None and state.global_step >= stop_after:
+                control.should_training_stop = True
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and steps and "reward" in logs:

@@ -157,3 +157,127 @@ def test_equal_work_pairs_only_steps_where_both_sides_trained_the_same_rows():
     assert n == 2 and ratio == 45.0 / 30.0  # warm-up step and the step with 8 rows left out
     assert math.isnan(peers.full_step_ratio(ours[:1], theirs[:1])[0])
     assert math.isnan(peers.side_figures([])["step_s"])
+
+
+# -- time to accuracy (issue 41 item 1) --------------------------------------------------------
+
+curves = _load("peers_curves")
+peers_report = _load("peers_report")
+
+
+def test_user_manifest_keeps_the_examples_rl_settings_as_written():
+    m = peers.user_manifest(
+        peers.load_base(), "/models/sft", steps=6, seed=2, heldout="/h.jsonl", async_level=1, precision="bf16"
+    )
+    job = parse_resource(m)
+    s, a = job.spec, job.spec.algorithm
+    assert [(st.type, st.steps) for st in s.stages] == [("rl", 6)] and s.model.base == "/models/sft"
+    assert (a.name, a.group_size, a.oversample, a.batch_prompts) == ("grpo-roc", 4, 2.0, 4)  # RoC on
+    assert a.async_level == 1 and s.trainer.precision == "bf16" and s.data.eval == ["/h.jsonl"]
+    assert s.trainer.micro_batch_tokens == 1024 and s.checkpoint.every_steps > 6 and s.seed == 2
+
+
+def test_trl_user_settings_share_the_job_and_leave_the_rest_to_trls_defaults():
+    m = peers.user_manifest(
+        peers.load_base(), "/m", steps=6, seed=2, heldout="/h.jsonl", async_level=1, precision="bf16"
+    )
+    job = parse_resource(m)
+    s = peers.trl_user_settings(job, "/m", 2, horizon=40)
+    c = s["grpo_config"]
+    # 4 prompts x G 4 rows an optimizer step (and a generation batch), one group per forward
+    assert c["num_generations"] == 4 and c["per_device_train_batch_size"] * c["gradient_accumulation_steps"] == 16
+    assert c["per_device_train_batch_size"] == 4
+    assert c["learning_rate"] == 1e-5 and c["temperature"] == 1.0 and c["max_completion_length"] == 160
+    assert c["max_tool_calling_iterations"] == 2 and c["bf16"] is False and c["max_steps"] == 40
+    assert s["stop_after"] == 6 and s["save_policies"] and s["kuberl_optimizer"] is False
+    assert (s["pool_size"], s["pool_seed"]) == (24, 1000)
+    # TRL's own defaults stay: no clip, loss, optimizer or schedule settings are passed
+    assert not {"epsilon", "epsilon_high", "loss_type", "beta", "max_grad_norm", "num_iterations"} & set(c)
+    with pytest.raises(ValueError, match="horizon"):
+        peers.trl_user_settings(job, "/m", 2, horizon=5)
+
+
+def test_clocks_count_from_the_first_steps_start():
+    metrics = [
+        {"type": "eval", "time": 5.0},
+        {"type": "rl", "step": 1, "time": 1000.0, "step_seconds": 40.0},
+        {"type": "rl", "step": 2, "time": 1030.0, "step_seconds": 25.0},  # 5 s between steps count
+    ]
+    assert peers.kuberl_clock(metrics) == {1: 40.0, 2: 70.0}
+    no_time = [{k: v for k, v in r.items() if k != "time"} for r in metrics]
+    assert peers.kuberl_clock(no_time) == {1: 40.0, 2: 65.0}
+    assert peers.trl_clock([{"step": 1, "step_seconds": 3.0}, {"step": 2, "step_seconds": 4.5}]) == {1: 3.0, 2: 7.5}
+
+
+def test_policies_scored_are_every_kth_step_and_the_last():
+    assert peers.eval_steps([0, 3, 1, 2, 5, 4], 2) == [2, 4, 5]
+    assert peers.eval_steps([1, 2, 3], 1) == [1, 2, 3]
+    assert peers.policy_step("v00000007") == 7 and peers.policy_step("step-0012") == 12
+    with pytest.raises(ValueError, match="saved policy"):
+        peers.policy_step("tmp")
+    with pytest.raises(ValueError, match="eval-every"):
+        peers.eval_steps([1], 0)
+
+
+def test_curve_starts_at_the_sft_point_in_clock_order():
+    c = curves.build_curve(0.1, {1: 30.0, 2: 55.0, 3: 90.0}, {3: 0.8, 1: 0.5})
+    assert c == [(0.0, 0.1), (30.0, 0.5), (90.0, 0.8)]
+    with pytest.raises(ValueError, match="no clock reading"):
+        curves.build_curve(0.1, {1: 30.0}, {1: 0.5, 2: 0.6})
+
+
+def test_time_to_reach_is_the_first_policy_at_or_above_the_target_else_missed():
+    c = [(0.0, 0.1), (30.0, 0.5), (60.0, 0.85), (90.0, 0.8)]
+    assert curves.time_to_reach(c, 0.8) == 60.0  # not interpolated between 30 s and 60 s
+    assert curves.time_to_reach(c, 0.85) == 60.0  # reached exactly
+    assert curves.time_to_reach(c, 0.8 + 0.05 - 1e-12) == 60.0  # float sums of k/n
+    assert curves.time_to_reach(c, 0.9) is None  # never reached: a miss
+    assert curves.time_to_reach(c, 0.05) == 0.0  # the start already is
+
+
+def test_accuracy_at_holds_the_last_policy_until_the_next():
+    c = [(0.0, 0.1), (30.0, 0.5), (60.0, 0.8)]
+    assert curves.accuracy_at(c, 0.0) == 0.1 and curves.accuracy_at(c, 29.9) == 0.1
+    assert curves.accuracy_at(c, 30.0) == 0.5 and curves.accuracy_at(c, 59.0) == 0.5
+    assert curves.accuracy_at(c, 60.0) == 0.8
+    assert curves.accuracy_at(c, 60.5) is None and curves.accuracy_at(c, -1.0) is None  # outside the run
+
+
+def test_curves_align_at_equal_wall_clock_up_to_the_shorter_run():
+    ours = [(0.0, 0.1), (30.0, 0.5), (60.0, 0.8)]
+    theirs = [(0.0, 0.1), (50.0, 0.6), (100.0, 0.9)]
+    assert curves.aligned(ours, theirs) == [(0.0, 0.1, 0.1), (30.0, 0.5, 0.1), (50.0, 0.5, 0.6), (60.0, 0.8, 0.6)]
+    eq = curves.equal_clock(ours, theirs)
+    # 0-30 equal, 30-50 ahead by 0.4, 50-60 behind by 0.1: 50 of 60 s at least as accurate
+    assert eq["span_s"] == 60.0 and eq["share_at_least"] == pytest.approx(50 / 60)
+    assert eq["mean_gap"] == pytest.approx((0.4 * 20 - 0.1 * 10) / 60)
+    assert curves.equal_clock(theirs, theirs) == {"share_at_least": 1.0, "mean_gap": 0.0, "span_s": 100.0}
+    assert math.isnan(curves.equal_clock([(0.0, 0.1)], theirs)["mean_gap"])  # nothing after the start
+
+
+def test_seed_summary_and_goals():
+    trl = [(0.0, 0.1), (100.0, 0.7), (200.0, 0.875)]
+    fast = [(0.0, 0.1), (60.0, 0.8), (120.0, 0.9)]
+    s = peers_report.seed_summary(trl, fast)
+    assert s["target"] == 0.875 and s["ours_s"] == 120.0 and s["ratio"] == 0.6 and s["ratio_first"] == 0.6
+    assert peers_report.goals([s]) == (True, True)
+    slow = [(0.0, 0.1), (150.0, 0.875)]
+    s2 = peers_report.seed_summary(trl, slow)
+    assert s2["ratio"] == 0.75 and peers_report.goals([s, s2]) == (False, False)  # 0.75 > 2/3; behind at 100 s
+    never = peers_report.seed_summary(trl, [(0.0, 0.1), (300.0, 0.86)])
+    assert never["ours_s"] is None and never["ratio"] is None and not peers_report.goals([never])[0]
+    flat = peers_report.seed_summary([(0.0, 0.1), (100.0, 0.1)], fast)
+    assert flat["ours_s"] == 0.0 and not flat["trl_improved"] and not peers_report.goals([flat])[0]
+    edge = peers_report.seed_summary(trl, [(0.0, 0.1), (100.0, 0.7), (400 / 3, 0.875)])
+    assert peers_report.goals([edge])[0]  # exactly 2/3 meets the goal
+
+
+def test_chart_has_each_sides_mean_and_every_seed():
+    c = curves.chart({"TRL": [[(0.0, 0.1), (100.0, 0.8)]], "kuberl": [[(0.0, 0.1), (50.0, 0.9)]]}, "t")
+    assert [s.name for s in c.series] == ["TRL mean", "kuberl mean", "TRL seed 0", "kuberl seed 0"]
+    mean = dict(c.series[1].points)
+    assert mean[0.0] == 0.1 and mean[50.0] == 0.9  # the mean is drawn up to the shortest run's end
+    assert curves.mean_curve([[(0.0, 0.0), (10.0, 1.0)], [(0.0, 0.0), (20.0, 0.5)]], points=3) == [
+        (0.0, 0.0), (5.0, 0.0), (10.0, 0.5)
+    ]  # fmt: skip
+    assert "<svg" in curves.page(c, "caption") and "kuberl seed 0" in curves.page(c, "caption")
