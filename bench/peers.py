@@ -361,6 +361,20 @@ def prepare(out: Path) -> tuple[Path, float]:
     return folder, evals[-1]["accuracy"] if evals else math.nan
 
 
+def run_side_child(
+    kind: str, manifest: Path, out: Path, settings: Path | None, *extra: str
+) -> tuple[dict[str, Any], float]:
+    """One side's training child (``extra``: kuberl's further arguments): its summary and wall time."""
+    if kind == "trl":
+        args = ["--child", "trl", str(settings), str(out), str(manifest)]
+    else:
+        args = ["--child", "kuberl", str(manifest), str(out), *extra]
+    code, wall = run_child(args, out.parent / f"{out.name}.log")
+    if code:
+        raise SystemExit(f"{kind} run failed ({code}): see {out.parent / (out.name + '.log')}")
+    return json.loads((out / "summary.json").read_text()), wall
+
+
 def run_side(kind: str, manifest: Path, out: Path, settings: Path | None = None) -> dict[str, Any]:
     """One side's run in its own subprocess; its step records and summary.
 
@@ -368,14 +382,7 @@ def run_side(kind: str, manifest: Path, out: Path, settings: Path | None = None)
     so a second invocation with the same ``--out`` would report the first one's steps."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    if kind == "trl":
-        args = ["--child", "trl", str(settings), str(out), str(manifest)]
-    else:
-        args = ["--child", "kuberl", str(manifest), str(out)]
-    code, wall = run_child(args, out.parent / f"{out.name}.log")
-    if code:
-        raise SystemExit(f"{kind} run failed ({code}): see {out.parent / (out.name + '.log')}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary, wall = run_side_child(kind, manifest, out, settings)
     if kind == "trl":
         steps = _read_jsonl(out / "steps.jsonl")
         ev_out = out / "eval"
@@ -402,14 +409,7 @@ def run_timed_side(
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     policies = out / "policies"
-    if kind == "trl":
-        args = ["--child", "trl", str(settings), str(out), str(manifest)]
-    else:
-        args = ["--child", "kuberl", str(manifest), str(out), str(policies)]
-    code, wall = run_child(args, out.parent / f"{out.name}.log")
-    if code:
-        raise SystemExit(f"{kind} run failed ({code}): see {out.parent / (out.name + '.log')}")
-    summary = json.loads((out / "summary.json").read_text())
+    summary, wall = run_side_child(kind, manifest, out, settings, str(policies))
     if kind == "trl":
         steps = _read_jsonl(out / "steps.jsonl")
         clock = trl_clock(steps)
