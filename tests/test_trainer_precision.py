@@ -120,3 +120,23 @@ def test_a_run_with_bf16_trains_sft_and_rl_under_autocast(tmp_path, monkeypatch)
         assert len(rl) == 2 and all(h.loss == h.loss for h in rl)  # trained, no NaN
         assert [k for k, _ in seen] == ["sft"] * 4 + ["rl"] * 2, seen
         assert all(on == want for _, on in seen), (precision, seen)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_matmuls_is_warned_about(tmp_path):
+    """An AVX2-only CPU runs some bf16 matmuls through PyTorch's reference GEMM (minutes for one
+    update that float32 does in seconds): the run says so and names the setting to change."""
+    from kuberl.trainer.precision import bf16_warning, cpu_flags
+
+    avx2 = frozenset({"fpu", "sse2", "avx2", "avx512f"})
+    warning = bf16_warning("bf16", "cpu", avx2)
+    assert warning is not None and "trainer.precision: float32" in warning and "avx512_bf16" in warning
+    for native in ("avx512_bf16", "amx_bf16"):
+        assert bf16_warning("bf16", "cpu", avx2 | {native}) is None
+    assert bf16_warning("float32", "cpu", avx2) is None
+    assert bf16_warning("bf16", "cuda", avx2) is None  # accelerators run bf16 natively
+    assert bf16_warning("bf16", "cpu", frozenset()) is None  # flags unknown: no guess
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: EPYC\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\n")
+    assert cpu_flags(info) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(tmp_path / "missing") == frozenset()

@@ -47,6 +47,7 @@ from kuberl.trainer.policy import (
     model_dir,
     same_architecture,
 )
+from kuberl.trainer.precision import bf16_warning, cpu_flags
 from kuberl.trainer.progress import LogProgress, step_figures, use_plain
 from kuberl.trainer.stage_host import RunResult
 from kuberl.trainer.stages import Pipeline, seed_everything
@@ -380,6 +381,9 @@ def _run_pipeline(
         payload = None  # the model and optimizer hold it now
         if resumed and console is not None:
             console.print(f"resumed from {store.uri} at global step {pipe.state.global_step}")
+        slow_bf16 = bf16_warning(job.spec.trainer.precision, device, cpu_flags())
+        if slow_bf16 and ctx.rank == 0:
+            print(slow_bf16, file=sys.stderr, flush=True)
         if console is not None:
             ranks = f", {ctx.world_size} FSDP ranks" if ctx.enabled else ""
             console.print(
