@@ -19,9 +19,9 @@ from pathlib import Path
 import yaml
 from k8s_fixtures import Kube, wait_for
 from node_fixtures import RealNode
+from prometheus_proc import prometheus_process
 
 from kuberl.operator.render.trainer_runs import checkpoint_claim_name
-from kuberl.util.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 JOB = "quickstart"
@@ -146,44 +146,21 @@ def _discover(kube: Kube, namespace: str, path: Path, stop: threading.Event) -> 
 def prometheus(node: RealNode, namespace: str, folder: Path) -> Iterator[str]:
     """Debian's Prometheus on the host scraping the trainer pods every 2 s, found through the API
     server as the chart's trainer PodMonitor selects them; its base URL."""
-    port = free_port()
     folder.mkdir(parents=True, exist_ok=True)
     targets = folder / "trainers.json"
     targets.write_text("[]")
     config = {"global": {"scrape_interval": "2s", "evaluation_interval": "2s"},
               "scrape_configs": [{"job_name": "kuberl-trainer", "honor_labels": True,
                                   "file_sd_configs": [{"files": [str(targets)], "refresh_interval": "2s"}]}]}
-    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     stop = threading.Event()
     finder = threading.Thread(target=_discover, args=(node.kube, namespace, targets, stop), daemon=True)
     finder.start()
-    with (folder / "prometheus.log").open("w") as log:
-        proc = subprocess.Popen(["prometheus", f"--config.file={folder / 'prometheus.yml'}",
-                                 f"--storage.tsdb.path={folder / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _ready(base) or proc.poll() is not None, 60, "prometheus answering /-/ready")
-        if proc.poll() is not None:
-            raise AssertionError(f"prometheus ended: {(folder / 'prometheus.log').read_text()[-2000:]}")
-        yield base
+        with prometheus_process(folder, config, ready_timeout=60) as base:
+            yield base
     finally:
         stop.set()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         finder.join(10)
-
-
-def _ready(base: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def query_range(base: str, expr: str, start: float, end: float, step: float = 2.0) -> list[dict]:

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import yaml
-
-from kuberl.util.ports import free_port
+from prometheus_proc import prometheus_process
 
 
 def http_get(url: str, timeout: float = 5.0) -> bytes:
@@ -28,7 +24,6 @@ def running_prometheus(
     """A real Prometheus scraping ``targets`` ({scrape job: host:port}) every second, at
     ``paths[job]`` (default /metrics), with ``labels`` on every target's series (what a
     cluster's service discovery adds, e.g. ``namespace``); yields its base URL."""
-    port = free_port()
     cfg = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [
@@ -42,41 +37,8 @@ def running_prometheus(
             for name, hostport in targets.items()
         ],
     }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    log = open(tmp / "prometheus.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                if http_get(f"{base}/-/ready", 1.0):
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(
-                    f"prometheus did not start: {(tmp / 'prometheus.log').read_text()[-2000:]}"
-                )
-            time.sleep(0.2)
+    with prometheus_process(tmp, cfg, ready_timeout=30) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def query(base: str, expr: str, at: float | None = None) -> list[dict]:
