@@ -26,23 +26,24 @@ WEBHOOK_PROBE = {"apiVersion": "kuberl.io/v1alpha1", "kind": "SandboxPool", "met
                  "spec": {"replicas": 1, "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "1Gi"}}}}
 
 
-def chart_objects() -> list[dict]:
-    """The chart as `helm install` renders it here (no prometheus-operator: no monitors)."""
-    return render(CHART_VALUES, api_versions=())
+def chart_objects(*, kueue: bool = False) -> list[dict]:
+    """The chart as `helm install` renders it here (no prometheus-operator: no monitors); with
+    ``kueue``, as `--set kueue.enabled=true` renders it (the operator watches Kueue's Workloads)."""
+    return render({**CHART_VALUES, "kueue": {"enabled": kueue}}, api_versions=())
 
 
 def operator_logs(node: RealNode) -> str:
     return node.kube.run("logs", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_SELECTOR, "--tail=40", check=False).stdout
 
 
-def install_operator(node: RealNode, timeout: float = 300) -> dict:
+def install_operator(node: RealNode, timeout: float = 300, *, kueue: bool = False) -> dict:
     """The chart applied (CRDs, ServiceAccount, RBAC, Deployment, webhook Service, Secret and
-    configurations); the operator's pod once it is Ready (readiness: kopf's /healthz, served
+    configurations; with ``kueue``, its Kueue integration); the operator's pod once it is Ready (readiness: kopf's /healthz, served
     where it leads) and the API server reaches its webhook (a server-side dry run of an invalid
     pool is refused by it: kube-proxy routes the webhook's Service to the pod)."""
     install_crds(node.kube)
     node.kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}])
-    node.kube.apply(chart_objects(), "-n", OPERATOR_NAMESPACE)
+    node.kube.apply(chart_objects(kueue=kueue), "-n", OPERATOR_NAMESPACE)
 
     def ready() -> dict | None:
         pods = [p for p in node.kube.items("pods", OPERATOR_NAMESPACE, OPERATOR_SELECTOR) if running_ready(p)]

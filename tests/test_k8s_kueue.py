@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fixtures import Kube, new_namespace, wait_for
+from kueue_queues import KUEUE_API, make_queues, priority_class
 
 from kuberl.api.job import PRIORITY_LABEL, QUEUE_LABEL
-from kuberl.operator.render.render_common import AMD_GPU_RESOURCE, AMD_PRODUCT_LABEL
+from kuberl.operator.render.render_common import AMD_PRODUCT_LABEL
 from tests.test_k8s_operator import seen
 
 pytestmark = pytest.mark.k8s
@@ -54,39 +55,6 @@ def _job(name: str, queue: str | None, priority: str | None = None) -> dict:
     return doc
 
 
-def _queues(kube: Kube, ns: str, *, preemption: bool = False) -> dict[str, str]:
-    """A ClusterQueue of 16 MI300X GPUs for ``ns``'s LocalQueue ``lq``; the cluster-scoped names."""
-    gpu, default, cq = f"mi300x-{ns}", f"default-{ns}", f"cq-{ns}"
-    big = {"cpu": "10000", "memory": "1000Ti", "ephemeral-storage": "1000Ti"}
-    cluster_queue = {
-        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": cq},
-        "spec": {
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
-            "resourceGroups": [
-                {"coveredResources": [AMD_GPU_RESOURCE],
-                 "flavors": [{"name": gpu, "resources": [{"name": AMD_GPU_RESOURCE, "nominalQuota": 16}]}]},
-                {"coveredResources": list(big),
-                 "flavors": [{"name": default, "resources": [{"name": r, "nominalQuota": q} for r, q in big.items()]}]},
-            ],
-            **({"preemption": {"withinClusterQueue": "LowerPriority"}} if preemption else {}),
-        },
-    }  # fmt: skip
-    kube.apply([
-        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": gpu},
-         "spec": {"nodeLabels": {AMD_PRODUCT_LABEL: "AMD_Instinct_MI300X_OAM"}}},
-        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": default}},
-        cluster_queue,
-        {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "lq", "namespace": ns},
-         "spec": {"clusterQueue": cq}},
-    ])  # fmt: skip
-    return {"gpu": gpu, "default": default, "cq": cq}
-
-
-def _drop_queues(kube: Kube, names: dict[str, str]) -> None:
-    kube.run("delete", "clusterqueue", names["cq"], "--wait=false", check=False)
-    kube.run("delete", "resourceflavor", names["gpu"], names["default"], "--wait=false", check=False)
-
-
 def _status(kube: Kube, ns: str, name: str) -> dict:
     return kube.json("get", "agenticrljob", name, "-n", ns).get("status") or {}
 
@@ -116,7 +84,7 @@ def _workload(kube: Kube, ns: str, job: str) -> dict:
 
 def test_two_jobs_share_a_16_gpu_quota_one_runs_the_other_waits_in_kueues_words(kube, kuberl_operator, queued_ns):
     ns = queued_ns("kq")
-    names = _queues(kube, ns)
+    queues = make_queues(kube, ns)
     try:
         kube.apply([_job("first", "lq")], "-n", ns)
         pods = _wait_running(kube, ns, "first", kuberl_operator)
@@ -152,15 +120,15 @@ def test_two_jobs_share_a_16_gpu_quota_one_runs_the_other_waits_in_kueues_words(
         _wait_running(kube, ns, "second", kuberl_operator)
         assert _suspended(_status(kube, ns, "second"))["status"] == "False"
     finally:
-        _drop_queues(kube, names)
+        queues.drop(kube)
 
 
 def test_a_higher_priority_job_preempts_a_running_lower_one_which_resumes_later(kube, kuberl_operator, queued_ns):
     ns = queued_ns("kp")
-    names = _queues(kube, ns, preemption=True)
+    queues = make_queues(kube, ns, preemption=True)
     classes = {"low": f"low-{ns}", "high": f"high-{ns}"}
-    kube.apply([{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "WorkloadPriorityClass", "metadata": {"name": n},
-                 "value": v} for n, v in ((classes["low"], 100), (classes["high"], 1000))])
+    for name, value in ((classes["low"], 100), (classes["high"], 1000)):
+        priority_class(kube, name, value)
     try:
         kube.apply([_job("low", "lq", classes["low"])], "-n", ns)
         _wait_running(kube, ns, "low", kuberl_operator)
@@ -189,7 +157,7 @@ def test_a_higher_priority_job_preempts_a_running_lower_one_which_resumes_later(
                       lambda: "low Running again\n" + seen(kube, ns, kuberl_operator))
         assert _suspended(st)["status"] == "False"
     finally:
-        _drop_queues(kube, names)
+        queues.drop(kube)
         kube.run("delete", "workloadpriorityclass", *classes.values(), "--wait=false", check=False)
 
 
@@ -198,7 +166,7 @@ def test_spec_suspend_holds_a_queued_job_out_of_the_queue_and_resumes_it(kube, k
     pods and asks no quota; resumed, it queues and runs; suspended again, its trainer pods end,
     its pool scales to zero and its Workload goes (the quota with it)."""
     ns = queued_ns("ks")
-    names = _queues(kube, ns)
+    queues = make_queues(kube, ns)
     try:
         held = _job("held", "lq")
         held["spec"]["suspend"] = True
@@ -223,7 +191,7 @@ def test_spec_suspend_holds_a_queued_job_out_of_the_queue_and_resumes_it(kube, k
         kube.run("patch", "agenticrljob", "held", "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
         _wait_running(kube, ns, "held", kuberl_operator)
     finally:
-        _drop_queues(kube, names)
+        queues.drop(kube)
 
 
 def test_validate_server_refuses_a_queue_label_naming_no_local_queue(kube, queued_ns, tmp_path):
@@ -234,7 +202,7 @@ def test_validate_server_refuses_a_queue_label_naming_no_local_queue(kube, queue
     import sys
 
     ns = queued_ns("kv")
-    kube.apply([{"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue", "metadata": {"name": "lq", "namespace": ns},
+    kube.apply([{"apiVersion": KUEUE_API, "kind": "LocalQueue", "metadata": {"name": "lq", "namespace": ns},
                  "spec": {"clusterQueue": f"cq-{ns}"}}])  # fmt: skip
     env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig)}
 

@@ -265,12 +265,32 @@ async def test_job_inline_children_suspend_resume_and_completion() -> None:
 
         await eventually(await phase("Running"), what="job Running")
 
-        # suspend: trainer Job suspended, inline fleet scaled to zero, phase Suspended
+        # a trainer pod runs (the emulator has no Job controller: the test plays it)
+        pod_path = f"/api/v1/namespaces/{NS}/pods/train-trainer-0-x"
+        labels = trainer["spec"]["template"]["metadata"]["labels"]
+        await k.create(f"/api/v1/namespaces/{NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "train-trainer-0-x", "namespace": NS, "labels": labels},
+            "spec": {"containers": [{"name": "trainer", "image": "i"}]}})  # fmt: skip
+        await k.patch(f"{pod_path}/status", {"status": {"phase": "Running"}})
+
+        # suspend: trainer Job suspended, phase Suspended; the fleet and pool keep their size
+        # while the trainer pod finishes its step (it calls both) and checkpoints
         await k.patch(f"{API}/agenticrljobs/train", {"spec": {"suspend": True}})
         await eventually(await phase("Suspended"), what="job Suspended")
         assert (await k.get(job_path))["spec"]["suspend"] is True
-        fleet = await k.get(f"{API}/rolloutfleets/train-rollout")
-        assert fleet["spec"]["replicas"] == 0
+        await asyncio.sleep(1.5)  # three resync passes
+        assert (await k.get(f"{API}/rolloutfleets/train-rollout"))["spec"]["replicas"] == 2
+        assert (await k.get(f"{API}/sandboxpools/train-sandbox"))["spec"]["replicas"] == 1
+        # the trainer pod ends (exit 143 after its checkpoint): the fleet and pool go to zero
+        await k.patch(f"{pod_path}/status", {"status": {"phase": "Failed"}})
+
+        async def released() -> bool:
+            fleet = await k.get(f"{API}/rolloutfleets/train-rollout")
+            pool = await k.get(f"{API}/sandboxpools/train-sandbox")
+            return fleet["spec"]["replicas"] == 0 and pool["spec"]["replicas"] == 0
+
+        await eventually(released, what="the fleet and pool at zero once the trainer pod ended")
+        await k.delete(pod_path)
         await k.patch(f"{API}/agenticrljobs/train", {"spec": {"suspend": False}})
         await eventually(await phase("Running"), what="job resumed")
         assert (await k.get(f"{API}/rolloutfleets/train-rollout"))["spec"]["replicas"] == 2

@@ -361,6 +361,19 @@ def test_inline_replicas_belong_to_the_autoscaler_between_create_and_suspend() -
     assert children.inline_replicas({"replicas": 5}, {"replicas": 3}) == 5  # not autoscaled: the job's
 
 
+def test_a_held_jobs_children_keep_their_size_until_its_trainer_pods_have_ended() -> None:
+    held, auto = {"replicas": 0}, {"minReplicas": 1, "maxReplicas": 4}
+    live = {"replicas": 3, "autoscaling": auto}
+    assert children.held_spec(held, live, True) == {"replicas": 3, "autoscaling": auto}  # stopping
+    assert children.held_spec(held, live, False) == held  # ended: zero
+    assert children.held_spec(held, None, True) == held  # no child yet: none to keep
+    running = {"status": {"phase": "Running"}}
+    deleted = {"metadata": {"deletionTimestamp": "t"}, "status": {"phase": "Running"}}
+    assert children.trainers_stopping([running]) and children.trainers_stopping([deleted, {"status": {}}])
+    assert not children.trainers_stopping([{"status": {"phase": "Failed"}}, {"status": {"phase": "Succeeded"}}])
+    assert not children.trainers_stopping([])
+
+
 def test_webhook_server_from_env() -> None:
     assert main.webhook_server_from_env({}) is None
     url = main.webhook_server_from_env({"KUBERL_WEBHOOK_PORT": "9443", "KUBERL_WEBHOOK_HOST": "op.example"})

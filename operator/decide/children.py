@@ -7,6 +7,10 @@
   child autoscales, its replica count belongs to the autoscaler; the job only sets it when it
   creates the child and when it suspends or resumes it (otherwise the two undo each other at
   every resync).
+* ``held_spec``: what a held (suspended, preempted) job applies to its inline fleet/pool while
+  its trainer pods are still stopping: they finish their step, which calls both, before the
+  checkpoint, so the children keep their size until the last trainer pod is gone.
+* ``trainers_stopping``: whether any trainer pod is still there to finish its step.
 """
 
 from __future__ import annotations
@@ -53,6 +57,24 @@ def inline_replicas(desired_spec: dict[str, Any], live_spec: dict[str, Any] | No
     lo = int(auto.get("minReplicas", 1))
     hi = int(auto.get("maxReplicas", max(current, lo)))
     return min(max(current, lo), hi)
+
+
+def held_spec(desired_spec: dict[str, Any], live_spec: dict[str, Any] | None, trainers_stopping: bool) -> dict[str, Any]:
+    """The spec a held job applies to its inline fleet/pool (wire format). ``desired_spec`` is the
+    held one (0 replicas, no autoscaling). While trainer pods still stop, the live child keeps its
+    replicas and autoscaling: a pool scaled to zero under a trainer finishing its step fails the
+    step's tool calls and rewards, and the step is lost instead of checkpointed."""
+    if not trainers_stopping or live_spec is None:
+        return desired_spec
+    kept = {**desired_spec, "replicas": int(live_spec.get("replicas", desired_spec.get("replicas", 0)))}
+    if live_spec.get("autoscaling"):
+        kept["autoscaling"] = live_spec["autoscaling"]
+    return kept
+
+
+def trainers_stopping(pods: Iterable[dict[str, Any]]) -> bool:
+    """Whether any of a held job's trainer pods has yet to end (one being deleted included)."""
+    return any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods)
 
 
 def job_owner(obj: dict[str, Any], api_version: str) -> str | None:

@@ -40,6 +40,7 @@ Per custom resource:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -184,10 +185,22 @@ def _adjust(obj: dict[str, Any]) -> Adjust | None:
     return adjust
 
 
-def _adjust_held(obj: dict[str, Any]) -> Adjust | None:
-    """``_adjust``, and a held (suspended or not admitted) trainer Job keeps the node selector and
-    tolerations it has: the template of a Job that ran may not change (the API server refuses
-    it with 422, and the Job would be replaced), and a queued job's next admission sets them."""
+def _adjust_held(stopping: bool) -> Callable[[dict[str, Any]], Adjust | None]:
+    """For a held (suspended or not admitted) job: its inline fleet/pool keep their size while
+    trainer pods are ``stopping`` (``children.held_spec``), and its trainer Job keeps the node
+    selector and tolerations it has: the template of a Job that ran may not change (the API
+    server refuses it with 422, and the Job would be replaced), and a queued job's next
+    admission sets them."""
+    return functools.partial(_adjust_held_child, stopping)
+
+
+def _keep_while_stopping(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+    return {**desired, "spec": children.held_spec(desired["spec"], (live or {}).get("spec"), True)}
+
+
+def _adjust_held_child(stopping: bool, obj: dict[str, Any]) -> Adjust | None:
+    if obj["kind"] in SCALED and stopping:
+        return _keep_while_stopping
     if obj["kind"] != "Job":
         return _adjust(obj)
 
@@ -377,8 +390,11 @@ async def _reconcile_job(
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
+    stopping = held and children.trainers_stopping(
+        await client.list(kind_of("v1", "Pod"), namespace, render_common.selector_labels(name, "trainer"))
+    )
     live, events, failures = await _apply_all(
-        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust_held if held else _adjust
+        ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust_held(stopping) if held else _adjust
     )
     events = queued_events + events
     events += await _prune(ctx, body, built)
