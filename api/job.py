@@ -167,7 +167,11 @@ class AlgorithmSpec(KubeModel):
         le=MAX_ASYNC_LEVEL,
         description=(
             "k: rollouts trained at step n come from a policy at most k versions old; the next k "
-            "batches generate while step n trains (INTELLECT-2 used 2). 0: synchronous, as rStar2-Agent."
+            "batches generate while step n trains, together on engines with paged KV caches (vLLM, "
+            "SGLang), whose throughput grows with the rows they decode at once (INTELLECT-2 used 2). "
+            "The local engine pads every row to the longest and gains nothing per row from more rows, "
+            "so there the batches ahead generate in turn and, when generation is the longer side, 2 "
+            "runs only one version ahead, as 1 does (bench/README.md). 0: synchronous, as rStar2-Agent."
         ),
     )
     tis_cap: float | None = Field(

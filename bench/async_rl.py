@@ -14,9 +14,13 @@ max(gen, update)); ``--oversample 1 --mini-batches 1`` is one such, with one opt
 per batch (what INTELLECT-2 trains with, and what `kuberl validate` asks for at asyncLevel 2).
 ``--partial`` adds, for every asyncLevel above 0, an arm with ``algorithm.partialRollouts`` on
 (a synchronous run pushes while nothing generates: its partial arm would be the same run).
+``--together`` adds, for every asyncLevel above 1, an arm whose local engine lets the batches
+in flight generate together, as paged engines do (``Engine.pads_rows`` off), instead of in turn
+(the local engine's order): whether running ahead pays on it, and the staleness it runs at.
 
     python bench/async_rl.py [MANIFEST] [--steps 20] [--seeds 1] [--first-seed 0] [--levels 0,1,2]
-        [--partial] [--ppo-epochs 1] [--mini-batches N] [--oversample N] [--out /tmp/async-rl]
+        [--partial] [--together] [--ppo-epochs 1] [--mini-batches N] [--oversample N]
+        [--out /tmp/async-rl]
 """
 
 from __future__ import annotations
@@ -60,6 +64,17 @@ def core_busy(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, in
     }
 
 
+def batches_together(model, tokenizer):
+    """The local engine as ``kuberl run`` builds it, marked as not padding rows, so the rollout
+    worker lets the batches in flight generate together (``--together``). Module level: the
+    Ray actor unpickles it."""
+    from kuberl.rollout.local_engine import LocalEngine
+
+    engine = LocalEngine(model, max_total_tokens=1 << 20, max_batch=512, seed=0)
+    engine.pads_rows = False
+    return engine
+
+
 def arm_summary(records: list[dict]) -> dict[str, float]:
     """Figures of one arm's RL stage from its metrics records (pure)."""
     rl = [r for r in records if r.get("type") == "rl"]
@@ -93,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--oversample", type=int, default=None, help="algorithm.oversample (default: the manifest's)")
     ap.add_argument("--levels", default="0,1,2", help="asyncLevels to run; 0 always runs (the SFT and the baseline)")
     ap.add_argument("--partial", action="store_true", help="also each asyncLevel > 0 with partialRollouts on")
+    ap.add_argument(
+        "--together", action="store_true", help="also each asyncLevel > 1 with its batches generating together"
+    )
     ap.add_argument("--out", default="/tmp/kuberl-async-rl")
     args = ap.parse_args(argv)
     base = find_one(load_manifests(args.manifest), AgenticRLJob)
@@ -109,9 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["KUBERL_SANDBOX_URL"] = sandbox.__enter__()
     pin_to_cpus("1")  # the trainer: every thread of this process (Ray workers set their own)
     levels = sorted({0, *(int(k) for k in args.levels.split(","))})
-    arms = [(k, partial) for k in levels for partial in (False, True) if not partial or (args.partial and k > 0)]
-    labels = {arm: f"async{arm[0]}" + ("+partial" if arm[1] else "") for arm in arms}
-    results: dict[tuple[int, bool], list[dict[str, float]]] = {arm: [] for arm in arms}
+    arms = [(k, partial, False) for k in levels for partial in (False, True) if not partial or (args.partial and k > 0)]
+    arms += [(k, False, True) for k in levels if args.together and k > 1]
+    labels = {
+        arm: f"async{arm[0]}" + ("+partial" if arm[1] else "") + ("+together" if arm[2] else "") for arm in arms
+    }
+    results: dict[tuple[int, bool, bool], list[dict[str, float]]] = {arm: [] for arm in arms}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         doc = base.model_dump(by_alias=True, exclude_none=True)
         spec = doc["spec"]
@@ -124,22 +145,23 @@ def main(argv: list[str] | None = None) -> int:
             spec["algorithm"]["oversample"] = args.oversample
         spec["trainer"]["threads"] = 1
         spec["checkpoint"].update(everySteps=10_000, keep=2, uri="checkpoints")  # in each run folder
-        for k, partial in arms:
+        for arm in arms:
+            k, partial, together = arm
             spec["algorithm"]["asyncLevel"] = k
             spec["algorithm"]["partialRollouts"] = partial
             job = AgenticRLJob.model_validate(doc)
-            run = out / f"seed{seed}" / labels[(k, partial)]
+            run = out / f"seed{seed}" / labels[arm]
             if k > 0:  # resume the synchronous arm's end-of-SFT checkpoint: same start for all
                 sft = base.spec.stages[0].steps  # every stage ends with a checkpoint
                 src = out / f"seed{seed}" / "async0" / "checkpoints" / f"ckpt-{sft:08d}.pt"
                 (run / "checkpoints").mkdir(parents=True)
                 shutil.copy(src, run / "checkpoints" / src.name)
             before = cpu_times()
-            run_job(job, run, use_ray=True, quiet=True)
+            run_job(job, run, use_ray=True, quiet=True, engine_factory=batches_together if together else None)
             s = arm_summary(_records(run)) | core_busy(before, cpu_times())
-            results[(k, partial)].append(s)
+            results[arm].append(s)
             print(
-                f"seed {seed} {labels[(k, partial)]}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
+                f"seed {seed} {labels[arm]}: " + ", ".join(f"{key} {v:.3f}" for key, v in s.items()),
                 flush=True,
             )
     print(f"\n{'':<28}" + "".join(f"{labels[arm]:>22}" for arm in arms))
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             sd = f" ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else ""
             cells.append(f"{statistics.fmean(vals):.3f}{sd}")
         print(f"{key:<28}" + "".join(f"{c:>22}" for c in cells))
-    sync = results[(0, False)]
+    sync = results[(0, False, False)]
     gen = statistics.fmean(r["gen_s_sync"] for r in sync)
     upd = statistics.fmean(r["update_s"] for r in sync)
     ideal = (gen + upd) / max(gen, upd)

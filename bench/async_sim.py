@@ -15,14 +15,14 @@ whole cluster, the same for every run) so that the comparison is about GPUs, not
   T GPUs (``clustersim.asyncmodel.split_refusal``: 16 bytes a parameter sharded, 40 GB a GPU
   reserved; refused splits are printed with the reason). The fleet side is simulated: a run
   of ``--batches`` batches on F engines (``SimConfig.ahead`` = k: batch 0 at once, batches
-  1..k at its end, then batch i at batch i-k's end, ``Scheduler.max_active`` at one batch and
+  1..k at its end, then batch i at batch i-k's end, ``Scheduler.max_active`` at k batches and
   FIFO admission, as rollout/orchestrator.py and the rollout worker do with a trainer that keeps
   up), through the real Scheduler, SandboxClient and SandboxService, so the tail of long
   multi-turn rollouts is in it (``clustersim.asyncmodel.fleet_generation``):
   - asyncLevel 1: generation = batch 0's end; it runs alone, as every batch does at level 1
     (batch n+1 is submitted once batch n is collected). No extra run.
   - asyncLevel k >= 2 (one run each): the mean interval between batch ends after the first,
-    each batch filling its predecessor's tail: the fleet running ahead across a step.
+    each batch generating beside its predecessors: the fleet running ahead across a step.
   The trainer side is the model: update on T GPUs (the mean trained tokens of the simulated
   batches), then the push (the sync model, blocking the trainer); the fleet pauses for the
   reload. Step = max(update + push, generation + reload): the push in line, as the trainer did
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for ahead in runs:
             n = args.batches if ahead > 1 else 1
             res = simulate(replace(base, engines=fleet, steps=n, plans=plans[:n], ahead=ahead))
-            ends[ahead] = [st.rollouts_done - res.steps[0].start for st in res.steps]
+            ends[ahead] = [st.end - res.steps[0].start for st in res.steps]  # collected, in order
         gen = {k: fleet_generation(ends[k if k > 1 else runs[0]], k) for k in levels}
         tm = TrainerModel(gpus=trainer)
         u, p, r = tm.update_seconds(tokens), tm.sync_seconds(), tm.reload_s

@@ -18,11 +18,12 @@ Policies:
   with the batch size first; without it, rollouts are dealt out modulo the engine count).
 
 ``max_active`` caps the rollouts in flight over all engines (every policy). Admission is FIFO,
-so with the cap at one batch's size, a batch submitted ahead (asynchronous RL) takes the places
-the batch before it frees as its rollouts finish: it fills the older batch's tail instead of
-sharing the engines with all of it. Without the cap the two batches decode together from the
-start and the one the trainer needs next finishes only about when both do: steps alternate
-between waiting for two batches and none.
+so an older batch's rollouts take their places before a later batch's. The rollout worker sets
+it to the batches allowed in flight (``algorithm.asyncLevel`` k: k batches' rollouts), so a
+batch submitted ahead starts at once beside the one before it and samples the version served
+then; with the cap at one batch's size it would take only the places the older batch frees as
+its rollouts finish (fill its tail), start after the next push, and run one version ahead
+whatever k is.
 
 The capacity-blind policies admit immediately unless ``max_inflight_per_engine`` is set, in
 which case they wait for a free slot. Reservations are tracked for every policy, so overflow

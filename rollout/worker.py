@@ -84,6 +84,8 @@ class RolloutWorker:
     ``verify_batch`` (``SandboxClient`` by default), so tests can substitute a fake sandbox.
     ``partial_rollouts`` (``algorithm.partialRollouts``): what a weight push does to the
     generations in flight on the local engine and the fleet's engines (``Engine.partial_rollouts``).
+    ``batches_in_flight`` (``algorithm.asyncLevel``, at least 1): how many submitted batches may
+    generate at once (see :meth:`submit_rollouts`).
     """
 
     def __init__(
@@ -102,7 +104,11 @@ class RolloutWorker:
         scheduler_policy: str = "kv-aware",
         sft_builder: SftBuilder | None = None,
         partial_rollouts: bool = False,
+        batches_in_flight: int = 1,
     ):
+        if batches_in_flight < 1:
+            raise ValueError(f"batches_in_flight must be >= 1, got {batches_in_flight}")
+        self.batches_in_flight = batches_in_flight
         if threads:
             torch.set_num_threads(threads)
         pin_to_cpus(os.environ.get("KUBERL_ROLLOUT_CPUS"))  # benches: the engine on its own cores
@@ -188,10 +194,15 @@ class RolloutWorker:
         With ``request.seed`` every rollout samples from its own seed derived from (seed, prompt
         index, sample index, turn), so the result does not depend on tool latency or batching.
         The worker's event loop keeps serving weight pushes and other calls meanwhile.
+
+        Up to ``batches_in_flight`` batches' rollouts generate at once (``Scheduler.max_active``;
+        FIFO admission gives the older batch its places first): a batch submitted ahead starts at
+        once on the version the engines serve then, beside the one before it, so on engines whose
+        throughput grows with the rows they decode together (paged KV caches: vLLM, SGLang) the
+        fleet generates more per second, and asyncLevel k really runs k versions ahead. On
+        engines that pad rows it waits for the batch before it to end instead
+        (:meth:`_batches_in_turn`).
         """
-        # At most one batch's rollouts in flight: a batch submitted ahead fills the tail of the
-        # one before it instead of halving its speed (Scheduler.max_active; FIFO admission), or on
-        # engines that pad rows waits for it to end (_batches_in_turn).
         self._run(self._limit_active(len(request.prompts) * request.n))
         ticket = next(self._tickets)
         self._inflight[ticket] = asyncio.run_coroutine_threadsafe(self._rollouts(request), self.loop)
@@ -199,7 +210,7 @@ class RolloutWorker:
 
     async def _limit_active(self, rollouts: int) -> None:
         if rollouts > 0:
-            self.scheduler.max_active = rollouts
+            self.scheduler.max_active = rollouts * self.batches_in_flight
 
     def collect_rollouts(self, ticket: int) -> list[list[Scored]]:
         """The groups of a :meth:`submit_rollouts` call (waits for them)."""
@@ -250,11 +261,15 @@ class RolloutWorker:
         return self.busy_total + (time.monotonic() - self._busy_since if self._active else 0.0)
 
     def _batches_in_turn(self) -> bool:
-        """Whether a batch submitted ahead waits for the one before it to end instead of filling
-        its tail: on engines that pad every row to the longest (``Engine.pads_rows``: the local
-        engine), fresh short rows beside an old batch's long ones pay for its long context in
-        every decode step, so a batch in turn is the faster order there. Paged KV caches (vLLM,
-        SGLang) charge each row its own context: there the tail is filled."""
+        """Whether a batch submitted ahead waits for the one before it to end instead of
+        generating beside it: on engines that pad every row to the longest (``Engine.pads_rows``:
+        the local engine), fresh short rows beside an old batch's long ones pay for its long
+        context in every decode step, and on a CPU a decode step costs the same per row from 64
+        rows up (bench/README.md, "asyncLevel 2 runs ahead"), so more rows at once buy no
+        throughput and a batch in turn is the faster order. There a batch two steps ahead starts
+        when the one before it ends, by when the next version is out when generation is the
+        longer side: asyncLevel 2 runs one version ahead, as 1 does. Paged KV caches (vLLM,
+        SGLang) charge each row its own context: there the batches generate together."""
         engines = self.scheduler.engines
         return bool(engines) and all(getattr(e, "pads_rows", False) for e in engines)
 

@@ -106,27 +106,23 @@ def _cfg(**kw) -> SimConfig:
     return SimConfig(**(base | kw))
 
 
-def test_fleet_run_submits_as_the_trainer_and_fills_each_batchs_tail() -> None:
+def test_fleet_run_submits_as_the_trainer_and_runs_k_batches_at_once() -> None:
     plans = [make_plans(SPEC, s) for s in range(4)]
     alone = simulate(_cfg(steps=1, plans=plans[:1]))
     res = simulate(_cfg(steps=4, plans=plans, ahead=2))
     st = res.steps
-    ends = [r.rollouts_done - st[0].start for r in st]
-    assert ends == sorted(ends)
-    # asyncLevel 2's submissions: batch 0 at once, batches 1 and 2 at its end, batch 3 at batch 1's
-    assert [r.start for r in st] == [
-        st[0].start,
-        st[0].rollouts_done,
-        st[0].rollouts_done,
-        st[1].rollouts_done,
-    ]
+    ends = [r.end - st[0].start for r in st]  # collected in order
+    assert ends == sorted(ends) and all(r.end >= r.rollouts_done for r in st)
+    # asyncLevel 2's submissions: batch 0 at once, batches 1 and 2 once it is collected, batch 3
+    # once batch 1 is
+    assert [r.start for r in st] == [st[0].start, st[0].end, st[0].end, st[1].end]
     # batch 0 runs alone: asyncLevel 1's generation time is a synchronous rollout phase
     assert ends[0] == pytest.approx(alone.steps[0].rollout_s, rel=1e-9)
-    # the later batches start in their predecessor's tail: they end sooner after it than a batch
-    # takes alone (asyncLevel 2's generation time)
+    # the later batches generate beside their predecessor: they end sooner after it than a
+    # batch takes alone (asyncLevel 2's generation time)
     assert fleet_generation(ends, 2) < 0.9 * ends[0]
-    # never more than one batch's rollouts on the engines (Scheduler.max_active)
-    assert max(s["rollouts_active"] for s in res.timeline) <= SPEC.rollouts
+    # two batches' rollouts on the engines at once, never more (Scheduler.max_active)
+    assert SPEC.rollouts < max(s["rollouts_active"] for s in res.timeline) <= 2 * SPEC.rollouts
     assert sum(r.calls for r in st) == sum(len(p.tool_costs) for b in plans for p in b)
     # asyncLevel 1: every batch alone, back to back
     seq = simulate(_cfg(steps=2, plans=plans[:2], ahead=1)).steps

@@ -353,6 +353,7 @@ def _run_pipeline(
                 "scheduler_policy": os.environ.get("KUBERL_SCHEDULER_POLICY", "kv-aware"),
                 "sft_builder": build_sft_traces,
                 "partial_rollouts": spec.algorithm.partial_rollouts,
+                "batches_in_flight": max(1, spec.algorithm.async_level),
             }
             use_gpu = device.type == "cuda" and not fleet
             client = (

@@ -16,9 +16,10 @@ loads). In steady state each side does one batch a step, so
 where ``generation`` is what the fleet needs per batch, from a simulated run of the fleet side
 (``SimConfig.ahead``): at asyncLevel 1 a batch alone (batch n+1 is submitted only once batch n
 is collected, so it never fills n's tail; batch 0 of any run is alone); at asyncLevel k >= 2
-the steady interval between batch ends when batch i is submitted at batch i-k's end and fills
-the tail of batch i-1 (``Scheduler.max_active`` = one batch, FIFO) - the fleet running ahead
-across a step, as long as the trainer keeps up (else the step is the trainer's anyway).
+the steady interval between batch ends when batch i is submitted at batch i-k's end and
+generates beside batches i-k+1..i-1 (``Scheduler.max_active`` = k batches, FIFO) - the fleet
+running ahead across a step, as long as the trainer keeps up (else the step is the trainer's
+anyway).
 """
 
 from __future__ import annotations
@@ -128,10 +129,10 @@ def bound_side(generation_s: float, update_s: float, push_s: float, reload_s: fl
 
 
 def fleet_generation(ends: list[float], level: int) -> float:
-    """Generation seconds per batch at asyncLevel ``level`` from the batch end times of a run
-    with ``ahead=level`` (batch 0 submitted at time 0): level 1, batch 0 alone; level >= 2, the
-    mean interval between ends after the first (batch 1 starts alone at batch 0's end, the later
-    ones in their predecessor's tail, as in steady state)."""
+    """Generation seconds per batch at asyncLevel ``level`` from the batch collection times of
+    a run with ``ahead=level`` (batch 0 submitted at time 0): level 1, batch 0 alone; level >= 2,
+    the mean interval between collections after the first (batches 1..k start together at batch
+    0's collection, the later ones beside their predecessors, as in steady state)."""
     if level < 1:
         raise ValueError(f"asyncLevel must be >= 1, got {level}")
     if level == 1:

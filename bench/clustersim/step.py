@@ -10,10 +10,12 @@ autoscaler runs throughout, across steps.
 ``SimConfig.ahead`` = k >= 1: the fleet side of asynchronous RL at asyncLevel k
 (bench/async_sim.py), with a trainer that keeps up. As the trainer submits them
 (rollout/orchestrator.py ``Orchestrator.acquire``): batch 0 at once, batches 1..k when batch 0 ends (is
-collected), then batch i when batch i-k ends; ``Scheduler.max_active`` is one batch's rollouts,
-as the rollout worker sets it, and admission is FIFO, so a batch submitted ahead takes the
-places the batch before it frees as its rollouts end (it fills that batch's tail). No update
-or sync runs; each record's ``start`` is its batch's submission, ``end`` its last rollout's end.
+collected), then batch i when batch i-k ends; ``Scheduler.max_active`` is k batches' rollouts,
+as the rollout worker sets it for engines that do not pad rows, and admission is FIFO, so a
+batch submitted ahead starts at once beside the ones before it, which take their places first.
+No update or sync runs; each record's ``start`` is its batch's submission, ``rollouts_done``
+its last rollout's end and ``end`` its collection (batches are collected in order, and batch i is
+submitted when batch i-k is collected).
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ async def _run(cfg: SimConfig) -> SimResult:
         return plans
 
     if cfg.ahead:
-        sched.max_active = spec.rollouts  # one batch in flight: the next fills its tail (FIFO)
+        sched.max_active = spec.rollouts * cfg.ahead  # k batches in flight, the older first (FIFO)
         done = [asyncio.Event() for _ in range(cfg.steps)]
         batch_records = [StepRecord(start=0.0) for _ in range(cfg.steps)]
 
@@ -286,7 +288,9 @@ async def _run(cfg: SimConfig) -> SimResult:
                 await done[max(0, i - cfg.ahead)].wait()
             batch_records[i].start = loop.time()
             await run_batch(i, batch_records[i])
-            batch_records[i].end = batch_records[i].rollouts_done
+            if i:  # the trainer collects in order: batch i once it and batch i-1 are in
+                await done[i - 1].wait()
+            batch_records[i].end = loop.time()
             done[i].set()
 
         await asyncio.gather(*(submit(i) for i in range(cfg.steps)))
