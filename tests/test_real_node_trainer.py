@@ -199,13 +199,19 @@ def _stopped_at(log: str) -> int:
     return int(log.rsplit("stopped by SIGTERM after global step ", 1)[1].split(";")[0])
 
 
-def test_a_deleted_trainer_pod_is_replaced_and_resumes_from_its_checkpoint(run: dict):
-    at = _stopped_at(run["stopped"])
-    assert SFT < at < STEPS, run["stopped"][-1500:]
-    assert f"at global step {at}" in run["second_stopped"], run["second_stopped"][:3000]
+def _resumed(run: dict, stopped: str, resumed: str, after: int) -> int:
+    """The global step at which the pod whose log is ``run[stopped]`` stopped with a checkpoint
+    (after ``after``, before the end), where the next pod (``run[resumed]``) resumed."""
+    at = _stopped_at(run[stopped])
+    assert after < at < STEPS, run[stopped][-1500:]
+    assert f"at global step {at}" in run[resumed], run[resumed][:3000]
     events = records(run["folder"], "events.jsonl")
-    assert any(e["kind"] == "resume" and f"resumed at global step {at}" in e["text"]
-               for e in events), events[-5:]
+    assert any(e["kind"] == "resume" and f"resumed at global step {at}" in e["text"] for e in events), events[-5:]
+    return at
+
+
+def test_a_deleted_trainer_pod_is_replaced_and_resumes_from_its_checkpoint(run: dict):
+    _resumed(run, "stopped", "second_stopped", SFT)
 
 
 def test_kueue_preempts_the_job_and_readmits_it_where_its_checkpoint_left_off(run: dict):
@@ -219,12 +225,7 @@ def test_kueue_preempts_the_job_and_readmits_it_where_its_checkpoint_left_off(ru
     assert row[1:4] == ["Suspended", LOCAL_QUEUE, "Preempted"], run["suspended_table"]
     assert run["suspended_trainer"]["spec"]["suspend"] is True
     # the preempted pod checkpointed at its step boundary; the re-admitted one resumed there
-    first, preempted = _stopped_at(run["stopped"]), _stopped_at(run["second_stopped"])
-    assert first < preempted < STEPS, run["second_stopped"][-1500:]
-    assert f"at global step {preempted}" in run["resumed_again"], run["resumed_again"][:3000]
-    events = records(run["folder"], "events.jsonl")
-    assert any(e["kind"] == "resume" and f"resumed at global step {preempted}" in e["text"]
-               for e in events), events[-5:]
+    _resumed(run, "second_stopped", "resumed_again", _stopped_at(run["stopped"]))
 
 
 def test_every_step_is_trained_once_across_both_interruptions(run: dict):
