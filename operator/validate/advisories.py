@@ -14,7 +14,7 @@ from __future__ import annotations
 from kuberl.api import AgenticRLJob, ManifestError, Resource, RolloutFleet, SandboxPool, parse_resource
 from kuberl.api.common import quantity_value
 from kuberl.api.group import API_VERSION
-from kuberl.api.rollout_fleet import RolloutFleetSpec
+from kuberl.api.rollout_fleet import SGLANG_CPU_IMAGE_HINT, RolloutFleetSpec
 from kuberl.api.sandbox_pool import SandboxPoolSpec
 from kuberl.operator.render.builders import build_for
 from kuberl.operator.render.job_builder import uses_fleet
@@ -93,6 +93,14 @@ def engine_memory_warnings(fleet: RolloutFleetSpec, where: str, model: str) -> l
         f"{fleet.engine.mem_fraction_static:g} leaves of {memory} GB: little or no room for the KV cache, "
         "so rollouts queue or the engine does not start; raise engine.tensorParallel"
     ]
+
+
+def engine_image_warnings(fleet: RolloutFleetSpec, where: str) -> list[str]:
+    """A cpu SGLang fleet on the default image, which nobody publishes (``SGLANG_CPU_IMAGE_HINT``):
+    its pods would wait in ImagePullBackOff."""
+    if fleet.engine.type != "sglang" or fleet.accelerator.profile != "cpu" or fleet.engine.image:
+        return []
+    return [f"{where}engine: the default image {fleet.image} is built, not pulled: {SGLANG_CPU_IMAGE_HINT}"]
 
 
 def rendered_warnings(resource: Resource, namespace: str = "default", fleet: RolloutFleetSpec | None = None) -> list[str]:
@@ -217,6 +225,7 @@ def resource_warnings(
     out = rendered_warnings(resource, namespace, fleet)
     if isinstance(resource, RolloutFleet):
         out += engine_memory_warnings(resource.spec, "spec.", resource.spec.model.uri)
+        out += engine_image_warnings(resource.spec, "spec.")
     if isinstance(resource, SandboxPool):
         out += pool_cpu_warnings(resource.spec, "spec.")
     if isinstance(resource, AgenticRLJob) and resource.spec.sandbox.pool is not None:
@@ -231,6 +240,8 @@ def resource_warnings(
             out += engine_memory_warnings(inline, "spec.rollout.fleet.", model)
         if uses_fleet(resource):
             out += _job_kv_warnings(resource, fleet)
+            if inline is not None:
+                out += engine_image_warnings(inline, "spec.rollout.fleet.")
     if isinstance(resource, AgenticRLJob) and any(s.type == "rl" for s in resource.spec.stages):
         if resource.spec.sandbox.pool is not None:
             pool = (resource.spec.sandbox.pool, "spec.sandbox.pool")
