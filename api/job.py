@@ -190,7 +190,7 @@ class AlgorithmSpec(KubeModel):
             "each token carries the version that sampled it (TIS weighs only tokens older than the step; "
             "staleness counts the oldest token). Needs asyncLevel > 0 (a synchronous run pushes while "
             "nothing generates) and a local or vllm engine. Off by default: every running row's KV is "
-            "recomputed at each push, and its steps/hour gain is not yet measured (bench/README.md)."
+            "recomputed at each push (on a long-tailed CPU mix it cost 15 % of the steps/hour: bench/README.md)."
         ),
     )
     length_reward: LengthRewardSpec | None = Field(
