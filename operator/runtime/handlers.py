@@ -390,8 +390,12 @@ async def _reconcile_job(
     # The trainer would only crash-loop without its dependencies: hold it back (but keep one
     # that already runs: the reference may come back).
     objs = [o for o in built if o["kind"] != "Job"] if waiting else built
+    # read fresh, not from the pass's cache: a trainer pod that started since the cache was loaded
+    # would be missed, and its pool scaled to zero under its last step
     stopping = held and children.trainers_stopping(
-        await client.list(kind_of("v1", "Pod"), namespace, render_common.selector_labels(name, "trainer"))
+        await client.list(
+            kind_of("v1", "Pod"), namespace, render_common.selector_labels(name, "trainer"), fresh=True
+        )
     )
     live, events, failures = await _apply_all(
         ctx, body, objs, first_time and not previous.get("phase"), adjust=_adjust_held(stopping) if held else _adjust
