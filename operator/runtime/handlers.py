@@ -194,13 +194,13 @@ def _adjust_held(stopping: bool) -> Callable[[dict[str, Any]], Adjust | None]:
     return functools.partial(_adjust_held_child, stopping)
 
 
-def _keep_while_stopping(desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
-    return {**desired, "spec": children.held_spec(desired["spec"], (live or {}).get("spec"), True)}
+def _held_child(stopping: bool, desired: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+    return {**desired, "spec": children.held_spec(desired["spec"], (live or {}).get("spec"), stopping)}
 
 
 def _adjust_held_child(stopping: bool, obj: dict[str, Any]) -> Adjust | None:
-    if obj["kind"] in SCALED and stopping:
-        return _keep_while_stopping
+    if obj["kind"] in SCALED:
+        return functools.partial(_held_child, stopping)
     if obj["kind"] != "Job":
         return _adjust(obj)
 
