@@ -187,7 +187,7 @@ class AlgorithmSpec(KubeModel):
         description=(
             "At a weight push, generations in flight (local engine, vLLM) stop at a token boundary and "
             "go on under the new weights from their tokens so far instead of finishing on the old ones; "
-            "each token carries the version that sampled it (TIS weighs only tokens older than the step; "
+            "each token carries the version that sampled it (TIS weighs every token by min(pi_old/mu, C) with mu from the version that sampled it; "
             "staleness counts the oldest token). Needs asyncLevel > 0 (a synchronous run pushes while "
             "nothing generates) and a local or vllm engine. Off by default: every running row's KV is "
             "recomputed at each push (on a long-tailed CPU mix it cost 15 % of the steps/hour: bench/README.md)."

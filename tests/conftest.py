@@ -39,6 +39,27 @@ def pytest_configure(config):
         config.addinivalue_line("markers", marker)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from xdist_groups import order_and_check
+
+    order_and_check(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist_groups import make_scheduler
+
+    return make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    from xdist_groups import auto_workers
+
+    return auto_workers()
+
+
 def _marked(request: pytest.FixtureRequest, name: str) -> dict[str, Any]:
     """The keyword arguments of the ``name`` mark closest to the requesting test or module."""
     mark = request.node.get_closest_marker(name)

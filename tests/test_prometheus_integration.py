@@ -150,6 +150,8 @@ def _operator_on_emulator(tmp: Path):
         "KUBERL_RECONCILE_INTERVAL": "0.5",
         "KUBERL_AUTOSCALE_INTERVAL": "0.5",
         "KUBERL_OPERATOR_METRICS_PORT": str(port),
+        "KUBERL_HEALTH_PORT": "0",  # no probe endpoints: their fixed ports would collide
+        "KUBERL_LIVENESS_PORT": "0",
     }
     env.pop("KUBERL_WEBHOOK_PORT", None)
     log = open(tmp / "operator.log", "w")  # noqa: SIM115 - closed below

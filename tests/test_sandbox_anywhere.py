@@ -60,7 +60,8 @@ def test_the_isolation_tests_pass_from_a_venv_inside_a_clone_under_tmp(clone_wit
     python = clone_with_venv / ".venv" / "bin" / "python"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "COV_"))}
     run = subprocess.run(
-        [str(python), "-m", "pytest", "-x", "tests/test_sandbox_isolation.py"],
+        # one process (-n 0): this test's own worker already shares the machine with the others
+        [str(python), "-m", "pytest", "-x", "-n", "0", "tests/test_sandbox_isolation.py"],
         cwd=clone_with_venv, env=env, capture_output=True, text=True,
     )  # fmt: skip
     tail = (run.stdout + run.stderr)[-6000:]

@@ -132,6 +132,10 @@ def test_5000_half_sent_requests_neither_stop_calls_nor_stay(svc):
             s.close()
     assert len(held) > 4000, f"only {len(held)} of 5000 connections were taken"
     assert left == 0, f"{left} of {len(held)} half-sent requests still open {BODY_TIMEOUT + 8:g} s after the flood"
+    # the baseline again once nothing is held: the machine's other load (a parallel test worker)
+    # changes over the seconds between, and the slower of the two is what the flood's calls met
+    after = trivial_latencies(url)
+    base_p99 = max(base_p99, after[int(0.99 * (len(after) - 1))])
     # 100 ms, or 3x the same calls' p99 with nothing held where the machine's own load makes
     # even those slower: held connections that blocked the loop would cost seconds either way
     bar = max(0.1, 3 * base_p99)

@@ -465,13 +465,15 @@ def test_no_new_user_namespaces(svc):
 def test_runaway_recursion_fails_fast(svc, zygote):
     mode, url, _ = svc
     before = readyz(url)[1]
+    ok = _run(url, "import sys\nsys.setrecursionlimit(10**5)\ndef f(n):\n    return 0 if n == 0 else f(n - 1)\n"
+                   "print(f(50000))", zygote)  # fmt: skip
+    assert (ok.outcome, ok.output) == ("stdout", "0\n"), ok
     code = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return f(n + 1)\nf(0)\n"
     r = _run(url, code, zygote)
     assert r.outcome == "error" and "RecursionError" in r.output, r
-    assert r.duration_s < 1.0, r
-    ok = _run(url, "import sys\nsys.setrecursionlimit(10**5)\ndef f(n):\n    return 0 if n == 0 else f(n - 1)\n"
-                   "print(f(50000))")  # fmt: skip
-    assert (ok.outcome, ok.output) == ("stdout", "0\n"), ok
+    # stopped at the cap (100,000 frames), not after 10**7: about as long as the 50,000 frames
+    # above under this moment's load, and within a second on an idle machine
+    assert r.duration_s < max(1.0, 4 * ok.duration_s), (r, ok.duration_s)
     _healthy_after(url, before)
 
 
@@ -939,6 +941,14 @@ def _comparable(output: str, mode: str) -> str:
     return json.dumps(state, sort_keys=True)
 
 
+def _differences(light: set[str], full: set[str]) -> dict[str, list[object]]:
+    """The fields in which the states only the light zygote's calls saw differ from those only
+    the full one's saw, with both sides' values: what a failure has to show."""
+    a, b = [json.loads(x) for x in sorted(light)], [json.loads(x) for x in sorted(full)]
+    keys = sorted({k for s in a + b for k in s if len({json.dumps(t.get(k), sort_keys=True) for t in a + b}) > 1})
+    return {k: [[s.get(k) for s in a], [s.get(k) for s in b]] for k in keys}
+
+
 def test_both_zygotes_give_their_calls_the_same_sandbox(svc):
     """The light zygote's children enter the sandbox by the same code as the full one's: the
     same ids, capabilities, filter, namespaces (IPC included), cgroup, mounts, environment,
@@ -956,7 +966,7 @@ def test_both_zygotes_give_their_calls_the_same_sandbox(svc):
             seen[zygote].add(_comparable(r.output, mode))
         if i >= 2 and seen["light"] == seen["full"]:
             break
-    assert seen["light"] == seen["full"], seen
+    assert seen["light"] == seen["full"], _differences(seen["light"] - seen["full"], seen["full"] - seen["light"])
     state = json.loads(sorted(seen["light"])[0])
     assert SECRET not in json.dumps(state) and state["recursion"] <= 100_000
     assert state["session_leader"] and state["listing"] == [] and state["fds"][:3] == [0, 1, 2], state

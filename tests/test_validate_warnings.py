@@ -64,8 +64,10 @@ def test_a_sandbox_pool_far_below_the_rollouts_in_flight_warns(tmp_path: Any, ca
     rc, _, err = _validate(tmp_path, capsys, job)
     assert rc == 0
     assert "spec.sandbox.pool: 1 sandbox workers (replicas 1 x workersPerPod 1) for up to 2048 tool-calling" in err
-    # an asynchronous run generates asyncLevel + 1 batches at once
+    # the worker generates max(1, asyncLevel) batches at once: level 1 keeps one, level 2 two
     job["spec"]["algorithm"]["asyncLevel"] = 1
+    assert "up to 2048 tool-calling rollouts" in _validate(tmp_path, capsys, job)[2]
+    job["spec"]["algorithm"]["asyncLevel"] = 2
     assert "up to 4096 tool-calling rollouts" in _validate(tmp_path, capsys, job)[2]
     # autoscaling counts at its maximum
     job["spec"]["sandbox"]["pool"] = {"replicas": 1, "workersPerPod": 8, "autoscaling": {"minReplicas": 1, "maxReplicas": 8}}

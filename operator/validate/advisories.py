@@ -120,11 +120,12 @@ def rendered_warnings(resource: Resource, namespace: str = "default", fleet: Rol
 
 def rollouts_in_flight(job: AgenticRLJob) -> int:
     """The most rollouts one RL step has in flight: prompts x rollouts per prompt, times the
-    batches an asynchronous run generates at once."""
+    batches the rollout worker generates at once (``max(1, asyncLevel)``: at level 1 the next batch
+    generates while the trainer trains the current one, which is no longer in flight)."""
     spec = job.spec
     a = spec.algorithm
     prompts = max((s.batch_size or a.batch_prompts for s in spec.stages if s.type == "rl"), default=0)
-    return prompts * a.rollouts_per_prompt * (a.async_level + 1)
+    return prompts * a.rollouts_per_prompt * max(1, a.async_level)
 
 
 def pool_cpu_warnings(pool: SandboxPoolSpec, where: str) -> list[str]:
