@@ -135,6 +135,9 @@ class RayClient:
         # in force before ray.init are put back.
         handlers = _signal_handlers()
         before = set(descendants(os.getpid()))
+        # a local cluster this client starts is its own, stopped in close(): a caller that runs
+        # jobs in one process (a notebook, a test session) keeps no raylet and GCS per job
+        self.owns_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(log_to_driver=False)
@@ -219,3 +222,5 @@ class RayClient:
         with contextlib.suppress(Exception):
             self._get(self.handle.close.remote())
         self.ray.kill(self.handle)
+        if self.owns_ray:
+            self.ray.shutdown()

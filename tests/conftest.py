@@ -1,6 +1,8 @@
 import contextlib
+import faulthandler
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -33,6 +35,10 @@ def repo() -> Path:
 
 
 def pytest_configure(config):
+    # a test process ended by SIGTERM or SIGHUP (an xdist worker's "node down") prints every
+    # thread's stack first, as pytest's faulthandler does for a crash
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        faulthandler.register(sig, all_threads=True, chain=True)
     os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
     os.environ.setdefault("KUBERL_TEST", "1")
     for marker in MARKERS:

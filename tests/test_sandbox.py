@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -614,8 +615,9 @@ EXPECTED_OUTCOMES = {
 }
 
 
-def _check_corpus_output(name: str, r: ExecResult) -> None:
-    """What each adversarial call must have been told (beyond its outcome)."""
+def _check_corpus_output(name: str, r: ExecResult, private_root: bool = False) -> None:
+    """What each adversarial call must have been told (beyond its outcome), and what it must not
+    have left on the host; ``private_root``: the call ran in one (full isolation)."""
     if name == "high_bits_in_32_bit_arguments":
         assert r.output.split() == ["-1", "-1", "-1"], r.output
     if name in ("chattr_own_directory", "setsid_per_process"):
@@ -642,7 +644,11 @@ def _check_corpus_output(name: str, r: ExecResult) -> None:
     if name == "read_parent_memory":  # refused, or hidden by a private root's /proc
         assert "PermissionError" in r.output or "FileNotFoundError" in r.output
     if name == "write_outside_the_slot":
-        assert "escaped" not in r.output, r.output
+        # no file reached the host's shared directories, whatever the call was told: under a
+        # private root its /tmp and /dev/shm are its own scratch space, and writes there succeed
+        assert not [p for d in ("/tmp", "/var/tmp", "/dev/shm") for p in Path(d).glob("kuberl-escape-*")]
+        if not private_root:  # Landlock: the call sees the host's directories, and is refused
+            assert "escaped" not in r.output, r.output
     if name == "write_many_files":
         assert r.output == "OSError: disk quota exceeded: the call's files grew beyond 96 MB", r.output
 
@@ -655,8 +661,9 @@ def _server_uid(info: dict) -> int:
 
 def _skip_unless_protected(name: str, info: dict) -> None:
     protections = info["protections"]
-    if name == "write_outside_the_slot" and not protections["landlock"]:
-        pytest.skip("Landlock is not available here: writes are not confined to the slot directory")
+    # writes are confined by Landlock's ruleset, or by a private root whose /tmp is the call's own
+    if name == "write_outside_the_slot" and not (protections["landlock"] or protections["private_root"]):
+        pytest.skip("neither Landlock nor a private root here: writes are not confined to the slot directory")
     if name == "fork_bomb" and not protections["pids"]:
         pytest.skip("no per-call process cap here (root without a slot uid or a pids cgroup), as reported")
     root_calls = _server_uid(info) == 0 and not protections["uid"]
@@ -672,7 +679,7 @@ def test_adversarial_is_contained_and_service_keeps_serving(url, name):
     r = run(_exec(url, ADVERSARIAL[name]))
     assert r.outcome in EXPECTED_OUTCOMES[name], r
     assert r.duration_s < LIMITS.timeout_seconds + 1.5
-    _check_corpus_output(name, r)
+    _check_corpus_output(name, r, info["protections"]["private_root"])
     # nothing of the call survives it (daemons, bomb children, spinning threads)
     _wait_until(lambda: not _slot_processes(url) and not _marked_processes(), 2)
     assert _slot_processes(url) == [] and _marked_processes() == []
@@ -1158,7 +1165,7 @@ def test_basic_isolation_contains_the_corpus_without_cgroups_or_uids(basic_url, 
     r = run(_exec(basic_url, ADVERSARIAL[name]))
     assert r.outcome in EXPECTED_OUTCOMES[name], r
     assert r.duration_s < LIMITS.timeout_seconds + 1.5
-    _check_corpus_output(name, r)
+    _check_corpus_output(name, r, info["protections"]["private_root"])
     _wait_until(lambda: not _marked_processes() and not _descendants(info["worker_pids"]), 2)
     assert _descendants(info["worker_pids"]) == [] and _marked_processes() == []
     after = readyz(basic_url)
