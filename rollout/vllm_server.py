@@ -133,6 +133,17 @@ def stop_grace_s(env: dict[str, str] | None = None) -> float:
     return env_number("KUBERL_VLLM_STOP_GRACE_S", STOP_GRACE_S, dict(os.environ if env is None else env))
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member runs as another user: still there
+        return True
+    return True
+
+
 class VLLMServer:
     """One running server; ``url`` once :meth:`start` returned. Use as a context manager."""
 
@@ -231,14 +242,18 @@ class VLLMServer:
             self._stop()
 
     def _stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, 15)
-            try:
-                self.proc.wait(timeout=stop_grace_s())
-            except subprocess.TimeoutExpired:
+        if self.proc is not None:
+            deadline = time.monotonic() + stop_grace_s()
+            if self.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, 9)
+                    os.killpg(self.proc.pid, 15)
+            # the engine core and its workers are in the server's group and may outlive the API
+            # process (or the API process died first): the group, not the leader, has to end
+            while (self.proc.poll() is None or _group_alive(self.proc.pid)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
         self._end_reaper()
         if self._cwd is not None:
