@@ -137,7 +137,7 @@ class RayClient:
         before = set(descendants(os.getpid()))
         # a local cluster this client starts is its own, stopped in close(): a caller that runs
         # jobs in one process (a notebook, a test session) keeps no raylet and GCS per job
-        self.owns_ray = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+        self.owns_ray = False
         if not ray.is_initialized():
             if os.environ.get("RAY_ADDRESS"):
                 ray.init(log_to_driver=False)
@@ -152,6 +152,7 @@ class RayClient:
                 # the local cluster's processes (raylet, GCS, its agents) end with this one,
                 # even when it is killed: its agents would otherwise outlive it
                 reap_on_exit(set(descendants(os.getpid())) - before)
+                self.owns_ray = True
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         self.ray = ray

@@ -229,7 +229,7 @@ class VLLMServer:
                     return
                 self.restarts += 1
                 log.warning("vLLM server at %s exited with code %s: restarting it", self.url, proc.returncode)
-                self._end_reaper()
+                self._end_group()  # its engine core may outlive it, holding its memory
                 try:
                     self.start(timeout)
                 except RuntimeError as err:
@@ -242,13 +242,19 @@ class VLLMServer:
             self._stop()
 
     def _stop(self) -> None:
+        self._end_group()
+        if self._cwd is not None:
+            shutil.rmtree(self._cwd, ignore_errors=True)
+            self._cwd = None
+
+    def _end_group(self) -> None:
+        """Ends the server's process group, not only its API process: the engine core and its
+        workers are in the group and may outlive the API process, or stay behind when it died
+        first. SIGTERM, the grace period for the group to empty, then SIGKILL to what is left."""
         if self.proc is not None:
             deadline = time.monotonic() + stop_grace_s()
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, 15)
-            # the engine core and its workers are in the server's group and may outlive the API
-            # process (or the API process died first): the group, not the leader, has to end
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 15)
             while (self.proc.poll() is None or _group_alive(self.proc.pid)) and time.monotonic() < deadline:
                 time.sleep(0.1)
             with contextlib.suppress(ProcessLookupError):
@@ -256,9 +262,6 @@ class VLLMServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
         self._end_reaper()
-        if self._cwd is not None:
-            shutil.rmtree(self._cwd, ignore_errors=True)
-            self._cwd = None
 
     def _end_reaper(self) -> None:
         """The server is gone: its watchdog finds nothing to kill and ends."""
