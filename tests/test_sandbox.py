@@ -615,7 +615,7 @@ EXPECTED_OUTCOMES = {
 }
 
 
-def _check_corpus_output(name: str, r: ExecResult, private_root: bool = False) -> None:
+def _check_corpus_output(name: str, r: ExecResult, private_root: bool) -> None:
     """What each adversarial call must have been told (beyond its outcome), and what it must not
     have left on the host; ``private_root``: the call ran in one (full isolation)."""
     if name == "high_bits_in_32_bit_arguments":
