@@ -424,6 +424,8 @@ def run_timed_side(
         raise SystemExit(f"the evaluation of {kind}'s policies failed ({code}): see {out / 'eval.log'}")
     ev = json.loads((out / "eval" / "eval.json").read_text())
     shutil.rmtree(policies, ignore_errors=True)  # ~0.5 GB a policy
+    for bulky in ("checkpoints", "weights", "trl"):  # kuberl's ~1.5 GB checkpoints and versions, TRL's output
+        shutil.rmtree(out / bulky, ignore_errors=True)
     shutil.rmtree(out / "final-model", ignore_errors=True)  # TRL's last policy, saved twice
     accs = {policy_step(Path(k).name): v for k, v in ev["accuracies"].items() if k != "base"}
     return {
@@ -463,6 +465,16 @@ def run_users(args: argparse.Namespace, out: Path, folder: Path, held: str, sft_
     written = next(s for s in base["spec"]["stages"] if s["type"] == "rl")["steps"]
     results: dict[str, list[dict[str, Any]]] = {"trl": [], "kuberl": []}
     start_acc: float | None = None
+    sides = ("trl", "kuberl")
+    if args.no_trl:  # kuberl's side again beside TRL's runs already in --out (same seeds, same start)
+        prior = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
+        results["trl"] = prior.get("results", {}).get("trl", [])
+        if len(results["trl"]) != len(args.seeds):
+            raise SystemExit(
+                f"--no-trl keeps TRL's runs from {out / 'results.json'}: it holds {len(results['trl'])} "
+                f"of them, the seeds {args.seeds} need {len(args.seeds)}; run both sides there first"
+            )
+        start_acc, sides = prior["start_acc"], ("kuberl",)
     for i, seed in enumerate(args.seeds):
         m = user_manifest(
             base, str(folder.resolve()), steps=args.steps, seed=seed, heldout=held,
@@ -474,7 +486,7 @@ def run_users(args: argparse.Namespace, out: Path, folder: Path, held: str, sft_
         settings = out / f"trl-s{seed}.json"
         threads = job.spec.trainer.threads or 2
         settings.write_text(json.dumps(trl_user_settings(job, str(folder.resolve()), threads, max(written, args.steps))))
-        for side in ("trl", "kuberl") if i % 2 == 0 else ("kuberl", "trl"):
+        for side in sides if i % 2 == 0 else sides[::-1]:
             r = run_timed_side(
                 side, path, out / f"{side}-s{seed}", folder, args.eval_every,
                 settings if side == "trl" else None, score_base=start_acc is None,
@@ -507,7 +519,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per RL step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     ap.add_argument("--kuberl-engines", nargs="+", default=["vllm", "local"], choices=["vllm", "local"])
-    ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument(
+        "--no-trl", action="store_true",
+        help="kuberl's side only (--setup users: beside the TRL runs already in --out's results.json)",
+    )
     ap.add_argument("--heldout", type=int, default=128, help="held-out problems evaluated after RL")
     ap.add_argument("--out", default="/tmp/kuberl-peers")
     ap.add_argument(

@@ -106,6 +106,23 @@ async def vllm_pushes(url: str, folder: str, repeats: int, partial: bool) -> lis
     return out
 
 
+async def vllm_reload_rpcs(url: str, folder: str, repeats: int) -> list[float]:
+    """The ``reload_weights`` call alone (no pause, cache reset or version label around it): how
+    much of a push is vLLM's own in-place reload rather than the HTTP steps around it."""
+    from kuberl.rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(url)
+    out = []
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            await engine._rl_call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+            out.append(time.perf_counter() - t)
+    finally:
+        await engine.close()
+    return out
+
+
 def vllm_rows(args, model_dir: Path, folder: str, written: int, publish_s: list[float], copy_bps: float,
               work: Path, rows: list[dict]) -> None:  # fmt: skip
     """The real vLLM server's reload of the published folder, and publish + reload."""
@@ -117,6 +134,8 @@ def vllm_rows(args, model_dir: Path, folder: str, written: int, publish_s: list[
         print(f"vLLM server up in {time.perf_counter() - t:.0f} s", flush=True)
         reload_s = asyncio.run(vllm_pushes(url, folder, args.repeats, partial=False))
         rows.append(row("disk: vLLM reload", written, reload_s, copy_bps))
+        rpc_s = asyncio.run(vllm_reload_rpcs(url, folder, args.repeats))
+        rows.append(row("  of it reload_weights RPC", written, rpc_s, copy_bps))
         total = [a + b for a, b in zip(publish_s, reload_s, strict=True)]
         rows.append(row("disk: total (fleet push)", written, total, copy_bps))
         if args.partial:
@@ -131,7 +150,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="the engine's serving dtype (the example's: float32)")
     ap.add_argument("--no-vllm", action="store_true", help="skip the real vLLM server's reload")
     ap.add_argument("--partial", action="store_true", help="also the partial-rollouts push (pause keep)")
-    ap.add_argument("--step-seconds", type=float, default=REAL_MODEL_STEP_S)
+    ap.add_argument(
+        "--step-seconds", type=float, default=REAL_MODEL_STEP_S,
+        help="the real-model example's RL step the push is a share of (default: its 2026-11-27 run)",
+    )
     ap.add_argument("--workdir", default=None, help="where the version folders go (default: a temp dir)")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -192,7 +214,8 @@ def main() -> None:
     finally:  # what was measured is printed whatever the server did
         print(render(rows, args.step_seconds))
         print("x copy time: the path's median seconds over the memory copy's (same bytes); CPU s: this process's")
-        print(f"RL step of the real-model example: {args.step_seconds:.1f} s (bench/logs/real-model-2026-11-27.log)")
+        source = "bench/logs/real-model-2026-11-27.log" if args.step_seconds == REAL_MODEL_STEP_S else "--step-seconds"
+        print(f"RL step of the real-model example: {args.step_seconds:.1f} s ({source})")
         print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 
