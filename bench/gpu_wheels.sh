@@ -2,7 +2,7 @@
 # The wheels bench/gpu_step.py needs on the device machine beyond its image's packages (CPython
 # 3.12 with torch and transformers; no package registry): kuberl itself, and pydantic and boto3
 # (what kuberl's trainer imports that the image lacks) with their dependencies, at the versions
-# installed here. They land in .whl (ignored by git), which the device run carries:
+# installed here. They land in .whl (.gitignore leaves it out), which the device run carries:
 #   bash bench/gpu_wheels.sh
 #   run(carry=[".whl"], command="python3 -m pip install -q --no-index --no-deps --no-compile
 #       --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -10,10 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.whl
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
 rm -rf "$out"
 mkdir -p "$out"
+had_build=0
+[ -d build ] && had_build=1
 python3 -m pip wheel -q --no-deps -w "$out" .
+[ "$had_build" = 1 ] || rm -rf build  # setuptools' staging copy of the package
 pins=$(python3 - <<'PY'
 from importlib.metadata import version
 names = ["pydantic", "pydantic-core", "annotated-types", "typing-inspection",
