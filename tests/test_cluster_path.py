@@ -137,6 +137,24 @@ def test_hf_policy_follows_the_gpt_forward_contract(tiny_model):
         policy(ids, attention_mask=mask[:, :-1])
 
 
+def test_hf_policy_hands_the_cache_over_under_the_name_transformers_takes(tiny_model):
+    """transformers 5.25 renamed forward's ``past_key_values`` to ``cache`` (the old name warns and
+    goes in 5.40): a cached forward uses whichever name the installed model's forward takes."""
+    import inspect
+    import warnings
+
+    policy = load_hf_policy(tiny_model).eval()
+    takes = inspect.signature(policy.hf.forward).parameters
+    assert policy._cache_arg == ("cache" if "cache" in takes else "past_key_values")
+    ids = torch.randint(0, 300, (1, 5), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*deprecated")
+        with torch.no_grad():
+            _, past = policy(ids[:, :-1])
+            step, present = policy(ids[:, -1:], past=past)
+    assert len(present) == 2 and present[0][0].shape[2] == 5
+
+
 def test_policy_from_config_rebuilds_hf_and_builtin(tiny_model):
     hf = load_hf_policy(tiny_model)
     again = policy_from_config(hf.config.to_dict())

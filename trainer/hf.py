@@ -42,6 +42,18 @@ class HFPolicyConfig:
         return {"hf": self.path, "block_size": self.block_size}
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache under: ``cache`` from transformers 5.25 on
+    (where ``past_key_values`` is a deprecated alias, removed in 5.40), ``past_key_values`` before."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class HFPolicy(nn.Module):
     """An ``AutoModelForCausalLM`` with the builtin GPT's forward contract (module docstring)."""
 
@@ -50,6 +62,7 @@ class HFPolicy(nn.Module):
         self.hf = model
         max_pos = getattr(model.config, "max_position_embeddings", None) or 1 << 20
         self.config = HFPolicyConfig(str(path), int(max_pos))
+        self._cache_arg = cache_argument(model)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -91,10 +104,13 @@ class HFPolicy(nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
+            **{self._cache_arg: cache},
         )
-        present = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        returned = out.get("cache")
+        if returned is None:
+            returned = out.past_key_values
+        present = [(layer.keys, layer.values) for layer in returned.layers]
         return out.logits, present if use_cache else None
 
 
