@@ -19,10 +19,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 def keep_published(dest: Path) -> None:
     """Every weight version the kuberl run publishes for its vLLM server stays readable under
-    ``dest/vNNNNNNNN``: its files are hard-linked (no copy, microseconds) as it is published,
-    before the run prunes older versions (it keeps 2). The run writes these folders anyway (its
-    weight push), so keeping them adds nothing to its clock."""
-    from kuberl.trainer import weight_sync
+    ``dest/vNNNNNNNN``. A checkpoint folder (``KUBERL_VLLM_SHM=0``) has its files hard-linked
+    (no copy, microseconds) as it is published, before the run prunes older versions (it keeps
+    2): the run writes these folders anyway. A shared-memory slot (the local server's default)
+    is rewritten two versions later, so its tensors are saved as an HF folder there, which the
+    run's clock does include (about a folder write a step, against kuberl)."""
+    from kuberl.trainer import shm_weights, weight_sync
+    from kuberl.trainer.hf import HF_SIDECAR_FILES
+
+    slots_publish = shm_weights.SharedMemorySlots.publish
+
+    def slots_publish_and_keep(self, tensors, version: int, config_from=None) -> str:
+        from huggingface_hub import save_torch_state_dict
+
+        path = slots_publish(self, tensors, version, config_from)
+        keep = dest / weight_sync.version_dir(dest, version).name
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir(parents=True)
+        save_torch_state_dict(dict(tensors), keep, max_shard_size="5GB")
+        for name in HF_SIDECAR_FILES if config_from is not None else ():
+            if (Path(config_from) / name).is_file():
+                shutil.copy2(Path(config_from) / name, keep / name)
+        return path
+
+    shm_weights.SharedMemorySlots.publish = slots_publish_and_keep
 
     publish = weight_sync.DiskWeightSync.publish
 

@@ -15,7 +15,13 @@ the same bytes in the same run:
   ``/update_weight_version``, ``/resume``); with ``--partial`` also the partial-rollouts push
   (``/pause?mode=keep`` and the running requests' KV reset);
 * **disk, total**: publish + reload, the push of a fleet run; its share of the real-model
-  example's RL step (``--step-seconds``, from the committed log of that run).
+  example's RL step (``--step-seconds``, from the committed log of that run);
+* **shm, publish**: ``SharedMemorySlots.publish`` of the same tensors into a raw weights slot
+  in ``/dev/shm`` (both slots written once before timing: a run rewrites pages mapped once);
+* **shm, vLLM transfer**: ``VLLMEngine.update_weights_from_disk`` of the slot, which goes through
+  vLLM's weight-transfer routes to kuberl's shared-memory backend (rollout/vllm_shm.py), with
+  the same pause, cache reset, label and resume; and the transfer routes alone;
+* **shm, total**: publish + transfer, the push of ``kuberl run`` on a local vLLM server.
 
 Each path runs ``--repeats`` times; the median and the best are reported.
 
@@ -51,15 +57,6 @@ def timed(fn: Callable[[], object], repeats: int, cpu: list[float] | None = None
         if cpu is not None:
             cpu.append(time.process_time() - c)
     return out
-
-
-def pushed_tensors(sd: dict[str, torch.Tensor], source: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors ``write_hf_folder`` writes for ``sd`` (the serving dtype, a tied head once)."""
-    from kuberl.trainer.hf import drop_tied_output
-
-    weights = {k.removeprefix("hf."): v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-    drop_tied_output(weights, source)
-    return weights
 
 
 def row(
@@ -116,19 +113,48 @@ async def vllm_reload_rpcs(url: str, folder: str, repeats: int) -> list[float]:
     try:
         for _ in range(repeats):
             t = time.perf_counter()
-            await engine._rl_call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+            await engine.reload_weights(folder)
             out.append(time.perf_counter() - t)
     finally:
         await engine.close()
     return out
 
 
-def vllm_rows(args, model_dir: Path, folder: str, written: int, publish_s: list[float], copy_bps: float,
-              work: Path, rows: list[dict]) -> None:  # fmt: skip
-    """The real vLLM server's reload of the published folder, and publish + reload."""
-    from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm
+async def shm_pushes(url: str, slots, tensors: dict[str, torch.Tensor], repeats: int, first: int) -> dict[str, list[float]]:
+    """``repeats`` shared-memory pushes (versions from ``first``): each publishes into the next
+    slot, then the engine takes it in a whole push; then ``repeats`` transfers alone (of the
+    last slot, its version again: no pause, cache reset or label around them)."""
+    from kuberl.rollout.vllm_engine import VLLMEngine
 
-    config = VLLMServerConfig(model=str(model_dir), dtype=args.dtype, max_model_len=1024, kv_cache_gib=0.5)
+    engine = VLLMEngine(url)
+    out: dict[str, list[float]] = {"publish": [], "push": [], "transfer": []}
+    try:
+        for i in range(repeats):
+            t = time.perf_counter()
+            path = slots.publish(tensors, first + i)
+            out["publish"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await engine.update_weights_from_disk(path, version=first + i)
+            out["push"].append(time.perf_counter() - t)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            await engine.transfer_weights(path, first + repeats - 1)
+            out["transfer"].append(time.perf_counter() - t)
+    finally:
+        await engine.close()
+    return out
+
+
+def vllm_rows(args, model_dir: Path, folder: str, written: int, publish_s: list[float], copy_bps: float,
+              work: Path, rows: list[dict], tensors: dict[str, torch.Tensor]) -> None:  # fmt: skip
+    """The real vLLM server's reload of the published folder, and publish + reload; then the
+    shared-memory push (kuberl run's local server is started with its backend, as here)."""
+    from kuberl.rollout.vllm_server import SHM_BACKEND, VLLMServerConfig, running_vllm
+    from kuberl.trainer.shm_weights import SharedMemorySlots, shm_root
+
+    config = VLLMServerConfig(
+        model=str(model_dir), dtype=args.dtype, max_model_len=1024, kv_cache_gib=0.5, weight_transfer=SHM_BACKEND
+    )
     t = time.perf_counter()
     with running_vllm(config, log_path=work / "vllm.log") as url:
         print(f"vLLM server up in {time.perf_counter() - t:.0f} s", flush=True)
@@ -141,6 +167,23 @@ def vllm_rows(args, model_dir: Path, folder: str, written: int, publish_s: list[
         if args.partial:
             keep_s = asyncio.run(vllm_pushes(url, folder, args.repeats, partial=True))
             rows.append(row("disk: vLLM reload (keep)", written, keep_s, copy_bps))
+        root = shm_root("bench", written)
+        if root is None:
+            print("no room for two slots in /dev/shm: shared-memory rows skipped", flush=True)
+            return
+        slots = SharedMemorySlots(root)
+        try:
+            for v in (1001, 1002):  # both slots' pages exist before timing, as after a run's first pushes
+                slots.publish(tensors, v)
+            shm = asyncio.run(shm_pushes(url, slots, tensors, args.repeats, first=1003))
+        finally:
+            slots.close()
+        raw = sum(t.numel() * t.element_size() for t in tensors.values())
+        rows.append(row("shm: publish (copy)", raw, shm["publish"], copy_bps))
+        rows.append(row("shm: vLLM transfer", raw, shm["push"], copy_bps))
+        rows.append(row("  of it the transfer routes", raw, shm["transfer"], copy_bps))
+        total = [a + b for a, b in zip(shm["publish"], shm["push"], strict=True)]
+        rows.append(row("shm: total (kuberl run push)", raw, total, copy_bps))
 
 
 def main() -> None:
@@ -161,7 +204,7 @@ def main() -> None:
 
     from kuberl.rollout.local_engine import LocalEngine
     from kuberl.trainer.distributed import DistContext, full_state_dict
-    from kuberl.trainer.hf import load_hf_policy, write_hf_folder
+    from kuberl.trainer.hf import engine_tensors, load_hf_policy, write_hf_folder
     from kuberl.trainer.weight_sync import DiskWeightSync
 
     model_dir = Path(args.model)
@@ -172,7 +215,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs; model {model_dir.name}; serving dtype {args.dtype}; repeats {args.repeats}")  # fmt: skip
     policy = load_hf_policy(model_dir)
     sd = full_state_dict(policy, DistContext())
-    tensors = pushed_tensors(sd, model_dir, dtype)
+    tensors = engine_tensors(sd, model_dir, dtype)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     dst = {k: torch.empty_like(v) for k, v in tensors.items()}
@@ -210,7 +253,7 @@ def main() -> None:
 
     try:
         if not args.no_vllm:
-            vllm_rows(args, model_dir, folder, written, publish_s, copy_bps, work, rows)
+            vllm_rows(args, model_dir, folder, written, publish_s, copy_bps, work, rows, tensors)
     finally:  # what was measured is printed whatever the server did
         print(render(rows, args.step_seconds))
         print("x copy time: the path's median seconds over the memory copy's (same bytes); CPU s: this process's")

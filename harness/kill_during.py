@@ -5,9 +5,10 @@ at one point of the run, as an OOM kill or a lost node ends a trainer pod:
   RL step one per mini-batch), so an RL update is half applied in memory and not saved;
 * ``checkpoint N``: half-way through writing the N-th checkpoint file (half its bytes on disk);
 * ``reload N``: while the engine reloads the N-th weight push (vLLM: its ``reload_weights``
-  call sent, the server paused and reading the folder);
-* ``publish N``: half-way through writing the N-th weights folder an engine would load (its
-  safetensors file half on disk);
+  call, or with shared-memory pushes its ``/update_weights``, sent, the server paused and
+  reading the weights);
+* ``publish N``: half-way through writing the N-th weights an engine would load (a folder's
+  safetensors file half on disk, or a shared-memory slot half copied, its manifest removed);
 * ``step N``: between steps, right after the N-th RL step's record is written;
 * ``generate N``: mid-generation, once the N-th request to a vLLM engine is on its way.
 
@@ -88,7 +89,7 @@ def kill_in_reload(at: int) -> None:
     call, hit = VLLMEngine._rl_call, _nth(at)
 
     async def reloading(self, path: str, json=None):
-        if path == "/collective_rpc" and hit():
+        if path in ("/collective_rpc", "/update_weights") and hit():
             asyncio.ensure_future(call(self, path, json))
             await asyncio.sleep(0.3)  # the request is on the wire, the server reloading
             _die()
@@ -99,8 +100,22 @@ def kill_in_reload(at: int) -> None:
 
 def kill_in_publish(at: int) -> None:
     import kuberl.trainer.hf as hf
+    from kuberl.trainer.shm_weights import SharedMemorySlots
 
-    write, hit = hf.write_hf_folder, _nth(at)
+    write, publish, hit = hf.write_hf_folder, SharedMemorySlots.publish, _nth(at)
+
+    class Torn(dict):
+        """Tensors whose copy into the slot stops half-way, killed."""
+
+        def values(self):
+            values = list(super().values())
+            for i, v in enumerate(values):
+                if i == len(values) // 2:
+                    _die()
+                yield v
+
+    def half_copied(self, tensors, version, config_from=None):
+        return publish(self, Torn(tensors) if hit() else tensors, version, config_from)
 
     def half_written(state, source_dir, dest, *args, **kwargs):
         out = write(state, source_dir, dest, *args, **kwargs)
@@ -112,6 +127,7 @@ def kill_in_publish(at: int) -> None:
         return out
 
     hf.write_hf_folder = half_written
+    SharedMemorySlots.publish = half_copied
 
 
 def kill_after_step(at: int) -> None:

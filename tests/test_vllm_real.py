@@ -25,8 +25,9 @@ from kuberl.rollout.scheduler import Scheduler  # noqa: E402
 from kuberl.rollout.sglang_engine import SGLangEngine, SGLangError  # noqa: E402
 from kuberl.rollout.template import IM_END, IM_START, render_tool_call, render_tool_responses  # noqa: E402
 from kuberl.rollout.vllm_engine import VLLMEngine, VLLMError  # noqa: E402
-from kuberl.trainer.hf import load_hf_policy, write_hf_folder  # noqa: E402
+from kuberl.trainer.hf import engine_tensors, load_hf_policy, write_hf_folder  # noqa: E402
 from kuberl.trainer.mismatch import mismatch_stats, trainer_token_logprobs  # noqa: E402
+from kuberl.trainer.shm_weights import SharedMemorySlots  # noqa: E402
 from kuberl.trainer.tokenizer import BPETokenizer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -292,6 +293,45 @@ async def test_weight_push_changes_what_the_server_samples(vllm_url, smollm2_dir
         await restored.close()
 
 
+async def test_a_shared_memory_push_changes_what_the_server_samples(
+    vllm_url, smollm2_dir, base_policy, perturbed, tmp_path
+):
+    """The weight-transfer route `kuberl run`'s local server takes (raw weights in shared-memory
+    slots, rollout/vllm_shm.py loaded by vLLM's layer-wise reload): the server's log-probs are the
+    pushed weights' as after a folder reload; the base weights pushed back the same way sample
+    the first generation again; a slot rewritten since its push is refused before the server
+    pauses, and it serves on."""
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nWhat is 12*7?{IM_END}\n{IM_START}assistant\n")
+    engine = VLLMEngine(vllm_url)
+    base, (new_model, _) = base_policy, perturbed
+    slots = SharedMemorySlots(tmp_path / "slots")
+    try:
+        before = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        first = slots.publish(engine_tensors(new_model.state_dict(), smollm2_dir, torch.bfloat16), 1, smollm2_dir)
+        await engine.update_weights_from_disk(first, version=1)
+        assert await engine.served_weight_version() == "1"
+        after = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        new_stats = mismatch_stats([after.output_logprobs], [trainer_token_logprobs(new_model, prompt, after.output_ids)])
+        old_stats = mismatch_stats([after.output_logprobs], [trainer_token_logprobs(base, prompt, after.output_ids)])
+        assert new_stats.mean_abs < MEAN_ABS_TOLERANCE, new_stats
+        assert old_stats.mean_abs > 3 * new_stats.mean_abs, (old_stats, new_stats)
+        second = slots.publish(engine_tensors(base.state_dict(), smollm2_dir, torch.bfloat16), 2, smollm2_dir)
+        assert second != first
+        await engine.update_weights_from_disk(second, version=2)
+        again = await engine.generate(GenerateRequest(prompt, 48, temperature=0.0))
+        assert again.output_ids == before.output_ids and again.weight_version == 2
+        assert slots.publish(engine_tensors(base.state_dict(), smollm2_dir, torch.bfloat16), 3) == first
+        with pytest.raises(VLLMError, match="holds version 3, not 1: it was overwritten"):
+            await engine.update_weights_from_disk(first, version=1)
+        served = await engine.generate(GenerateRequest(prompt, 8, temperature=0.0))
+        assert served.weight_version == 2 and served.output_ids == before.output_ids[:8]
+    finally:
+        await engine.update_weights_from_disk(str(smollm2_dir), version=0)
+        await engine.close()
+        slots.close()
+
+
 async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weights(
     vllm_url, smollm2_dir, base_policy, perturbed
 ):
@@ -418,6 +458,27 @@ async def test_kv_aware_scheduler_over_two_real_servers_reads_their_metrics(
         await watcher.close()
 
 
+async def test_a_raw_push_to_a_server_without_the_backend_says_how_to_start_it_and_it_serves_on(
+    second_vllm, smollm2_dir, base_policy, tmp_path
+):
+    """A fleet's server (no --weight-transfer-config) sent a raw weights folder: the error says
+    what to start it with, and the server is resumed with its weights untouched."""
+    tok = _tok(smollm2_dir)
+    prompt = tok.encode(f"{IM_START}user\nWhat is 12*7?{IM_END}\n{IM_START}assistant\n")
+    engine = VLLMEngine(second_vllm.url)
+    slots = SharedMemorySlots(tmp_path / "slots")
+    try:
+        before = await engine.generate(GenerateRequest(prompt, 16, temperature=0.0))
+        path = slots.publish(engine_tensors(base_policy.state_dict(), smollm2_dir, torch.bfloat16), 9)
+        with pytest.raises(VLLMError, match="takes no weight transfers.*--weight-transfer-config"):
+            await engine.update_weights_from_disk(path, version=9)
+        after = await asyncio.wait_for(engine.generate(GenerateRequest(prompt, 16, temperature=0.0)), 120)
+        assert after.output_ids == before.output_ids and after.weight_version == before.weight_version
+    finally:
+        await engine.close()
+        slots.close()
+
+
 def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_path, monkeypatch):
     """`spec.rollout.engine: vllm` without --engines: run_job starts a vLLM server on the model,
     SFT and an RL step run, each update is pushed into the server (weight_info follows), and the
@@ -452,12 +513,25 @@ def test_kuberl_run_trains_a_real_model_on_a_local_vllm_server(smollm2_dir, tmp_
             },
         }
     )
+    published: list[tuple[str, int]] = []
+    publish = SharedMemorySlots.publish
+
+    def spy(self, tensors, version, config_from=None):
+        published.append((str(self.root), version))
+        return publish(self, tensors, version, config_from)
+
+    monkeypatch.setattr(SharedMemorySlots, "publish", spy)
     result = run_job(job, tmp_path / "run", use_ray=True, quiet=True)  # kuberl run's default path
     rl = [h for h in result.history if h.type == "rl"]
     assert len(rl) == 1 and rl[0].rollouts == 8 and rl[0].rollouts_aborted == 0
     assert set(result.evals) >= {"sft", "rl"}
-    pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real").iterdir())
-    assert pushed and pushed[-1].startswith("v")
+    # every update went to the server through shared memory (no checkpoint folder written),
+    # and the slots went with the run
+    assert [v for _, v in published] == sorted({v for _, v in published}) and len(published) >= 2
+    roots = {Path(root) for root, _ in published}
+    assert len(roots) == 1 and next(iter(roots)).parent == Path("/dev/shm") and not next(iter(roots)).exists()
+    weights = tmp_path / "run" / "weights" / "real"
+    assert not weights.exists() or not any(weights.glob("v*"))
     served = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("type") == "eval" for r in served)
     # this run's server stopped with it (found by its mark: other tests' servers run on)
@@ -478,8 +552,8 @@ def _three_rl_steps(smollm2_dir: Path, tmp_path: Path, name: str, *, async_level
 
 
 def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_dir, tmp_path, monkeypatch):
-    """asyncLevel 1 on a real vLLM server: each version goes out as a published folder on a
-    thread beside the update (BackgroundPush); the batch ahead is submitted once the server
+    """asyncLevel 1 on a real vLLM server: each version goes out through a shared-memory slot on
+    a thread beside the update (BackgroundPush); the batch ahead is submitted once the server
     serves it, so nothing is trained older than one version and nothing is dropped as stale,
     and the spot check finds the server in step."""
     import json
@@ -505,8 +579,8 @@ def test_an_asynchronous_run_pushes_on_a_thread_to_a_real_vllm_server(smollm2_di
     assert all(len(g) == 1 and 0.0 <= next(iter(g.values())) < MEAN_ABS_TOLERANCE for g in gaps), gaps
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["kind"] == "engine"], events  # nothing flagged for those gaps
-    pushed = sorted(p.name for p in (tmp_path / "run" / "weights" / "real-async").iterdir())
-    assert pushed and pushed[-1].startswith("v"), pushed
+    weights = tmp_path / "run" / "weights" / "real-async"
+    assert not weights.exists() or not any(weights.glob("v*"))  # no checkpoint folder was written
 
 
 def test_a_run_survives_its_vllm_server_being_killed_mid_run(smollm2_dir, tmp_path, monkeypatch):

@@ -107,9 +107,7 @@ class HFPolicy(nn.Module):
             use_cache=True,
             **{self._cache_arg: cache},
         )
-        returned = out.get("cache")
-        if returned is None:
-            returned = out.past_key_values
+        returned = getattr(out, self._cache_arg)  # the output field was renamed with the argument
         present = [(layer.keys, layer.values) for layer in returned.layers]
         return out.logits, present if use_cache else None
 
@@ -149,13 +147,21 @@ def write_hf_folder(
     for name in HF_SIDECAR_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, out / name)
+    save_torch_state_dict(engine_tensors(state_dict, source_dir, dtype), out, max_shard_size="5GB")
+
+
+def engine_tensors(
+    state_dict: dict[str, torch.Tensor], source_dir: str | Path, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors an engine loads for an :class:`HFPolicy` state dict: checkpoint names, the
+    serving ``dtype`` (default the model's own), tied output embeddings once."""
     dtype = dtype or serving_dtype(source_dir)
     weights = {
         k.removeprefix("hf."): v.to(dtype) if dtype is not None and v.is_floating_point() else v
         for k, v in state_dict.items()
     }
     drop_tied_output(weights, source_dir)
-    save_torch_state_dict(weights, out, max_shard_size="5GB")
+    return weights
 
 
 def drop_tied_output(weights: dict[str, torch.Tensor], source_dir: str | Path) -> None:

@@ -31,7 +31,7 @@ from kuberl.rollout.client import InProcessClient, RayClient
 from kuberl.rollout.discovery import parse_url_list
 from kuberl.rollout.fleet import FleetSource
 from kuberl.rollout.http_engine import EngineError
-from kuberl.rollout.vllm_server import VLLMServerConfig, running_vllm, vllm_python
+from kuberl.rollout.vllm_server import SHM_BACKEND, VLLMServerConfig, running_vllm, vllm_python
 from kuberl.rollout.worker import RolloutWorker
 from kuberl.trainer.checkpoint import CheckpointStore
 from kuberl.trainer.data import build_sft_traces
@@ -49,6 +49,7 @@ from kuberl.trainer.policy import (
 )
 from kuberl.trainer.precision import bf16_warning, cpu_flags
 from kuberl.trainer.progress import LogProgress, step_figures, use_plain
+from kuberl.trainer.shm_weights import SharedMemorySlots, shm_root
 from kuberl.trainer.stage_host import RunResult
 from kuberl.trainer.stages import Pipeline, seed_everything
 from kuberl.trainer.step_record import StepRecord
@@ -133,8 +134,18 @@ def local_vllm_config(job: AgenticRLJob, model: Path) -> VLLMServerConfig:
     extra = list(fleet.engine.extra_args) if fleet else []
     dtype = engine_dtype(job)
     return VLLMServerConfig(
-        model=str(model), served_name="policy", max_model_len=context, extra_args=extra, dtype=dtype
-    )
+        model=str(model), served_name="policy", max_model_len=context, extra_args=extra, dtype=dtype,
+        weight_transfer=SHM_BACKEND if shared_memory_pushes() else None,
+    )  # fmt: skip
+
+
+def shared_memory_pushes(env: dict[str, str] | None = None) -> bool:
+    """Whether a local vLLM server takes the trainer's weights from shared memory (the default;
+    ``KUBERL_VLLM_SHM=0`` makes every version a checkpoint folder it reloads, as a fleet's do)."""
+    value = (os.environ if env is None else env).get("KUBERL_VLLM_SHM", "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", ""):
+        raise ManifestError(f"KUBERL_VLLM_SHM={value!r}: use 1 (shared memory, the default) or 0 (folders)")
+    return value not in ("0", "false", "no")
 
 
 def weights_dir(out: Path, explicit: str | None) -> Path:
@@ -230,6 +241,7 @@ def run_job(
             uri = str(out / "checkpoints")
         store = CheckpointStore(uri, keep=spec.checkpoint.keep)
         fleet = rollout_target(job, engines)
+        shm = False  # a local vLLM server on this host takes raw weights from shared memory
         if fleet is LOCAL_VLLM:
             if ctx.world_size > 1:
                 raise ManifestError("a local vLLM server serves one trainer process; run without torchrun")
@@ -246,6 +258,7 @@ def run_job(
             # pushes wait for it, and its weight labels say when it needs this version again
             fleet = FleetSource(urls=(url,), engine="vllm", reconnect_s=LOCAL_VLLM_RECONNECT_S)
             weights_path = weights_path or str(out / "weights")
+            shm = shared_memory_pushes()
         shared = weights_dir(out, weights_path).resolve() / job.metadata.name if fleet is not None else None
         payload = store.load() if main else None
         for name in ("events.jsonl", "metrics.jsonl"):
@@ -286,7 +299,7 @@ def run_job(
             load_from_rank0(model, full, ctx, device)
             del full
         result = _run_pipeline(
-            job, out, ctx, model, tok, store, payload, fleet, shared, n_params,
+            job, out, ctx, model, tok, store, payload, fleet, shared, n_params, shm=shm,
             algorithm=algo, t_start=t_start, max_minutes=max_minutes, use_ray=use_ray,
             executor_factory=executor_factory, engine_factory=engine_factory, quiet=quiet or not main, device=device,
         )  # fmt: skip
@@ -310,7 +323,7 @@ def check_world_size(job: AgenticRLJob, world: int) -> None:
 
 
 def _run_pipeline(
-    job, out, ctx, model, tok, store, payload, fleet, shared, n_params, *, algorithm, t_start, max_minutes,
+    job, out, ctx, model, tok, store, payload, fleet, shared, n_params, *, shm, algorithm, t_start, max_minutes,
     use_ray, executor_factory, engine_factory, quiet, device,
 ) -> RunResult:  # fmt: skip
     spec = job.spec
@@ -362,7 +375,14 @@ def _run_pipeline(
             stack.callback(client.close)
         weights = None
         if fleet is not None:
-            weights = DiskWeights(client, DiskWeightSync(shared), model_dir(job, out), ctx, engine_dtype(job))
+            slots = None
+            root = shm_root(job.metadata.name, 4 * n_params) if shm and main else None  # room for float32
+            if root is not None:
+                slots = SharedMemorySlots(root)
+                stack.callback(slots.close)
+            weights = DiskWeights(
+                client, DiskWeightSync(shared), model_dir(job, out), ctx, engine_dtype(job), slots=slots
+            )
         deadline = t_start + 60 * max_minutes if max_minutes else None
         pipe = Pipeline(
             job,

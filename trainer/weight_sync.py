@@ -27,6 +27,7 @@ from kuberl.trainer.distributed import DistContext, full_state_dict
 
 if TYPE_CHECKING:
     from kuberl.rollout.client import RolloutClient
+    from kuberl.trainer.shm_weights import SharedMemorySlots
 
 VERSION_RE = re.compile(r"^v(\d{8})$")
 
@@ -120,7 +121,9 @@ class DiskWeights:
     """Engines behind HTTP load a published folder; a version is published once.
 
     ``version`` is the trainer's global step: evaluation and the difficulty filter sync too,
-    and between two updates there is nothing new to write.
+    and between two updates there is nothing new to write. With ``slots`` (vLLM servers on this
+    host started with the shared-memory backend) a version is a raw weights folder in shared
+    memory (:mod:`kuberl.trainer.shm_weights`) rather than a checkpoint folder under ``disk``.
     """
 
     def __init__(
@@ -130,9 +133,11 @@ class DiskWeights:
         source_dir: str | Path,
         ctx: DistContext | None = None,
         dtype: str = "auto",
+        slots: SharedMemorySlots | None = None,
     ):
         self.client = client
         self.disk = disk
+        self.slots = slots
         self.source_dir = Path(source_dir)
         self.ctx = ctx or DistContext()
         self.version: int | None = None
@@ -155,7 +160,7 @@ class DiskWeights:
         """
         if version == self.version:
             return None
-        from kuberl.trainer.hf import write_hf_folder
+        from kuberl.trainer.hf import engine_tensors, write_hf_folder
 
         sd = full_state_dict(model, self.ctx)
         self.version = version
@@ -165,7 +170,11 @@ class DiskWeights:
             sd = {k: v.clone() for k, v in sd.items()}
 
         def push() -> None:
-            path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
+            if self.slots is not None:
+                tensors = engine_tensors(sd, self.source_dir, self.dtype)
+                path = self.slots.publish(tensors, version, config_from=self.source_dir)
+            else:
+                path = self.disk.publish(lambda d: write_hf_folder(sd, self.source_dir, d, self.dtype), version)
             self.client.load_weights(path, version)
 
         return push
