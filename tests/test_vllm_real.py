@@ -332,23 +332,28 @@ async def test_a_shared_memory_push_changes_what_the_server_samples(
         slots.close()
 
 
+@pytest.mark.parametrize("route", ["folder", "shared memory"])
 async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weights(
-    vllm_url, smollm2_dir, base_policy, perturbed
+    vllm_url, smollm2_dir, base_policy, perturbed, route, tmp_path
 ):
     """algorithm.partialRollouts on the real server: a push lands mid-generation (pause keep,
     reload, the running request's KV dropped, resume); the answer is not aborted, its tokens up
     to the split are the uninterrupted generation's, the server labels each token's version,
-    and the tokens after the split carry the new weights' log-probs."""
+    and the tokens after the split carry the new weights' log-probs. Both routes: a folder
+    reload (fleets) and a shared-memory slot through the weight-transfer routes (kuberl run)."""
     tok = _tok(smollm2_dir)
     # a prompt whose greedy answer runs to the token budget (a short one can end before the push
     # lands, whatever the machine's speed)
     prompt = tok.encode(f"{IM_START}user\nWrite the numbers from 1 to 300, separated by commas.{IM_END}\n{IM_START}assistant\n")
     engine = VLLMEngine(vllm_url, partial_rollouts=True)
+    slots = SharedMemorySlots(tmp_path / "slots")
     try:
         await engine.update_weights_from_disk(str(smollm2_dir), version=0)
         alone = await engine.generate(GenerateRequest(prompt, 384, temperature=0.0))
         assert len(alone.output_ids) > 200, tok.decode(alone.output_ids)
         new_model, pushed = perturbed
+        if route == "shared memory":
+            pushed = slots.publish(engine_tensors(new_model.state_dict(), smollm2_dir, torch.bfloat16), 1)
         running = asyncio.create_task(engine.generate(GenerateRequest(prompt, 384, temperature=0.0)))
         while (await engine.load_metrics()).running < 1:
             await asyncio.sleep(0.05)
@@ -367,6 +372,7 @@ async def test_a_partial_rollouts_push_mid_generation_goes_on_under_the_new_weig
     finally:
         await engine.update_weights_from_disk(str(smollm2_dir), version=0)
         await engine.close()
+        slots.close()
 
 
 async def test_a_push_of_a_folder_without_weights_is_refused_before_the_server_sees_it(vllm_url, tmp_path):
