@@ -25,21 +25,15 @@ def keep_published(dest: Path) -> None:
     is rewritten two versions later, so its tensors are saved as an HF folder there, which the
     run's clock does include (about a folder write a step, against kuberl)."""
     from kuberl.trainer import shm_weights, weight_sync
-    from kuberl.trainer.hf import HF_SIDECAR_FILES
+    from kuberl.trainer.hf import save_hf_folder
 
     slots_publish = shm_weights.SharedMemorySlots.publish
 
-    def slots_publish_and_keep(self, tensors, version: int, config_from=None) -> str:
-        from huggingface_hub import save_torch_state_dict
-
+    def slots_publish_and_keep(self, tensors, version: int, config_from) -> str:
         path = slots_publish(self, tensors, version, config_from)
-        keep = dest / weight_sync.version_dir(dest, version).name
+        keep = weight_sync.version_dir(dest, version)
         shutil.rmtree(keep, ignore_errors=True)
-        keep.mkdir(parents=True)
-        save_torch_state_dict(dict(tensors), keep, max_shard_size="5GB")
-        for name in HF_SIDECAR_FILES if config_from is not None else ():
-            if (Path(config_from) / name).is_file():
-                shutil.copy2(Path(config_from) / name, keep / name)
+        save_hf_folder(dict(tensors), config_from, keep)
         return path
 
     shm_weights.SharedMemorySlots.publish = slots_publish_and_keep

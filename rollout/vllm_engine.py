@@ -269,7 +269,7 @@ def _int_label(labels: dict[str, str], key: str) -> int | None:
     return value if value > 0 else None
 
 
-def check_weights_folder(path: str) -> None:
+def check_weights_folder(path: str, version: int | None = None) -> None:
     """Refuse a folder that vLLM would fail to reload from (when this process can see it).
 
     vLLM's reload first drops the old weights, so a bad folder costs the engine; checking
@@ -281,9 +281,9 @@ def check_weights_folder(path: str) -> None:
         if os.path.isabs(path) and Path(path).parent.exists():
             raise VLLMError(f"weights folder {path} does not exist")
         return
-    if is_raw_folder(p):
+    if is_raw_folder(p):  # and still holding ``version``: a slot is rewritten two versions later
         try:
-            read_manifest(p)
+            read_manifest(p, version)
         except RawWeightsError as err:
             raise VLLMError(str(err)) from err
         return
@@ -422,12 +422,7 @@ class VLLMEngine(HTTPEngine):
             await self._rl_call("/finish_weight_update")
 
     def _check_weights(self, model_path: str, version: int | None) -> None:
-        check_weights_folder(model_path)
-        if is_raw_folder(model_path):  # a slot rewritten since this version was written into it
-            try:
-                read_manifest(model_path, version)
-            except RawWeightsError as err:
-                raise VLLMError(f"{self.name}: {err}") from err
+        check_weights_folder(model_path, version)
 
     async def _push(self, model_path: str, version: int | None) -> None:
         """Reload the HF folder ``model_path`` in place. Running requests finish on the old

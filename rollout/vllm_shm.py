@@ -28,6 +28,7 @@ in every vLLM process.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -120,11 +121,8 @@ def iter_weights(
     for t in doc["tensors"]:
         dtype = DTYPES[t["dtype"]]
         shape = [int(d) for d in t["shape"]]
-        n = 1
-        for d in shape:
-            n *= d
         start = int(t["offset"])
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if start + nbytes > size:
             raise RawWeightsError(f"{folder}: tensor {t['name']} runs past the end of {DATA}")
         yield t["name"], data[start : start + nbytes].view(dtype).view(shape)
@@ -178,7 +176,7 @@ def _engine_class() -> type:
             self.receive_weights(self.parse_update_info(update_info))
 
         def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
-            read_manifest(update_info.path, update_info.version)  # refuse before anything loads
+            # iter_weights refuses another version before it yields a tensor
             self.model.load_weights(iter_weights(update_info.path, update_info.version))
             # a writer removes the manifest before it overwrites the data: still there, whole
             read_manifest(update_info.path, update_info.version)

@@ -138,6 +138,12 @@ def write_hf_folder(
     written as sharded safetensors with an index (tied weights stored once), in ``dtype`` (the
     engines' serving dtype; default the model's own).
     """
+    save_hf_folder(engine_tensors(state_dict, source_dir, dtype), source_dir, dest)
+
+
+def save_hf_folder(weights: dict[str, torch.Tensor], source_dir: str | Path, dest: str | Path) -> None:
+    """Write ``weights`` (checkpoint names, as :func:`engine_tensors` gives them) as sharded
+    safetensors with an index, beside the config and tokenizer files of ``source_dir``."""
     import shutil
 
     from huggingface_hub import save_torch_state_dict
@@ -147,7 +153,7 @@ def write_hf_folder(
     for name in HF_SIDECAR_FILES:
         if (Path(source_dir) / name).is_file():
             shutil.copy2(Path(source_dir) / name, out / name)
-    save_torch_state_dict(engine_tensors(state_dict, source_dir, dtype), out, max_shard_size="5GB")
+    save_torch_state_dict(weights, out, max_shard_size="5GB")
 
 
 def engine_tensors(

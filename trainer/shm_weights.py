@@ -75,7 +75,11 @@ class SharedMemorySlots:
         self.slots = [self.root / f"slot{i}" for i in range(slots)]
         self._maps: dict[int, torch.Tensor] = {}
         self._last: int | None = None  # the slot holding the newest version
-        self.current: str | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The folder of the newest version (None before the first and after :meth:`close`)."""
+        return None if self._last is None else str(self.slots[self._last])
 
     def publish(
         self, tensors: Mapping[str, torch.Tensor], version: int, config_from: Path | None = None
@@ -103,8 +107,7 @@ class SharedMemorySlots:
         tmp.write_text(json.dumps(doc))
         tmp.replace(folder / MANIFEST)
         self._last = index
-        self.current = str(folder)
-        return self.current
+        return str(folder)
 
     def _mapping(self, index: int, size: int) -> torch.Tensor:
         """Slot ``index``'s data file mapped shared, ``size`` bytes (made again when it changes)."""
@@ -123,4 +126,4 @@ class SharedMemorySlots:
         self._maps.clear()
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(self.root)
-        self.current = None
+        self._last = None
