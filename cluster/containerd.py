@@ -5,7 +5,9 @@ Its root (image content, unpacked layers, metadata) outlives the cluster: :func:
 ~/.cache/kuberl/node/containerd, as /var/lib/containerd outlives a node's reboots while
 /run/containerd (the state) does not. Loading kuberl's 6 GB trainer image costs minutes and
 ~12 GB of disk; kept there, the next ``cluster up`` has it (``image_build.load_into`` imports
-only an image id the root lacks). ``forget_containers`` leaves only images in it at ``down``.
+only an image id the root lacks or has not unpacked, the image it replaces kept referenced until
+the new one is unpacked, so the layers both share stay). ``forget_containers`` leaves only
+images in it at ``down``.
 
 The machine this was made on has cgroup v1 without systemd (cgroupfs), and its root lacks
 CAP_SYS_RESOURCE, so runc may not raise a pause container's ``oom_score_adj``:

@@ -11,6 +11,8 @@ Nothing needs a registry: the base is ``debootstrap``'s, and images reach a cont
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +38,7 @@ from kuberl.cluster.images import (
 TOOLS = {"buildah": "buildah", "debootstrap": "debootstrap", "ctr": "containerd", "containerd": "containerd",
          "runc": "runc"}
 HOST_CAS = Path("/usr/local/share/ca-certificates")
+HELD_SUFFIX = "-previous"  # the tag suffix of the image a name had while a new one is imported under it
 Log = Callable[[str], None]
 
 
@@ -189,39 +192,82 @@ def build_image(buildah: Buildah, spec: ImageSpec, context: Path, recipe: BaseRe
     return Built(spec.name, ref, buildah.image_id(ref) or "", False, time.monotonic() - t0, log_file)
 
 
+def _ctr(address: str, namespace: str, *args: str) -> list[str]:
+    return ["ctr", "--address", address, "-n", namespace, *args]
+
+
 def containerd_image_id(address: str, namespace: str, ref: str) -> str | None:
     """The config digest (the image id, without ``sha256:``) of ``ref`` in that containerd, if any."""
-    ctr = ["ctr", "--address", address, "-n", namespace]
-    res = subprocess.run([*ctr, "images", "ls", f"name=={ref}"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(_ctr(address, namespace, "images", "ls", f"name=={ref}"), capture_output=True,
+                         text=True, timeout=60)
     if res.returncode != 0:
         raise ClusterError(f"cannot reach containerd at {address}: {res.stderr.strip()}")
     rows = [line.split() for line in res.stdout.splitlines()[1:] if line.split()[:1] == [ref]]
     if not rows:
         return None
-    manifest = json.loads(_run([*ctr, "content", "get", rows[0][2]]))
+    manifest = json.loads(_run(_ctr(address, namespace, "content", "get", rows[0][2])))
     if "manifests" in manifest:  # an index: take the first platform's manifest
-        manifest = json.loads(_run([*ctr, "content", "get", manifest["manifests"][0]["digest"]]))
+        manifest = json.loads(_run(_ctr(address, namespace, "content", "get", manifest["manifests"][0]["digest"])))
     return manifest["config"]["digest"].removeprefix("sha256:")
+
+
+def chain_id(diff_ids: list[str]) -> str:
+    """The OCI ChainID of layers ``diff_ids`` (base first): the key of the snapshot containerd
+    unpacks the top layer to."""
+    chain = diff_ids[0]
+    for diff_id in diff_ids[1:]:
+        chain = "sha256:" + hashlib.sha256(f"{chain} {diff_id}".encode()).hexdigest()
+    return chain
+
+
+def unpacked(address: str, namespace: str, diff_ids: list[str], snapshotter: str = "overlayfs") -> bool:
+    """Whether that containerd has the layers ``diff_ids`` unpacked (a pod's container can start)."""
+    res = subprocess.run(_ctr(address, namespace, "snapshots", "--snapshotter", snapshotter, "info",
+                              chain_id(diff_ids)), capture_output=True, text=True, timeout=60)
+    return res.returncode == 0
+
+
+@contextlib.contextmanager
+def previous_image_held(address: str, namespace: str, ref: str) -> Iterator[str | None]:
+    """While ``ref`` is imported again, the image it names now stays referenced under a second
+    name (yielded; None where there is none). ``ctr images import`` moves the name before it
+    unpacks, and containerd collects the snapshots of an image no name refers to: a collection in
+    between took the layers both images share, which were then unpacked again (minutes for the
+    trainer's dependencies) or, when it fell between the unpack's look at a layer and the next
+    one's extraction, failed the import ("parent snapshot ... does not exist")."""
+    if containerd_image_id(address, namespace, ref) is None:
+        yield None
+        return
+    held = f"{ref}{HELD_SUFFIX}"
+    _run(_ctr(address, namespace, "images", "tag", "--force", ref, held))
+    try:
+        yield held
+    finally:
+        _run(_ctr(address, namespace, "images", "rm", held))
 
 
 def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io",
               log: Log = lambda _: None, image_id: str | None = None) -> bool:
     """Import ``ref`` (or the image ``image_id``, named ``ref`` there) from the store into the
-    containerd at ``address``; False (nothing done) where that containerd already has the same
-    image id under that name."""
+    containerd at ``address`` and unpack it; False (nothing done) where that containerd already
+    has the same image id under that name, unpacked."""
     want = buildah.image_id(image_id or ref)
     if want is None:
         raise ClusterError(f"no image {ref} in {buildah.cache}: build it first (`kuberl images build`)")
-    if containerd_image_id(address, namespace, ref) == want:
+    layers = buildah.layers(want)
+    if containerd_image_id(address, namespace, ref) == want and unpacked(address, namespace, layers):
         return False
     log(f"loading {ref} into containerd {address} (namespace {namespace}) ...")
     with tempfile.TemporaryDirectory(prefix="load-", dir=buildah.cache) as tmp:
         archive = Path(tmp) / "image.tar"
         _run(buildah.cmd("push", "--quiet", want, f"docker-archive:{archive}:{ref}"))
-        _run(["ctr", "--address", address, "-n", namespace, "images", "import", str(archive)])
+        with previous_image_held(address, namespace, ref):
+            _run(_ctr(address, namespace, "images", "import", str(archive)))
     got = containerd_image_id(address, namespace, ref)
     if got != want:
         raise ClusterError(f"containerd at {address} has {ref} as {got} after the import, not {want}")
+    if not unpacked(address, namespace, layers):
+        raise ClusterError(f"containerd at {address} has {ref} but not its layers unpacked after the import")
     return True
 
 

@@ -24,11 +24,13 @@ from kuberl.cluster.image_build import (
     Built,
     build_image,
     cache_dir,
+    chain_id,
     containerd_image_id,
     default_base,
     ensure_base,
     load_into,
     require_tools,
+    unpacked,
 )
 from kuberl.cluster.images import (
     IMAGES,
@@ -143,6 +145,80 @@ def test_loading_into_containerd_is_skipped_when_it_has_the_image(store, built, 
     t0 = time.monotonic()
     assert load_into(store, ref, containerd.address, containerd.namespace, image_id=image_id) is False
     print(f"load into containerd: {first:.1f} s, again (skipped) {time.monotonic() - t0:.1f} s")
+
+
+REPLACED = "localhost/kuberl-test/replaced:1"
+
+
+def _snapshots(ctd) -> dict[str, str]:
+    """Every snapshot in ``ctd``: key -> when it was created (a layer unpacked again gets a new one)."""
+    listed = subprocess.run(ctd.ctr("snapshots", "ls"), capture_output=True, text=True, timeout=60).stdout
+    return {key: json.loads(subprocess.run(ctd.ctr("snapshots", "info", key), capture_output=True, text=True,
+                                           timeout=60).stdout)["Created"]
+            for key in (line.split()[0] for line in listed.splitlines()[1:])}
+
+
+def _collect(ctd) -> None:
+    """A garbage collection of ``ctd``, done before this returns (deleting a lease with --sync)."""
+    lease = subprocess.run(ctd.ctr("leases", "create"), capture_output=True, text=True, timeout=60).stdout.split()[0]
+    subprocess.run(ctd.ctr("leases", "delete", "--sync", lease), check=True, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def own_containerd(store, built):
+    """A containerd holding only what the replacing tests load (no other image shares its layers)."""
+    from private_containerd import private_containerd
+
+    with private_containerd() as ctd:
+        yield ctd
+
+
+def test_a_new_image_under_a_loaded_name_keeps_the_layers_both_share(store, built, own_containerd, monkeypatch):
+    """kuberl's images keep their names across builds, so a load usually replaces the image a name
+    had. ``ctr images import`` moves the name before it unpacks, and containerd collects the
+    snapshots no image refers to: here a collection is made to fall in between (the worst moment;
+    in a CI run one failed the trainer's import with "parent snapshot ... does not exist"). The
+    layers both images share are neither collected nor unpacked again; afterwards the old image's
+    own layers are collected and no second name is left."""
+    from kuberl.cluster import image_build
+
+    ctd, first, second = own_containerd, built["operator"], built["sandbox"]
+    assert load_into(store, REPLACED, ctd.address, ctd.namespace, image_id=first.image_id) is True
+    before = _snapshots(ctd)
+    chain = [chain_id(store.layers(second.image_id)[: i + 1]) for i in range(len(store.layers(second.image_id)))]
+    shared = [key for key in chain if key in before]
+    assert shared, "the operator and sandbox images share no layer: nothing here tests the replacement"
+    real_run = image_build._run
+
+    def collect_before_the_unpack(cmd: list[str], *args, **kw) -> str:
+        if cmd[-3:-1] == ["images", "import"]:
+            real_run([*cmd[:-1], "--no-unpack", cmd[-1]])  # the name moves to the new image
+            _collect(ctd)
+        return real_run(cmd, *args, **kw)
+
+    monkeypatch.setattr(image_build, "_run", collect_before_the_unpack)
+    assert load_into(store, REPLACED, ctd.address, ctd.namespace, image_id=second.image_id) is True
+    monkeypatch.undo()
+    after = _snapshots(ctd)
+    assert {key: after.get(key) for key in shared} == {key: before[key] for key in shared}
+    assert containerd_image_id(ctd.address, ctd.namespace, REPLACED) == second.image_id
+    names = subprocess.run(ctd.ctr("images", "ls", "-q"), capture_output=True, text=True, timeout=60).stdout.split()
+    assert names == [REPLACED]
+    _collect(ctd)
+    assert set(_snapshots(ctd)) == set(chain)
+
+
+def test_an_image_whose_layers_are_gone_is_loaded_again(store, built, own_containerd):
+    """The name and image id alone do not make a load unnecessary: an import that failed part-way
+    leaves the new image under its name with its layers not unpacked, and a pod of it cannot start."""
+    ctd, image = own_containerd, built["sandbox"]
+    load_into(store, REPLACED, ctd.address, ctd.namespace, image_id=image.image_id)
+    top = chain_id(store.layers(image.image_id))
+    subprocess.run(ctd.ctr("snapshots", "rm", top), check=True, capture_output=True, timeout=60)
+    assert not unpacked(ctd.address, ctd.namespace, store.layers(image.image_id))
+    assert load_into(store, REPLACED, ctd.address, ctd.namespace, image_id=image.image_id) is True
+    assert unpacked(ctd.address, ctd.namespace, store.layers(image.image_id))
+    assert load_into(store, REPLACED, ctd.address, ctd.namespace, image_id=image.image_id) is False
 
 
 def _exec(containerd, task: str, code: str, timeout: float = 60) -> subprocess.CompletedProcess:
