@@ -128,7 +128,7 @@ def test_close_removes_the_slots(tmp_path):
 
 def test_slots_go_to_shared_memory_only_where_two_fit(tmp_path, monkeypatch):
     root = shm_root("job", 1000, base=tmp_path)
-    assert root is not None and root.parent == tmp_path and root.name.endswith(f"-{os.getpid()}")
+    assert root is not None and root.parent == tmp_path and root.name.endswith(f"-{shm_weights.owner_id(os.getpid())}")
     free = 2 * 1000 * shm_weights.HEADROOM
     monkeypatch.setattr(shm_weights.shutil, "disk_usage", lambda _: type("U", (), {"free": free - 1})())
     assert shm_root("job", 1000, base=tmp_path) is None
@@ -137,12 +137,28 @@ def test_slots_go_to_shared_memory_only_where_two_fit(tmp_path, monkeypatch):
 
 def test_slots_left_by_a_dead_run_are_removed_and_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone = tmp_path / f"{shm_weights.PREFIX}job-0-{int(dead.stdout)}"
-    mine = tmp_path / f"{shm_weights.PREFIX}job-0-{os.getpid()}"
-    for d in (gone, mine):
+    gone = tmp_path / f"{shm_weights.PREFIX}job-0-{int(dead.stdout)}.1"
+    mine = tmp_path / f"{shm_weights.PREFIX}job-0-{shm_weights.owner_id(os.getpid())}"
+    # the pid of a live process that did not make it: the kernel reused a dead run's pid
+    start = int(shm_weights.owner_id(os.getpid()).split(".")[1])
+    reused = tmp_path / f"{shm_weights.PREFIX}job-0-{os.getpid()}.{start + 1}"
+    for d in (gone, mine, reused):
         (d / "slot0").mkdir(parents=True)
-    assert remove_orphans(tmp_path) == [gone]
-    assert not gone.exists() and mine.exists()
+    assert sorted(remove_orphans(tmp_path)) == sorted([gone, reused])
+    assert not gone.exists() and not reused.exists() and mine.exists()
+
+
+def test_a_process_is_told_from_a_later_one_with_its_pid_by_its_start_time():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        mine, theirs = shm_weights.owner_id(os.getpid()), shm_weights.owner_id(child.pid)
+        assert mine.split(".")[0] == str(os.getpid()) and theirs.split(".")[0] == str(child.pid)
+        assert int(theirs.split(".")[1]) >= int(mine.split(".")[1])  # started after this process
+        assert shm_weights.owner_id(os.getpid()) == mine  # the same process: the same id
+    finally:
+        child.kill()
+        child.wait()
+    assert shm_weights.owner_id(child.pid) is None
 
 
 def test_the_plugin_installs_into_a_vllm_environment_with_its_entry_point(tmp_path):

@@ -31,6 +31,19 @@ PREFIX = "kuberl-weights-"
 HEADROOM = 1.05  # room beyond two slots' bytes that /dev/shm must have
 
 
+def owner_id(pid: int) -> str | None:
+    """``pid`` with its start time (clock ticks after boot), as a slot root's name ends: a pid the
+    kernel reuses for another process has another start time. None where no such process runs;
+    the bare pid where /proc is not there to read."""
+    if not Path("/proc/self/stat").exists():
+        return str(pid) if _pid_alive(pid) else None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid}.{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, starttime
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -46,8 +59,11 @@ def remove_orphans(base: Path = SHM) -> list[Path]:
     shared memory is RAM); returns what was removed."""
     gone = []
     for root in base.glob(f"{PREFIX}*") if base.is_dir() else ():
-        pid = root.name.rsplit("-", 1)[-1]
-        if root.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+        owner = root.name.rsplit("-", 1)[-1]
+        pid = owner.split(".", 1)[0]
+        if not (root.is_dir() and pid.isdigit()):
+            continue
+        if (owner_id(int(pid)) != owner) if "." in owner else not _pid_alive(int(pid)):
             shutil.rmtree(root, ignore_errors=True)
             gone.append(root)
     return gone
@@ -62,7 +78,7 @@ def shm_root(name: str, nbytes: int, base: Path = SHM) -> Path | None:
         return None
     if shutil.disk_usage(base).free < 2 * nbytes * HEADROOM:
         return None
-    return base / f"{PREFIX}{name}-{os.getuid()}-{os.getpid()}"
+    return base / f"{PREFIX}{name}-{os.getuid()}-{owner_id(os.getpid())}"
 
 
 class SharedMemorySlots:
