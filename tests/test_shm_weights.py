@@ -192,6 +192,31 @@ def test_the_server_is_started_with_the_backend_only_when_asked():
     assert json.loads(cmd[flag + 1]) == {"backend": "kuberl_shm"}
 
 
+def test_the_server_preloads_the_hosts_tcmalloc_unless_told_not_to(tmp_path, monkeypatch):
+    from kuberl.rollout import vllm_server
+
+    lib = tmp_path / "lib" / "libtcmalloc_minimal.so.4"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    assert vllm_server.tcmalloc((str(tmp_path / "absent"), str(lib.parent))) == str(lib)
+    assert vllm_server.tcmalloc((str(tmp_path / "absent"),)) is None
+    monkeypatch.setattr(vllm_server, "tcmalloc", lambda: str(lib))
+    for var in ("LD_PRELOAD", "KUBERL_VLLM_TCMALLOC"):
+        monkeypatch.delenv(var, raising=False)
+    config = VLLMServerConfig(model="/m")
+    assert config.env()["LD_PRELOAD"] == str(lib)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    assert config.env()["LD_PRELOAD"] == f"{lib}:/opt/other.so"  # first: it replaces malloc
+    monkeypatch.setenv("LD_PRELOAD", "/opt/libtcmalloc.so.4")  # the user's own: kept as it is
+    assert config.env()["LD_PRELOAD"] == "/opt/libtcmalloc.so.4"
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setenv("KUBERL_VLLM_TCMALLOC", "0")
+    assert "LD_PRELOAD" not in config.env()
+    monkeypatch.delenv("KUBERL_VLLM_TCMALLOC")
+    monkeypatch.setattr(vllm_server, "tcmalloc", lambda: None)  # a host without it
+    assert "LD_PRELOAD" not in config.env()
+
+
 def test_kuberl_run_turns_shared_memory_pushes_off_by_env():
     from kuberl.api.loader import ManifestError
     from kuberl.trainer.local import shared_memory_pushes
