@@ -228,20 +228,20 @@ def unpacked(address: str, namespace: str, diff_ids: list[str], snapshotter: str
 
 
 @contextlib.contextmanager
-def previous_image_held(address: str, namespace: str, ref: str) -> Iterator[str | None]:
-    """While ``ref`` is imported again, the image it names now stays referenced under a second
-    name (yielded; None where there is none). ``ctr images import`` moves the name before it
+def previous_image_held(address: str, namespace: str, ref: str, current: str | None) -> Iterator[None]:
+    """While ``ref`` is imported again, the image it names now (``current``, its id; None where
+    there is none) stays referenced under a second name. ``ctr images import`` moves the name before it
     unpacks, and containerd collects the snapshots of an image no name refers to: a collection in
     between took the layers both images share, which were then unpacked again (minutes for the
     trainer's dependencies) or, when it fell between the unpack's look at a layer and the next
     one's extraction, failed the import ("parent snapshot ... does not exist")."""
-    if containerd_image_id(address, namespace, ref) is None:
-        yield None
+    if current is None:
+        yield
         return
     held = f"{ref}{HELD_SUFFIX}"
     _run(_ctr(address, namespace, "images", "tag", "--force", ref, held))
     try:
-        yield held
+        yield
     finally:
         _run(_ctr(address, namespace, "images", "rm", held))
 
@@ -255,13 +255,14 @@ def load_into(buildah: Buildah, ref: str, address: str, namespace: str = "k8s.io
     if want is None:
         raise ClusterError(f"no image {ref} in {buildah.cache}: build it first (`kuberl images build`)")
     layers = buildah.layers(want)
-    if containerd_image_id(address, namespace, ref) == want and unpacked(address, namespace, layers):
+    current = containerd_image_id(address, namespace, ref)
+    if current == want and unpacked(address, namespace, layers):
         return False
     log(f"loading {ref} into containerd {address} (namespace {namespace}) ...")
     with tempfile.TemporaryDirectory(prefix="load-", dir=buildah.cache) as tmp:
         archive = Path(tmp) / "image.tar"
         _run(buildah.cmd("push", "--quiet", want, f"docker-archive:{archive}:{ref}"))
-        with previous_image_held(address, namespace, ref):
+        with previous_image_held(address, namespace, ref, current):
             _run(_ctr(address, namespace, "images", "import", str(archive)))
     got = containerd_image_id(address, namespace, ref)
     if got != want:
